@@ -1,0 +1,51 @@
+"""Bucket planning: which gradients travel together, as a pure function of parameter sizes.
+
+Kept free of torch.distributed so it can be unit-tested in one process and so every rank,
+given the same parameters, computes the same plan without communicating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+MB = 1024 * 1024  # bucket sizes are in MiB, as PyTorch DDP's bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What planning needs to know about one parameter."""
+
+    nbytes: int
+    group: Hashable  # parameters only share a bucket within a group: (device, dtype)
+
+
+def plan_buckets(params: Sequence[ParamInfo], bucket_size_mb: float) -> list[list[int]]:
+    """Group parameter indices into buckets of at most `bucket_size_mb`, in launch order.
+
+    Parameters are taken in reverse registration order (the order backward usually produces
+    their gradients) and appended to the open bucket of their (device, dtype) group; a bucket is
+    closed when the next parameter would push it past the cap. A parameter larger than the cap
+    gets a bucket of its own. Buckets are ordered by when their *last* gradient is expected, so
+    launching them in list order follows backward.
+
+    Returns a list of buckets, each a list of indices into `params` (in reverse registration
+    order within the bucket). Every index appears exactly once.
+    """
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+    cap = bucket_size_mb * MB
+    # A bucket is ready when its last member's gradient is: order buckets by that position.
+    closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
+    open_buckets: dict[Hashable, tuple[list[int], int, int]] = {}  # group -> (members, bytes, last)
+    for position, index in enumerate(reversed(range(len(params)))):
+        info = params[index]
+        members, size, last = open_buckets.get(info.group, ([], 0, position))
+        if members and size + info.nbytes > cap:
+            closed.append((last, members))
+            members, size = [], 0
+        members.append(index)
+        open_buckets[info.group] = (members, size + info.nbytes, position)
+    closed.extend((last, members) for members, _, last in open_buckets.values())
+    closed.sort(key=lambda item: item[0])
+    return [members for _, members in closed]
