@@ -1,0 +1,319 @@
+"""verify.launch with real spawned gloo ranks: values, errors, crashes, hangs, torchrun.
+
+Each spawn costs ~1 s of CPU per rank (importing torch), so the file keeps launches few and
+small. The rank functions below are module-level because spawned ranks unpickle them by
+reference: the child imports this module by the name pytest gave it (sys.path is passed on).
+Every failure test also checks that no rank process outlives the launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verify.launch import LaunchResult, RankContext, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- rank functions
+
+
+def _write_pid(pid_dir: str, ctx: RankContext) -> None:
+    Path(pid_dir, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+
+
+def _sum_of_ranks(ctx: RankContext, tag: str) -> dict:
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)  # proves the process group is initialized and all ranks are in it
+    return {
+        "rank": ctx.rank,
+        "world_size": dist.get_world_size(),
+        "sum": t.item(),
+        "tag": tag,
+        "tensor": torch.arange(3) * ctx.rank,
+        "ctx": ctx,
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "extra": os.environ.get("DDP_VERIFY_TEST_VAR"),
+    }
+
+
+def _raise_on_rank_1(ctx: RankContext, pid_dir: str) -> None:
+    _write_pid(pid_dir, ctx)
+    if ctx.rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 waits for a peer that has already failed
+
+
+def _stuck_in_all_reduce() -> None:
+    dist.all_reduce(torch.ones(1))
+
+
+def _stuck_in_recv() -> None:
+    dist.recv(torch.ones(1), src=0)
+
+
+def _hang(ctx: RankContext, pid_dir: str) -> None:
+    """Rank 1 skips the all_reduce and waits for a message rank 0 never sends."""
+    _write_pid(pid_dir, ctx)
+    _stuck_in_recv() if ctx.rank == 1 else _stuck_in_all_reduce()
+
+
+def _die(ctx: RankContext, pid_dir: str) -> None:
+    """Rank 1 exits with code 3, rank 2 is SIGKILLed, rank 0 waits in a barrier."""
+    _write_pid(pid_dir, ctx)
+    # Leave no rank inside gloo's connection setup when the others die (it would fail there
+    # with an error, not die): meet in a barrier, then wait until all are past it.
+    dist.barrier()
+    Path(pid_dir, f"rank{ctx.rank}.past_barrier").touch()
+    while len(list(Path(pid_dir).glob("*.past_barrier"))) < ctx.world_size:
+        time.sleep(0.01)
+    if ctx.rank == 1:
+        # What a C++ abort in the backend looks like: a message on fd 2, then death.
+        os.write(2, b"terminate called: collective mismatch on rank 1\n")
+        os._exit(3)
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # an orphan may linger as a zombie if PID 1 does not reap: that is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+
+
+def _assert_none_alive(pids: list[int]) -> None:
+    assert pids, "the ranks never started"
+    assert [p for p in pids if _alive(p)] == []
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_values_come_back_per_rank(world_size: int) -> None:
+    result = launch(
+        _sum_of_ranks, world_size=world_size, args=("t",), env={"DDP_VERIFY_TEST_VAR": "x"}
+    )
+    assert result.ok, result.summary()
+    assert result.first_failure is None and not result.timed_out
+    values = result.values
+    expected_sum = world_size * (world_size + 1) / 2
+    for rank, v in enumerate(values):
+        assert (v["rank"], v["world_size"], v["sum"], v["tag"]) == (
+            rank,
+            world_size,
+            expected_sum,
+            "t",
+        )
+        assert torch.equal(v["tensor"], torch.arange(3) * rank)  # returned as fn returned it
+        assert v["ctx"] == RankContext(rank, world_size, rank, torch.device("cpu"), "gloo", True)
+        assert v["pid"] != os.getpid()  # world size 1 is spawned too
+        assert v["extra"] == "x" and v["ifname"]
+        if "OMP_NUM_THREADS" not in os.environ:
+            assert v["threads"] == max(1, len(os.sched_getaffinity(0)) // world_size)
+    assert [o.exitcode for o in result.outcomes] == [0] * world_size
+    _assert_none_alive([v["pid"] for v in values])
+
+
+def test_raising_rank_is_the_root_cause(tmp_path: Path) -> None:
+    result = launch(_raise_on_rank_1, world_size=2, args=(str(tmp_path),), timeout_s=60)
+    print(result.outcomes)  # shown by pytest if an assertion below fails
+    bad, other = result.outcomes[1], result.outcomes[0]
+    assert bad.status == "error" and bad.error == "ValueError: rank one is broken"
+    assert "rank one is broken" in bad.traceback and "_raise_on_rank_1" in bad.traceback
+    # Rank 0's barrier errors out once rank 1 leaves the group, or it is killed after the grace.
+    assert other.status in ("error", "killed")
+    assert result.first_failure == bad and not result.ok and not result.timed_out
+    assert result.elapsed_s < 60  # decided by the failure, not by the deadline
+    summary = result.summary()
+    assert "rank 1" in summary and "ValueError: rank one is broken" in summary
+    assert "_raise_on_rank_1" in summary
+    with pytest.raises(RuntimeError, match="rank one is broken"):
+        _ = result.values
+    _assert_none_alive(_pids(tmp_path))
+
+
+def test_hang_times_out_with_every_ranks_stack(tmp_path: Path) -> None:
+    # timeout_s counts from the moment both ranks are up, so a loaded machine (slow spawns)
+    # cannot make the deadline fire before they reach their collectives.
+    result = launch(_hang, world_size=2, args=(str(tmp_path),), timeout_s=3)
+    assert result.timed_out and not result.ok
+    assert result.elapsed_s >= 3
+    assert result.outcomes[0].error == "still running 3s after all ranks were up"
+    assert [o.status for o in result.outcomes] == ["timeout", "timeout"]
+    assert "_stuck_in_all_reduce" in result.outcomes[0].stack
+    assert "_stuck_in_recv" in result.outcomes[1].stack
+    summary = result.summary()
+    assert "_stuck_in_all_reduce" in summary and "_stuck_in_recv" in summary
+    _assert_none_alive(_pids(tmp_path))
+
+
+def test_ranks_that_die_are_crashed_with_their_exit_code(tmp_path: Path) -> None:
+    result = launch(_die, world_size=3, args=(str(tmp_path),), timeout_s=60)
+    survivor, exited, killed = result.outcomes
+    print(result.outcomes)  # shown by pytest if an assertion below fails
+    assert (exited.status, exited.exitcode) == ("crashed", 3)
+    assert "collective mismatch on rank 1" in exited.stderr  # the backend's last words kept
+    if result.first_failure.rank == 1:
+        assert "collective mismatch on rank 1" in result.summary()
+    assert (killed.status, killed.exitcode) == ("crashed", -signal.SIGKILL)
+    assert "SIGKILL" in killed.error
+    assert survivor.status in ("error", "killed")
+    assert result.first_failure.rank in (1, 2)  # never the survivor that saw them go
+    assert result.elapsed_s < 60 and not result.timed_out
+    _assert_none_alive(_pids(tmp_path))
+
+
+def test_concurrent_launches_do_not_collide() -> None:
+    results: dict[str, LaunchResult] = {}
+
+    def run(tag: str) -> None:
+        results[tag] = launch(_sum_of_ranks, world_size=2, args=(tag,), timeout_s=60)
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tag, result in results.items():
+        assert result.ok, result.summary()
+        assert [(v["tag"], v["sum"]) for v in result.values] == [(tag, 3.0)] * 2
+
+
+def test_invalid_arguments_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_sum_of_ranks, world_size=0)
+    with pytest.raises(ValueError, match="backend"):
+        launch(_sum_of_ranks, world_size=1, backend="mpi")
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch(_sum_of_ranks, world_size=1, timeout_s=0)
+    with pytest.raises(ValueError, match="picklable"):
+        launch(lambda ctx: None, world_size=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            launch(_sum_of_ranks, world_size=1, backend="nccl")
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment minus anything that would make the child think it is a rank."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDP_VERIFY_SPAWNED")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent)])
+    return env
+
+
+def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
+    """SIGKILL the launching process: PR_SET_PDEATHSIG must take its hung ranks down too.
+
+    The script first runs a launch in which a rank is SIGKILLed, and the test checks that
+    the resource tracker has nothing to warn about (no leaked semaphores or shared memory).
+    """
+    script = textwrap.dedent(f"""
+        import test_launch as t
+        from verify.launch import launch
+        r = launch(t._die, world_size=2, args=({str(tmp_path / "first")!r},), timeout_s=60)
+        print(r.summary(), flush=True)
+        launch(t._hang, world_size=2, args=({str(tmp_path)!r},), timeout_s=120)
+    """)
+    (tmp_path / "first").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=_clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_pids(tmp_path)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = _pids(tmp_path)
+        assert len(pids) == 2, proc.communicate(timeout=30)
+        time.sleep(0.5)  # let them enter the collective
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _assert_none_alive(pids)
+    assert "rank 1 failed (crashed): exited with code 3" in out, out + err
+    assert "leaked" not in err and "resource_tracker" not in err, err
+
+
+def test_joins_a_torchrun_job(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent("""
+        import json, os
+        import torch, torch.distributed as dist
+        from verify.launch import launch
+
+        def fn(ctx, offset):
+            t = torch.tensor([float(ctx.rank + offset)])
+            dist.all_reduce(t)
+            if ctx.rank == 1:
+                raise ValueError("rank 1 fails after the all_reduce")
+            return {"sum": t.item(), "spawned": ctx.spawned, "pid": os.getpid()}
+
+        if __name__ == "__main__":
+            try:
+                launch(fn, world_size=3)
+                mismatch = False
+            except ValueError:
+                mismatch = True
+            r = launch(fn, world_size=2, args=(1,), timeout_s=60)
+            # One file a rank: the ranks' shared stdout may interleave their lines.
+            with open(f"{__file__}.rank{os.environ['RANK']}.json", "w") as f:
+                json.dump({
+                    "pid": os.getpid(), "mismatch": mismatch,
+                    "statuses": [o.status for o in r.outcomes], "value0": r.outcomes[0].value,
+                    "error1": r.outcomes[1].error, "first": r.first_failure.rank,
+                }, f)
+    """)
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*cmd, str(script)], env=_clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_rank = {r: json.loads(Path(f"{script}.rank{r}.json").read_text()) for r in (0, 1)}
+    rank0_pid = by_rank[0]["pid"]
+    expected = {
+        "mismatch": True,  # world_size=3 under WORLD_SIZE=2 was a ValueError
+        "statuses": ["ok", "error"],
+        "value0": {"sum": 3.0, "spawned": False, "pid": rank0_pid},  # fn ran in the rank itself
+        "error1": "ValueError: rank 1 fails after the all_reduce",
+        "first": 1,
+    }
+    for r in by_rank.values():  # every rank holds the whole result
+        r.pop("pid")
+        assert r == expected
