@@ -1,0 +1,103 @@
+"""The audit catches a one-ULP change to one element of any one tensor on one rank, names that
+tensor and the rank, and reports the element; identical replicas pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from impls.registry import resolve
+from verify.audit import Auditor, fingerprint
+from verify.launch import launch
+from verify.workloads import get_workload
+
+
+def test_fingerprint_sees_every_single_bit_flip_and_ignores_nothing():
+    """Single process: flipping any one bit of any element, in any dtype, changes the
+    fingerprint; equal tensors (including views at odd offsets) fingerprint equal."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64):
+        base = (torch.randn(7, 13, generator=gen) * 100).to(dtype)
+        words = base.view(-1).view(
+            {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[base.element_size()]
+        )
+        for index in (0, 5, 90):
+            for bit in (0, 7, base.element_size() * 8 - 1):
+                changed = words.clone()
+                changed[index] ^= 1 << bit if bit < 63 else -(2**63)
+                assert not torch.equal(
+                    fingerprint(changed.view(dtype)), fingerprint(base.view(-1))
+                ), (dtype, index, bit)
+    flat = torch.randn(1001, generator=gen)
+    view = flat[1:]  # storage offset of 4 bytes: not 8-byte aligned
+    assert torch.equal(fingerprint(view), fingerprint(view.clone()))
+    swapped = view.clone()
+    swapped[[0, 900]] = swapped[[900, 0]]  # same values, moved to another 256-word row
+    assert not torch.equal(fingerprint(swapped), fingerprint(view))
+    assert fingerprint(None)[0] == -1
+
+
+def next_ulp(t: torch.Tensor, index: int) -> None:
+    """Move one element of `t` by one unit in the last place, in place."""
+    flat = t.view(-1)
+    if t.is_floating_point():
+        flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf"), dtype=t.dtype))
+    else:
+        flat[index] += 1
+
+
+def rank_perturb_each_tensor(ctx, workload_name):
+    """Train one step (so there are grads and AdamW state), then for every audited tensor in
+    turn: perturb one element on the last rank, audit, undo."""
+    workload = get_workload(workload_name)
+    torch.manual_seed(0)
+    model = workload.build()
+    wrapped = resolve("bucketed").wrap(model, bucket_size_mb=0.05)
+    optimizer = torch.optim.AdamW(workload.param_groups(model))
+    batch = workload.batch(1, ctx.world_size).shard(ctx.rank, ctx.world_size)
+    workload.loss(wrapped, batch).backward()
+    wrapped.finish_gradient_synchronization()
+    optimizer.step()
+    auditor = Auditor(model, optimizer)
+    named = auditor.grad_tensors() + auditor.state_tensors()
+    _, clean = auditor.audit("clean", named)
+    results = {"clean": [m.describe() for m in clean], "caught": {}}
+    for k, (name, tensor) in enumerate(named):
+        index = (k * 7919) % tensor.numel()
+        original = tensor.detach().clone()
+        if ctx.rank == ctx.world_size - 1:
+            next_ulp(tensor.detach(), index)
+        _, found = auditor.audit(name, named)
+        tensor.detach().copy_(original)
+        results["caught"][name] = (
+            [(m.tensor, m.ranks, m.num_different, m.first_index, m.max_abs_diff) for m in found],
+            index,
+            tuple(tensor.shape),
+        )
+    return results
+
+
+@pytest.mark.parametrize(
+    "workload, kinds",
+    [
+        ("transformer", {"grad", "param", "optim"}),
+        ("buffers", {"grad", "param", "buffer", "optim"}),
+    ],
+)
+def test_audit_catches_one_ulp_in_any_tensor_on_one_rank_and_names_it(workload, kinds):
+    run = launch(rank_perturb_each_tensor, world_size=3, args=(workload,), timeout_s=240)
+    assert run.ok, run.summary()
+    results = run.values[0]
+    assert results["clean"] == []
+    assert {name.split(":")[0] for name in results["caught"]} == kinds
+    for name, (found, index, shape) in results["caught"].items():
+        assert len(found) == 1, f"{name}: expected exactly one mismatch, got {found}"
+        tensor, ranks, num_different, first_index, max_abs_diff = found[0]
+        assert tensor == name
+        assert ranks == (2,)
+        assert num_different == 1
+        expected = (
+            tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape)) if shape else ()
+        )
+        assert first_index == expected
+        assert max_abs_diff > 0

@@ -1,0 +1,132 @@
+"""The CLI end to end: verdicts, exit codes (0 pass, 1 fault, 2 cannot run), one-line errors.
+
+Bad-input cases run `main()` in-process (they fail before any rank starts); the cases that
+train run `python -m verify` as a user would, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = "tests/fixtures/user_classes.py"
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "verify", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--impl", "nope"], "unknown implementation 'nope'; choose one of naive, flat"),
+        (["--impl", "no_such_module:Cls"], "module 'no_such_module' not found"),
+        (["--impl", "verify.workloads:Nope"], "has no class 'Nope' (classes there:"),
+        (
+            ["--impl", f"{FIXTURES}:NotAWrapper"],
+            "neither an nn.Module DDP wrapper nor a torch.optim.Optimizer",
+        ),
+        (["--impl", "missing/file.py:Cls"], "file missing/file.py does not exist"),
+        (["--impl", "bucketed", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--impl", "bucketed", "--bucket-mb", "0"], "--bucket-mb must be > 0, got 0"),
+        (["--impl", "bucketed", "--bucket-mb", "-3"], "--bucket-mb must be > 0, got -3"),
+        (["--impl", "bucketed", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--impl", "bucketed", "--workload", "nope"], "invalid choice: 'nope'"),
+        ([], "the following arguments are required: --impl"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["consistency", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert message in err
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    proc = run_cli("consistency", "--impl", "no_such_module:Cls")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip()
+        == "verify: error: --impl 'no_such_module:Cls': module 'no_such_module' not found"
+    )
+
+
+def test_consistency_passes_for_bucketed_and_prints_table_and_verdict():
+    proc = run_cli("consistency", "--impl", "bucketed", "--steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "checkpoint" in proc.stdout and "step 2 gradients" in proc.stdout
+    assert "PASS: replicas bitwise identical on all 2 ranks at all 5 checkpoints" in proc.stdout
+
+
+def test_json_output_is_one_document():
+    proc = run_cli("consistency", "--impl", "zero1", "--world-size", "3", "--steps", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["check"] == "consistency" and doc["passed"] is True
+    assert doc["options"]["world_size"] == 3
+    assert [c["label"] for c in doc["checkpoints"]] == [
+        "construction",
+        "step 1 gradients",
+        "step 1",
+    ]
+
+
+def test_user_class_from_a_file_passes():
+    proc = run_cli(
+        "consistency", "--impl", "docs/examples/student_ddp.py:StudentDDP", "--steps", "2"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout
+
+
+def test_user_class_that_forgets_buffers_is_caught_at_construction():
+    proc = run_cli(
+        "consistency",
+        "--impl",
+        "docs/examples/forgot_buffers_ddp.py:ForgotBuffersDDP",
+        "--workload",
+        "buffers",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAULT: construction: buffer:offset differs on rank 1 (vs rank 0)" in proc.stdout
+
+
+def test_a_rank_that_raises_exits_1_with_its_traceback_summarized():
+    proc = run_cli("consistency", "--impl", f"{FIXTURES}:RaisesOnRankOne")
+    assert proc.returncode == 1
+    assert "rank 1" in proc.stdout and "rank one exploded in forward" in proc.stdout
+    assert "user_classes.py" in proc.stdout  # the user's frame is named
+
+
+def test_a_user_sharded_optimizer_by_import_path():
+    proc = run_cli(
+        "consistency", "--impl", "impls.zero:ShardedOptimizer", "--world-size", "3", "--steps", "2"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_under_torchrun_the_cli_joins_instead_of_spawning():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "verify", "consistency", "--impl", "bucketed", "--steps", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS: replicas bitwise identical on all 2 ranks") == 1
