@@ -8,6 +8,7 @@ Nothing here decides a verdict: checkers return result dataclasses, this module 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -21,6 +22,11 @@ from impls.registry import ImplError as ImplError
 from .workloads import WORKLOADS
 
 EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
+
+# Feature modules that add their own subcommand: each defines
+# `register(subparsers) -> None`, adding a parser whose `run(args) -> int` default is set.
+# Keeping the list here (one line per feature) keeps `python -m verify --help` in one place.
+EXTENSIONS: tuple[str, ...] = ()
 
 
 class UsageError(Exception):
@@ -99,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_bench_audit)
+    for name in EXTENSIONS:
+        importlib.import_module(name).register(sub)
     return parser
 
 

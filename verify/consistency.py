@@ -91,7 +91,10 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
     run = launch(
-        _rank_main, world_size=options.world_size, args=(options,), timeout_s=options.timeout_s
+        run_consistency_on_rank,
+        world_size=options.world_size,
+        args=(options,),
+        timeout_s=options.timeout_s,
     )
     elapsed = time.perf_counter() - start
     if not run.ok:
@@ -102,7 +105,11 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     )
 
 
-def _rank_main(ctx: RankContext, options: ConsistencyOptions):
+def run_consistency_on_rank(
+    ctx: RankContext, options: ConsistencyOptions
+) -> tuple[list[Checkpoint], list[Mismatch], list[str]]:
+    """The check as one rank runs it, inside an already launched job (the certification
+    matrix runs many of these in one launch). Every rank returns the same answer."""
     impl = resolve(options.impl)
     workload = get_workload(options.workload, seed=options.seed, size_m=options.model_size_m)
     # Different on purpose: replicas only agree if the wrapper broadcasts at construction.
