@@ -82,6 +82,9 @@ def add_common(p: argparse.ArgumentParser, *, workload: str = "mlp") -> None:
     )
     p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=DEFAULT_BUCKET_MB)
     p.add_argument("--timeout", type=_positive_float("--timeout"), default=120.0, help="seconds")
+    p.add_argument(
+        "--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -141,6 +144,7 @@ def cmd_consistency(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         model_size_m=args.model_size,
         timeout_s=args.timeout,
+        backend=args.backend,
     )
     result = check_consistency(options)
     if _is_reporting_rank():

@@ -45,6 +45,7 @@ class ConsistencyOptions:
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 120.0
+    backend: str = "gloo"  # "nccl": one GPU per rank
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -55,6 +56,13 @@ class ConsistencyOptions:
             raise ValueError(f"bucket size must be > 0 MB, got {self.bucket_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(
+                f"backend nccl needs one GPU per rank: world size {self.world_size}, "
+                f"{torch.cuda.device_count()} GPU(s) visible"
+            )
         resolve(self.impl)  # raises ImplError (a ValueError) naming the problem
         get_workload(self.workload)
 
@@ -95,6 +103,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
         world_size=options.world_size,
         args=(options,),
         timeout_s=options.timeout_s,
+        backend=options.backend,
     )
     elapsed = time.perf_counter() - start
     if not run.ok:
