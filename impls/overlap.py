@@ -34,14 +34,9 @@ class OverlapDDP(DataParallel):
     `_complete` (see `bucketed.py`).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = True,
-    ) -> None:
-        super().__init__(module, process_group=process_group, broadcast_buffers=broadcast_buffers)
+    def __init__(self, module: nn.Module, **kwargs) -> None:
+        """Same arguments as `DataParallel` (`process_group=`, `broadcast_buffers=`)."""
+        super().__init__(module, **kwargs)
         # Units in launch order; each is a list of indices into self.sync_params.
         self.units = self._plan_units()
         self._unit_of = {i: u for u, unit in enumerate(self.units) for i in unit}
