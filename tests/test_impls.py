@@ -29,12 +29,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from impls.registry import resolve
+from impls.registry import REGISTRY, resolve
 from verify.audit import Auditor
 from verify.launch import launch
 from verify.workloads import HARD_CASES, Batch, get_workload
 
-DDP_VARIANTS = ("naive", "flat", "overlap", "bucketed")
+# The built-in DDP wrappers, read from the registry (as the CLI's --impl list is).
+DDP_VARIANTS = tuple(n for n, i in REGISTRY.items() if i.source == "builtin" and not i.sharded)
 SMALL_BUCKET_MB = 0.001  # ~1 KB: several multi-parameter buckets even in the small models
 STEPS = 3
 
