@@ -17,11 +17,20 @@ group and returns a ``LaunchResult`` with one ``RankOutcome`` per rank. The pare
   on Ctrl-C) and at interpreter exit, and on Linux each rank dies with its parent
   (PR_SET_PDEATHSIG), even if the parent is SIGKILLed.
 
+- A watchdog sees every rank's progress: each rank traces its collectives (``tracer.py``)
+  into a file the parent polls. When no rank has issued or completed a collective for
+  ``stall_timeout_s`` while one waits in a collective, the run is declared hung at once
+  (rather than at ``timeout_s``): stacks are dumped, every rank is killed, and
+  ``LaunchResult.diagnosis`` (``diagnose.py``) names the culprit rank, the collective and the
+  call site. A rank that is merely slow (it computes, and resumes issuing collectives within
+  the stall timeout) is never flagged. The same records are compared after every run, so
+  collectives that completed but disagreed (SUM vs MAX) come back as a "desync" diagnosis.
+
 Under ``torchrun`` (RANK, WORLD_SIZE and MASTER_ADDR set) nothing is spawned: this process
 is one rank, and every rank receives the full result through ``all_gather_object``.
 
 fn must be a module-level (picklable) function, and it must call collectives in the same
-order on all ranks, or it hangs until ``timeout_s``.
+order on all ranks, or it hangs until ``stall_timeout_s`` (and is diagnosed).
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import capture, tracer
+from .diagnose import Diagnosis, RankState, diagnose
+
 _SPAWNED_ENV = "DDP_VERIFY_SPAWNED"  # marks our children: they must not mistake us for torchrun
 _GRACE_S = 1.5  # after a failure, peers usually error out within ms (their sockets close)
 _POLL_S = 0.05
@@ -61,6 +73,11 @@ _STARTUP_S = 60.0  # to start every interpreter and meet; 2 ranks take ~1.5 s on
 _PG_TIMEOUT_SLACK_S = 10.0
 _STDERR_ENV = "DDP_VERIFY_RANK_STDERR"  # "inherit": ranks write to the terminal, not a file
 _STDERR_TAIL_BYTES = 8192
+# No collective issued or completed by any rank for this long, while one waits: a hang. Long
+# enough for any legitimate imbalance in this project's workloads (a rank computing a reference
+# while the others wait), short enough that CI learns of a hang in a minute, with a diagnosis.
+DEFAULT_STALL_TIMEOUT_S = 60.0
+STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (scenarios do)
 _LIVE: set[mp.Process] = set()  # every child not yet reaped, for the atexit cleanup
 _ENV_LOCK = threading.Lock()
 
@@ -98,6 +115,8 @@ class LaunchResult:
     elapsed_s: float
     timed_out: bool
     failure_order: tuple[int, ...] = ()  # ranks that raised or crashed, root cause first
+    stalled: bool = False  # the watchdog ended the run: no rank progressed for the stall timeout
+    diagnosis: Diagnosis | None = None  # from the collective traces (None: tracing was off)
 
     @property
     def ok(self) -> bool:
@@ -119,8 +138,18 @@ class LaunchResult:
 
     def summary(self) -> str:
         """A short diagnosis: which rank failed how and where."""
+        diag = self.diagnosis
         if self.ok:
-            return f"ok: {self.world_size} rank(s) finished in {self.elapsed_s:.1f}s"
+            ok = f"ok: {self.world_size} rank(s) finished in {self.elapsed_s:.1f}s"
+            return ok + (f"\nbut {diag.text()}" if diag is not None and diag.faulty else "")
+        if self.stalled and diag is not None:
+            return diag.text()
+        base = self._failure_summary()
+        if diag is not None and diag.faulty and diag.collective is not None:
+            return f"{base}\ncollective trace says: {diag.text()}"
+        return base
+
+    def _failure_summary(self) -> str:
         if self.timed_out:
             lines = [f"timed out after {self.elapsed_s:.1f}s; innermost frames per rank:"]
             for o in self.outcomes:
@@ -151,6 +180,8 @@ def launch(
     timeout_s: float = 120.0,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    report_dir: str | None = None,
 ) -> LaunchResult:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; the module docstring has the contract.
 
@@ -161,6 +192,10 @@ def launch(
         timeout_s: how long fn may run once every rank is up (spawning comes on top).
         backend: "gloo" (CPU) or "nccl" (one GPU per rank).
         env: extra environment variables for the ranks, set before their interpreter starts.
+        stall_timeout_s: declare a hang when no rank issued or completed a collective for this
+            long while one waits in a collective; None turns tracing and the watchdog off.
+        report_dir: keep every rank's stderr, stack dump and collective trace in this (existing)
+            directory, and ask the ranks for the backend's flight-recorder dump at a hang.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -168,6 +203,8 @@ def launch(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if stall_timeout_s is not None and not stall_timeout_s > 0:
+        raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s}")
     joining = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
     if joining and _SPAWNED_ENV not in os.environ:
         return _join_torchrun(fn, args, world_size, timeout_s, backend, env or {})
@@ -178,27 +215,33 @@ def launch(
         payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         raise ValueError(f"fn must be module-level and args picklable: {_one_line(exc)}") from exc
-    return _spawn(payload, world_size, timeout_s, backend, env or {})
+    return _spawn(payload, world_size, timeout_s, backend, env or {}, stall_timeout_s, report_dir)
 
 
 # ------------------------------------------------------------ parent side (spawned ranks)
 
 
-def _spawn(payload: bytes, world_size: int, timeout_s: float, backend: str, env: dict):
+def _spawn(payload, world_size, timeout_s, backend, env, stall_timeout_s, report_dir):
     ctx = mp.get_context("spawn")
     tmpdir = tempfile.mkdtemp(prefix="ddp-verify-")
     init_method = "file://" + os.path.join(tmpdir, "rendezvous")
-    stack_paths = [os.path.join(tmpdir, f"stack{r}.txt") for r in range(world_size)]
-    stderr_paths = [os.path.join(tmpdir, f"stderr{r}.txt") for r in range(world_size)]
+    keep = report_dir or tmpdir
+    stack_paths = [os.path.join(keep, f"rank{r}.stack") for r in range(world_size)]
+    stderr_paths = [os.path.join(keep, f"rank{r}.stderr") for r in range(world_size)]
+    trace_paths = [None] * world_size
+    if stall_timeout_s is not None:
+        trace_paths = [os.path.join(keep, f"rank{r}.trace") for r in range(world_size)]
     if os.environ.get(_STDERR_ENV) == "inherit":
         stderr_paths = [None] * world_size
     start = time.monotonic()
     child_env = {_SPAWNED_ENV: "1", **env}
+    if stall_timeout_s is not None:
+        child_env[STALL_ENV] = repr(stall_timeout_s)
     if "GLOO_SOCKET_IFNAME" not in {**os.environ, **env}:
         # Gloo binds to whatever the hostname resolves to; our ranks are all local.
         child_env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
     pg_timeout = _STARTUP_S + timeout_s + _PG_TIMEOUT_SLACK_S
-    common = (payload, world_size, backend, init_method, pg_timeout, os.getpid())
+    common = (payload, world_size, backend, init_method, pg_timeout, os.getpid(), report_dir)
     procs: list[mp.Process] = []
     conns = []
     try:
@@ -206,13 +249,17 @@ def _spawn(payload: bytes, world_size: int, timeout_s: float, backend: str, env:
             for rank in range(world_size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 conns.append(recv_end)
-                rank_args = (rank, common, stack_paths[rank], stderr_paths[rank], send_end)
+                paths = (stack_paths[rank], stderr_paths[rank], trace_paths[rank])
+                rank_args = (rank, common, paths, send_end)
                 proc = ctx.Process(target=_rank_main, args=rank_args, name=f"rank{rank}")
                 proc.start()
                 procs.append(proc)
                 _LIVE.add(proc)
                 send_end.close()  # only the child holds it now: EOF means the rank is gone
-        outcomes, order, timed_out = _supervise(procs, conns, stack_paths, timeout_s)
+        watchdog = capture.Watchdog(trace_paths, stall_timeout_s) if stall_timeout_s else None
+        outcomes, order, timed_out = _supervise(
+            procs, conns, stack_paths, timeout_s, watchdog, report_dir
+        )
         if all(o.status in ("ok", "error") for o in outcomes):  # all reported: let them exit
             until = time.monotonic() + _EXIT_WAIT_S
             for proc in procs:
@@ -222,23 +269,46 @@ def _spawn(payload: bytes, world_size: int, timeout_s: float, backend: str, env:
         for conn in conns:
             conn.close()
         stderrs = [_read_tail(path) if path else None for path in stderr_paths]
+        traces = [tracer.read_trace(path) if path else None for path in trace_paths]
         shutil.rmtree(tmpdir, ignore_errors=True)
     outcomes = [
         replace(o, exitcode=p.exitcode, stderr=None if o.status == "ok" else err)
         for o, p, err in zip(outcomes, procs, stderrs, strict=True)
     ]
-    return LaunchResult(world_size, tuple(outcomes), time.monotonic() - start, timed_out, order)
+    stalled = watchdog is not None and watchdog.stalled_at is not None
+    diagnosis = None
+    if watchdog is not None:
+        diagnosis = _diagnose(outcomes, traces, order, timed_out, watchdog)
+    elapsed = time.monotonic() - start
+    return LaunchResult(world_size, tuple(outcomes), elapsed, timed_out, order, stalled, diagnosis)
 
 
-def _supervise(procs, conns, stack_paths, timeout_s):
-    """Poll until every rank reported or exited, the grace after a failure ran out, or the
-    deadline passed; label the ranks still running then."""
+def _diagnose(outcomes, traces, order, timed_out, watchdog) -> Diagnosis:
+    """Compare the ranks' records; the root-cause rank (if any) goes first."""
+    states = [
+        RankState(o.rank, o.status, o.error, o.traceback, o.stack, o.exitcode) for o in outcomes
+    ]
+    return diagnose(
+        traces,
+        states,
+        stalled=watchdog.stalled_at is not None or timed_out,
+        stall_timeout_s=watchdog.stall_timeout_s,
+        detection_s=watchdog.detection_s(),
+        failure_order=order,
+    )
+
+
+def _supervise(procs, conns, stack_paths, timeout_s, watchdog=None, report_dir=None):
+    """Poll until every rank reported or exited, the grace after a failure ran out, the
+    deadline passed, or the watchdog saw a stall; label the ranks still running then."""
     n = len(procs)
     outcomes: list[RankOutcome | None] = [None] * n
     failures: list[tuple[float, int]] = []  # (when, rank)
     up: set[int] = set()  # ranks that joined the process group
     deadline, grace_end = time.monotonic() + _STARTUP_S, float("inf")
     while None in outcomes and time.monotonic() < min(deadline, grace_end):
+        if watchdog is not None and len(up) == n and not failures and watchdog.poll():
+            break
         pending = [r for r, o in enumerate(outcomes) if o is None]
         # A crash is only known to have happened after the previous poll; dating it there
         # keeps it ahead of the "connection closed by peer" errors it causes in the others.
@@ -263,10 +333,15 @@ def _supervise(procs, conns, stack_paths, timeout_s):
             grace_end = min(grace_end, time.monotonic() + _GRACE_S)
     order = _root_cause_order(failures, outcomes)
     leftover = [r for r, o in enumerate(outcomes) if o is None]
+    stalled = watchdog is not None and watchdog.stalled_at is not None
+    if report_dir is not None and leftover:
+        capture.request_flight_recorder(report_dir, [r for r in leftover if procs[r].is_alive()])
     stacks = _dump_stacks(procs, leftover, stack_paths)
     timed_out = bool(leftover) and not failures
     for r in leftover:
-        if not timed_out:
+        if stalled:
+            why = f"no rank progressed for {watchdog.stall_timeout_s:g}s (stall timeout)"
+        elif not timed_out:
             why = f"still running {_GRACE_S:g}s after rank {order[0]} failed"
         elif len(up) < n:
             why = f"the ranks were not all up after {_STARTUP_S:g}s"
@@ -373,8 +448,9 @@ def _loopback_ifname() -> str:
 # ------------------------------------------------------------ inside a spawned rank
 
 
-def _rank_main(rank: int, common: tuple, stack_path: str, stderr_path: str | None, conn) -> None:
-    payload, world_size, backend, init_method, pg_timeout, ppid = common
+def _rank_main(rank: int, common: tuple, paths: tuple, conn) -> None:
+    payload, world_size, backend, init_method, pg_timeout, ppid, report_dir = common
+    stack_path, stderr_path, trace_path = paths
     if stderr_path is not None:
         # Everything this rank writes to fd 2 (Python warnings, and the C++ backend's abort
         # messages, which never reach Python) goes to a file the parent reads on failure.
@@ -400,9 +476,13 @@ def _rank_main(rank: int, common: tuple, stack_path: str, stderr_path: str | Non
         if backend == "nccl":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=pg_timeout)
+        if report_dir is not None:
+            capture.start_rank_helper(report_dir, rank, backend)
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
         )
+        if trace_path is not None:
+            tracer.install(trace_path, rank=rank)
         conn.send_bytes(pickle.dumps(("up",)))  # starts the parent's timeout_s clock
         report = _call(fn, RankContext(rank, world_size, rank, device, backend, True), args)
     except BaseException as exc:  # e.g. fn's module failed to import here

@@ -1,0 +1,489 @@
+"""Diagnose a hang, a crash or a desync from every rank's collective trace.
+
+`diagnose(traces, ranks, stalled=...)` lines the ranks' records up by (process group, sequence
+number) and walks them in order. The first collective where the ranks disagree explains a hang
+or a backend abort:
+
+- *missing*: some ranks issued collective #k, others never did; what those others are doing
+  instead comes from their state: dead (exit code or signal), finished, waiting in another
+  collective or a send/recv, or outside any collective (their stack says where);
+- *op*, *count* and *dtype mismatches*: the ranks are in different collectives, or the same
+  one with different sizes (gloo aborts with "Received data size doesn't match", or hangs).
+
+Disagreements that do not hang are reported as *desyncs* and the walk goes on: a reduce-op
+mismatch (SUM on one rank, MAX on another), a shape mismatch with the same element count, a
+broadcast (or reduce, gather, scatter) root mismatch, and, in a run that hung, different call
+sites of the collective the ranks are stuck in.
+
+Who is the culprit when two ranks disagree? In order: the ranks that never issued the
+collective; the minority when there is a strict majority; the rank that broke the pattern of
+the earlier steps (after the call site that precedes #k, the history says which site came next
+last time); the rank that issued extra collectives (its later records match the other's from
+#k on); and otherwise the ranks that differ from the lowest rank, said so in the finding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+from .tracer import ROOTED_OPS, UNEVEN_OPS, Record, Trace
+
+_BY_HISTORY = " (the others follow the earlier steps)"
+_BY_EXTRA = " (its later collectives match the others' from this one on)"
+STRUCTURAL = ("missing", "op mismatch", "count mismatch", "dtype mismatch")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "missing", "op mismatch", ..., "reduce-op mismatch", "crashed", "raised", ...
+    rank: int  # the culprit
+    message: str  # one line
+    collective: str | None = None  # e.g. "all_reduce #12 on world [float32 (64,) SUM]"
+    site: str | None = None  # where the collective was issued (the waiting ranks' call site)
+    culprit_site: str | None = None  # what the culprit was doing instead, where
+    hangs: bool = True  # False: a desync that completes with wrong results
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What the parent knows about one rank besides its trace."""
+
+    rank: int
+    status: str  # "ok" | "error" | "crashed" | "timeout" | "killed"
+    error: str | None = None
+    traceback: str | None = None
+    stack: str | None = None
+    exitcode: int | None = None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    verdict: str  # "ok" | "hang" | "crash" | "desync"
+    headline: str
+    culprit: int | None = None
+    collective: str | None = None
+    site: str | None = None
+    findings: tuple[Finding, ...] = ()
+    ranks: tuple[str, ...] = ()  # one line per rank: where it is
+    stall_timeout_s: float | None = None
+    detection_s: float | None = None  # from the last progress of any rank to the verdict
+    files: dict = field(default_factory=dict)  # name -> path of captured logs (report folder)
+
+    @property
+    def faulty(self) -> bool:
+        return self.verdict != "ok"
+
+    def text(self) -> str:
+        lines = [f"{self.verdict.upper()}: {self.headline}"]
+        if self.detection_s is not None and self.stall_timeout_s is not None:
+            lines.append(
+                f"  detected {self.detection_s:.1f}s after the last progress of any rank "
+                f"(stall timeout {self.stall_timeout_s:g}s)"
+            )
+        more = [f for f in self.findings if f.message != self.headline]
+        if more:
+            lines.append("also:")
+            lines += [f"  - {f.message}" for f in more]
+        if self.ranks:
+            lines.append("ranks:")
+            lines += [f"  {line}" for line in self.ranks]
+        if self.files:
+            lines.append("captured:")
+            lines += [f"  {name}: {path}" for name, path in self.files.items()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def diagnose(
+    traces: list[Trace | None],
+    ranks: list[RankState],
+    *,
+    stalled: bool = False,
+    stall_timeout_s: float | None = None,
+    detection_s: float | None = None,
+    now: float | None = None,
+    failure_order: tuple[int, ...] = (),
+) -> Diagnosis:
+    """Compare the ranks' records; see the module docstring for the rules."""
+    now = time.time() if now is None else now
+    world = len(ranks)
+    findings: list[Finding] = []
+    for group in _groups(traces):
+        members = _members(group, world)
+        findings += _walk_group(group, members, traces, ranks, stalled)
+    structural = [f for f in findings if f.hangs]
+    desyncs = [f for f in findings if not f.hangs]
+    failed = [r for r in ranks if r.status in ("crashed", "error")]
+    failed.sort(
+        key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
+    )
+    lines = [_where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
+    head: Finding | None = None
+    if structural:
+        head = structural[0]
+    elif failed:
+        root = failed[0]
+        head = _failure_finding(root, traces, now)
+        findings.insert(0, head)
+    elif stalled:
+        head = _stall_without_mismatch(ranks, traces)
+        findings.insert(0, head)
+    elif desyncs:
+        head = desyncs[0]
+    if stalled:
+        verdict = "hang"
+    elif failed:
+        verdict = "crash"
+    elif findings:
+        verdict = "desync"
+    else:
+        return Diagnosis("ok", "no hang, no desync: every collective matched on every rank",
+                         ranks=tuple(lines), stall_timeout_s=stall_timeout_s)  # fmt: skip
+    assert head is not None
+    return Diagnosis(
+        verdict,
+        head.message,
+        culprit=head.rank,
+        collective=head.collective,
+        site=head.site,
+        findings=tuple(findings),
+        ranks=tuple(lines),
+        stall_timeout_s=stall_timeout_s,
+        detection_s=detection_s,
+    )
+
+
+# ------------------------------------------------------------ the walk
+
+
+def _groups(traces) -> list[str]:
+    seen: dict[str, None] = {}
+    for t in traces:
+        for r in t.records if t else ():
+            if not r.p2p:
+                seen.setdefault(r.group)
+    return sorted(seen, key=lambda g: (g != "world", g))
+
+
+def _members(group: str, world: int) -> list[int]:
+    if group == "world":
+        return list(range(world))
+    return [int(x) for x in re.findall(r"\d+", group)]
+
+
+def _walk_group(group, members, traces, ranks, stalled) -> list[Finding]:
+    colls = {r: traces[r].collectives(group) for r in members if r < len(traces) and traces[r]}
+    if len(colls) < 2:
+        return []
+    first = {r: min(c) if c else 1 for r, c in colls.items()}  # older ones fell off the ring
+    last = {r: max(c) if c else 0 for r, c in colls.items()}
+    findings = []
+    for k in sorted(set().union(*colls.values())):
+        present = {r: c[k] for r, c in colls.items() if k in c}
+        known = [r for r in colls if first[r] <= k]
+        absent = [r for r in known if r not in present and k > last[r]]
+        if absent:
+            findings.append(_missing(k, present, absent, traces, ranks, colls))
+            break
+        values = list(present.values())
+        ref = values[0]
+        for attr, kind in (("op", "op mismatch"), ("dtype", "dtype mismatch")):
+            if any(getattr(v, attr) != getattr(ref, attr) for v in values):
+                findings.append(_mismatch(kind, attr, k, present, colls))
+                break
+        else:
+            if ref.op not in UNEVEN_OPS and any(v.numel != ref.numel for v in values):
+                findings.append(_mismatch("count mismatch", "numel", k, present, colls))
+            else:
+                for attr, kind, applies in (
+                    ("shape", "shape mismatch", ref.op not in UNEVEN_OPS),
+                    ("reduce_op", "reduce-op mismatch", True),
+                    ("peer", _root_kind(ref.op), ref.op in ROOTED_OPS),
+                ):
+                    if applies and any(getattr(v, attr) != getattr(ref, attr) for v in values):
+                        # Stuck in it on every rank: this mismatch is what hangs.
+                        stuck = stalled and all(v.pending for v in values)
+                        findings.append(_mismatch(kind, attr, k, present, colls, hangs=stuck))
+                if stalled and k == min(last.values()) and all(v.pending for v in values):
+                    if len({v.site for v in values}) > 1:
+                        findings.append(_mismatch("call-site mismatch", "site", k, present, colls))
+        if findings and findings[-1].hangs:
+            break
+    return _collapse(findings)
+
+
+def _collapse(findings: list[Finding], most: int = 10) -> list[Finding]:
+    """One finding per (kind, culprit, call site), saying how often it recurred."""
+    seen: dict[tuple, list] = {}
+    for f in findings:
+        seen.setdefault((f.kind, f.rank, f.culprit_site), []).append(f)
+    out = []
+    for group in list(seen.values())[:most]:
+        f = group[0]
+        if len(group) > 1:
+            f = replace(f, message=f"{f.message} [and {len(group) - 1} more time(s)]")
+        out.append(f)
+    return out
+
+
+def _root_kind(op: str) -> str:
+    return {"broadcast": "broadcast source mismatch", "scatter": "scatter source mismatch"}.get(
+        op, f"{op} root mismatch"
+    )
+
+
+def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -> Finding:
+    if hangs is None:
+        hangs = kind in STRUCTURAL or kind == "call-site mismatch"
+    culprits, why = _culprits(attr, k, present, colls)
+    culprit = culprits[0]
+    others = [r for r in present if r not in culprits]
+    ref = present[others[0]] if others else present[min(present)]
+    bad = present[culprit]
+    if why == _BY_HISTORY and hangs:
+        what = (
+            f"rank {culprit} skipped {ref.describe()} at {ref.site}, which rank(s) "
+            f"{_ranks(others)} issued{' and wait in' if ref.pending else ''} (every earlier "
+            f"step issued it there); rank {culprit} issued {bad.describe()} at {bad.site} instead"
+        )
+        return Finding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
+    if why == _BY_EXTRA and hangs:
+        what = (
+            f"rank {culprit} issued an extra {bad.describe()} at {bad.site} that rank(s) "
+            f"{_ranks(others)} never issued (they issued {ref.describe()} at {ref.site}; rank "
+            f"{culprit}'s later collectives line up with theirs from #{k} on)"
+        )
+        return Finding("extra collective", culprit, what, ref.describe(), bad.site, bad.site)
+    what = (
+        f"{kind} at collective #{k} on {bad.group}: rank {culprit} issued {bad.describe()} "
+        f"at {bad.site}; rank(s) {_ranks(others)} issued {ref.describe()} at {ref.site}"
+    )
+    tail = "" if hangs else " (completes, with wrong results: a desync)"
+    return Finding(kind, culprit, what + tail + why, ref.describe(), ref.site, bad.site, hangs)
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _culprits(attr, k, present: dict[int, Record], colls) -> tuple[list[int], str]:
+    """The ranks to blame for a disagreement at #k, and a note saying why when it is a guess."""
+    by_value: dict[object, list[int]] = {}
+    for r, rec in present.items():
+        key = getattr(rec, attr) if attr != "site" else rec.site
+        if attr in ("op", "numel", "dtype"):
+            key = (rec.op, rec.numel, rec.dtype, rec.site)
+        by_value.setdefault(key, []).append(r)
+    blocs = sorted(by_value.values(), key=len, reverse=True)
+    if len(blocs[0]) > len(blocs[1]):
+        return [r for b in blocs[1:] for r in b], ""
+    # A tie (two ranks): which one broke the pattern of the earlier steps?
+    expected = _expected_site(k, colls)
+    if expected is not None:
+        keep = [r for r, rec in present.items() if rec.site == expected]
+        if keep and len(keep) < len(present):
+            return [r for r in present if r not in keep], _BY_HISTORY
+    extra = _extra_ops(k, present, colls)
+    if extra:
+        return extra, _BY_EXTRA
+    ref = by_value[next(key for key, rs in by_value.items() if min(present) in rs)]
+    return [r for r in present if r not in ref], f" (taking rank {min(present)} as the reference)"
+
+
+def _expected_site(k, colls, window: int = 2000, longest: int = 64) -> str | None:
+    """The call site history predicts for #k: find the earlier point whose preceding calls
+    match the calls just before #k for longest (the ranks agree up to #k-1), and take the
+    site that came next there. A loop of per-gradient all-reduces followed by one flag
+    all-reduce predicts the flag, not another gradient, at the end of step 2."""
+    history = colls[next(iter(colls))]
+    tokens = [(history[s].op, history[s].site) if s in history else None for s in range(k)]
+    best, best_len = None, 0
+    for j in range(k - 2, max(0, k - window), -1):
+        n = 0
+        while (
+            n < longest
+            and j - n > 0
+            and tokens[j - n] is not None
+            and (tokens[j - n] == tokens[k - 1 - n])
+        ):
+            n += 1
+        if n > best_len and tokens[j + 1] is not None:
+            best, best_len = tokens[j + 1][1], n
+    return best
+
+
+def _extra_ops(k, present, colls, most: int = 8) -> list[int]:
+    """Ranks whose records from #k+j on repeat another rank's from #k on (j extra ops)."""
+
+    def sigs(r, start):
+        c = colls[r]
+        return [(c[s].op, c[s].numel, c[s].site) for s in range(start, max(c) + 1) if s in c]
+
+    found = []
+    for r in present:
+        for o in present:
+            if o == r:
+                continue
+            theirs = sigs(o, k)
+            for j in range(1, most + 1):
+                mine = sigs(r, k + j)
+                m = min(len(mine), len(theirs))
+                if m >= 1 and mine[:m] == theirs[:m]:
+                    found.append(r)
+                    break
+            if r in found:
+                break
+    return found if 0 < len(found) < len(present) else []
+
+
+def _missing(k, present, absent, traces, ranks, colls) -> Finding:
+    culprit = absent[0]
+    ref = present[min(present)]
+    instead = _instead(ranks[culprit], traces[culprit], colls[culprit])
+    waiting = [r for r, rec in present.items() if rec.pending]
+    who = f"rank(s) {_ranks(waiting or present)} " + ("wait in it" if waiting else "issued it")
+    message = (
+        f"rank {_ranks(absent)} never issued {ref.describe()}; {who} at {ref.site}; "
+        f"rank {culprit} {instead[0]}"
+    )
+    return Finding("missing", culprit, message, ref.describe(), ref.site, instead[1])
+
+
+def _instead(state: RankState, trace: Trace | None, colls) -> tuple[str, str | None]:
+    """What a rank that did not reach a collective is doing instead, and where."""
+    last = trace.records[-1] if trace and trace.records else None
+    pending = [r for r in (trace.records if trace else ()) if r.pending]
+    if state.status == "crashed":
+        after = f" after {last.describe()} at {last.site}" if last else ""
+        return f"{state.error or 'crashed'}{after}", last.site if last else None
+    if state.status == "error":
+        where = _tb_site(state.traceback)
+        return f"raised {state.error}" + (f" at {where}" if where else ""), where
+    if state.status == "ok":
+        return "returned without issuing it (its work finished)", None
+    if pending:
+        p = pending[-1]
+        return f"is waiting in {p.describe()} at {p.site}", p.site
+    frames = innermost_frames(state.stack) if state.stack else None
+    if frames:
+        return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
+    return "is outside any collective (no stack was captured)", None
+
+
+def _failure_finding(root: RankState, traces, now) -> Finding:
+    """A rank raised or died and no collective mismatch explains it."""
+    trace = traces[root.rank] if root.rank < len(traces) else None
+    waiting = []
+    for t in traces:
+        if t and t.rank != root.rank:
+            waiting += [r for r in t.records if r.pending][-1:]
+    instead = _instead(root, trace, {})
+    wait = f"; rank(s) {_ranks(sorted(t.rank for t in traces if t and t.rank != root.rank))} "
+    if waiting:
+        w = waiting[0]
+        wait += f"were waiting in {w.describe()} at {w.site}"
+        collective, site = w.describe(), w.site
+    else:
+        wait, collective, site = "", None, instead[1]
+    kind = "raised" if root.status == "error" else "crashed"
+    return Finding(kind, root.rank, f"rank {root.rank} {instead[0]}{wait}", collective, site,
+                   instead[1])  # fmt: skip
+
+
+def _stall_without_mismatch(ranks, traces) -> Finding:
+    """No rank progressed, yet the records agree: name who waits where and who is elsewhere."""
+    waiting = {}
+    for t in traces:
+        pending = [r for r in t.records if r.pending] if t else []
+        if pending:
+            waiting[t.rank] = pending[-1]
+    idle = [r for r in ranks if r.rank not in waiting and r.status not in ("ok",)]
+    if idle and waiting:
+        culprit = idle[0]
+        instead = _instead(culprit, traces[culprit.rank], {})
+        w = next(iter(waiting.values()))
+        message = (
+            f"rank {culprit.rank} {instead[0]}, while rank(s) {_ranks(waiting)} wait in "
+            f"{w.describe()} at {w.site}"
+        )
+        return Finding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
+                       instead[1])  # fmt: skip
+    if waiting:
+        rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
+        if w.p2p:
+            message = (
+                f"rank {rank} waits in {w.describe()} at {w.site}, which its peer never matched"
+            )
+        else:
+            message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
+                f"{w.describe()} at {w.site}"
+            )
+        return Finding("stalled", rank, message, w.describe(), w.site, w.site)
+    return Finding("stalled", 0, "no rank progressed, and none is inside a collective")
+
+
+def _where(state: RankState, trace: Trace | None, now: float) -> str:
+    pending = [r for r in trace.records if r.pending] if trace else []
+    last = trace.records[-1] if trace and trace.records else None
+    n = len(trace.records) if trace else 0
+    head = f"rank {state.rank} [{state.status}]"
+    if state.status == "crashed":
+        return f"{head}: {state.error}; last collective: " + (
+            f"{last.describe()} at {last.site}" if last else "none"
+        )
+    if state.status == "error":
+        site = _tb_site(state.traceback)
+        return f"{head}: {state.error}" + (f" at {site}" if site else "")
+    if pending:
+        p = pending[-1]
+        return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} at {p.site}"
+    if state.status == "ok":
+        return f"{head}: finished; {n} collective(s) traced"
+    frames = innermost_frames(state.stack) if state.stack else ""
+    return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
+
+
+_PLUMBING = ("launch.py", "hang_run.py", "runpy.py", "<frozen runpy>", "tracer.py")
+_TB_FILE = re.compile(r'^  File "(.+)", line (\d+), in (\S+)', re.M)
+
+
+def _tb_site(tb: str | None) -> str | None:
+    if not tb:
+        return None
+    frames = [
+        f for f in _TB_FILE.findall(tb) if not f[0].endswith(_PLUMBING) and "/torch/" not in f[0]
+    ]
+    if not frames:
+        return None
+    path, line, name = frames[-1]
+    return f"{_rel(path)}:{line} ({name})"
+
+
+def innermost_frames(stack: str, depth: int = 3) -> str:
+    """'f (file:line) <- g (file:line)': the innermost user frames of the thread that runs the
+    rank's work (faulthandler format), skipping the launcher's and torch's."""
+    threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
+    main = next(
+        (t for t in threads if " in _rank_main" in t or " in run_script" in t),
+        threads[0] if threads else "",
+    )
+    frames = []
+    for path, line, name in re.findall(r'File "(.+)", line (\d+) in (\S+)', main):
+        if name in ("_call", "_rank_main", "run_script", "_run_module_code", "_run_code"):
+            break
+        if name != "wrapper" and "/torch/" not in path and not path.endswith("tracer.py"):
+            frames.append(f"{name} ({_rel(path)}:{line})")
+    return " <- ".join(frames[:depth])
+
+
+def _rel(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel

@@ -1,0 +1,470 @@
+"""The collective tracer: every `torch.distributed` collective a rank issues, in a file the
+parent can read while the rank is stuck.
+
+`install(path)` replaces the collective functions of `torch.distributed` (all_reduce,
+broadcast, all_gather, reduce_scatter, barrier, send/recv, the *_object helpers, ...) with
+thin wrappers. Each call appends one fixed-size binary record to a ring buffer in an mmap'ed
+file `path` and updates the file's header; a collective launched with `async_op=True` is marked
+completed from its Work's future callback, i.e. when the backend finished it, not when the
+user waited. A record holds:
+
+    per-group sequence number, op, reduce op, dtype, element count, shape, src/dst rank,
+    process group, the user's call site (file:line of the first frame outside torch and this
+    file), issue and completion times, and its state (issued / completed / failed).
+
+Strings (ops, shapes, call sites, groups) are interned: each new one is appended once to
+`path + ".strings"`, so the hot path writes numbers only. Why a file and not a pipe: a rank
+hung inside the backend's C++ cannot answer anything, but the pages it wrote are in the page
+cache, and the parent (`read_trace`) sees them even after the rank was SIGKILLed.
+
+Cost: one frame walk (cached per code object), a dict lookup or two and two `pack_into` per
+collective, a few microseconds; `python -m verify bench-tracer` measures it against a training
+step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass through Python
+and are not recorded.
+
+Process groups are named by their global ranks ("world", or "pg[0,2]"); collectives are
+numbered per group from 1, point-to-point ops per (group, peer) pair, so records of different
+ranks line up by (group, seq).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+MAGIC = b"DDPTRACE"
+VERSION = 1
+# header: magic, version, pid, rank, capacity, records written, events (issues + completions),
+# pending (issued, not completed), wall time of the last event
+_HEADER = struct.Struct("<8siqiqqqqd")
+_HEADER_SIZE = 64
+# record: index, seq, t_issue, t_done, numel, op, dtype, shape, group, site, reduce op, peer,
+# state, p2p flag
+_RECORD = struct.Struct("<qqddqIIIIIiiBB")
+_RECORD_SIZE = 72
+_DONE_OFFSET = 24  # where t_done sits in a record (after index, seq, t_issue)
+_STATE_OFFSET = _RECORD.size - 2
+ISSUED, COMPLETED, FAILED = 1, 2, 3
+STATES = {ISSUED: "issued", COMPLETED: "completed", FAILED: "failed"}
+DEFAULT_CAPACITY = 8192  # records kept per rank (ring); 72 B each
+
+# op -> (tensor argument whose shape is recorded, peer argument, is point-to-point)
+_OPS: dict[str, tuple[str | None, str | None, bool]] = {
+    "all_reduce": ("tensor", None, False),
+    "all_reduce_coalesced": (None, None, False),
+    "reduce": ("tensor", "dst", False),
+    "broadcast": ("tensor", "src", False),
+    "all_gather": ("tensor", None, False),
+    "all_gather_into_tensor": ("input_tensor", None, False),
+    "_all_gather_base": ("input_tensor", None, False),
+    "reduce_scatter": ("output", None, False),
+    "reduce_scatter_tensor": ("input", None, False),
+    "_reduce_scatter_base": ("input", None, False),
+    "all_to_all": (None, None, False),
+    "all_to_all_single": ("input", None, False),
+    "gather": ("tensor", "dst", False),
+    "scatter": ("tensor", "src", False),
+    "barrier": (None, None, False),
+    "monitored_barrier": (None, None, False),
+    "all_gather_object": (None, None, False),
+    "broadcast_object_list": (None, "src", False),
+    "gather_object": (None, "dst", False),
+    "scatter_object_list": (None, "src", False),
+    "send": ("tensor", "dst", True),
+    "recv": ("tensor", "src", True),
+    "isend": ("tensor", "dst", True),
+    "irecv": ("tensor", "src", True),
+    "batch_isend_irecv": (None, None, True),
+}
+# Ops whose tensors may legitimately differ in size across ranks: their shapes are not compared.
+UNEVEN_OPS = frozenset(
+    {"all_to_all", "all_to_all_single", "gather", "scatter", "all_reduce_coalesced"}
+) | {op for op in _OPS if op.endswith(("_object", "_object_list"))}
+ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
+
+_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as one rank saw it."""
+
+    index: int  # position in this rank's trace (0, 1, ...)
+    seq: int  # per group (collectives) or per (group, peer) (point-to-point), from 1
+    op: str
+    group: str
+    reduce_op: str | None
+    dtype: str | None
+    numel: int | None
+    shape: str | None
+    peer: int | None  # src/dst (global rank)
+    p2p: bool
+    site: str  # file:line (function) of the user's call
+    state: str  # "issued" | "completed" | "failed"
+    t_issue: float  # wall clock (time.time())
+    t_done: float | None
+
+    @property
+    def pending(self) -> bool:
+        return self.state == "issued"
+
+    def signature(self) -> tuple:
+        """What must agree across ranks for the same collective."""
+        return (self.op, self.dtype, self.numel, self.shape, self.reduce_op, self.peer)
+
+    def describe(self) -> str:
+        """`all_reduce #12 on world [float32 (64, 16) SUM]`."""
+        parts = [p for p in (self.dtype, self.shape, self.reduce_op) if p]
+        if self.peer is not None:
+            key = (
+                "dst"
+                if self.op in ("reduce", "gather", "send", "isend", "gather_object")
+                else "src"
+            )
+            parts.append(f"{key}={self.peer}")
+        inner = f" [{' '.join(parts)}]" if parts else ""
+        return f"{self.op} #{self.seq} on {self.group}{inner}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A rank's trace file as read by the parent."""
+
+    rank: int
+    pid: int
+    records: tuple[Record, ...]  # the last `capacity` records, oldest first
+    events: int
+    pending: int
+    last_event: float  # wall clock of the last issue or completion (0: none yet)
+    dropped: int  # records overwritten by the ring
+
+    def collectives(self, group: str) -> dict[int, Record]:
+        return {r.seq: r for r in self.records if r.group == group and not r.p2p}
+
+
+# ------------------------------------------------------------ inside the rank
+
+
+class _Writer:
+    """Owns the mmap'ed file; every method is called with the GIL held."""
+
+    def __init__(self, path: str, rank: int, capacity: int) -> None:
+        self.capacity = capacity
+        size = _HEADER_SIZE + capacity * _RECORD_SIZE
+        fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.strings_fd = os.open(path + ".strings", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.ids: dict[str, int] = {}
+        self.written = self.events = self.pending = 0
+        self.rank, self.pid = rank, os.getpid()
+        self._header(0.0)
+        os.replace(path + ".tmp", path)  # the parent only ever sees a whole header
+
+    def _header(self, now: float) -> None:
+        _HEADER.pack_into(
+            self.map, 0, MAGIC, VERSION, self.pid, self.rank, self.capacity,
+            self.written, self.events, self.pending, now,
+        )  # fmt: skip
+
+    def intern(self, text: str) -> int:
+        sid = self.ids.get(text)
+        if sid is None:
+            sid = self.ids[text] = len(self.ids) + 1  # 0 means "none"
+            os.write(self.strings_fd, f"{sid}\t{text}\n".encode())
+        return sid
+
+    def issue(self, fields: tuple) -> int:
+        index = self.written
+        offset = _HEADER_SIZE + (index % self.capacity) * _RECORD_SIZE
+        now = time.time()
+        # fields: seq, numel, op, dtype, shape, group, site, reduce op, peer, p2p
+        _RECORD.pack_into(self.map, offset, index, fields[0], now, 0.0, *fields[1:-1], ISSUED,
+                          fields[-1])  # fmt: skip
+        self.written += 1
+        self.events += 1
+        self.pending += 1
+        self._header(now)
+        return index
+
+    def done(self, index: int, state: int = COMPLETED) -> None:
+        if index + self.capacity <= self.written:  # overwritten by the ring already
+            self.pending -= 1
+            return
+        offset = _HEADER_SIZE + (index % self.capacity) * _RECORD_SIZE
+        now = time.time()
+        struct.pack_into("<d", self.map, offset + _DONE_OFFSET, now)
+        self.map[offset + _STATE_OFFSET] = state
+        self.events += 1
+        self.pending -= 1
+        self._header(now)
+
+
+_writer: _Writer | None = None
+_originals: dict[str, object] = {}
+_local = threading.local()  # .depth > 0 inside a traced call: nested collectives not recorded
+_seq: dict[tuple, int] = {}
+_groups: dict[int, str] = {}
+_sites: dict[tuple, int] = {}
+_internal_code: dict[object, bool] = {}
+_lock = threading.Lock()
+
+
+def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+    """Trace every collective of this process into `path` (idempotent per process)."""
+    global _writer
+    if _writer is not None:
+        return
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    _writer = _Writer(path, rank, capacity)
+    for name in _OPS:
+        original = getattr(dist.distributed_c10d, name, None)
+        if original is None:
+            continue
+        _originals[name] = original
+        wrapper = _make_wrapper(name, original)
+        setattr(dist.distributed_c10d, name, wrapper)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, wrapper)
+
+
+def uninstall() -> None:
+    """Restore the original functions (tests and benchmarks switch tracing on and off)."""
+    global _writer
+    for name, original in _originals.items():
+        if getattr(dist, name, None) is not original and hasattr(dist, name):
+            setattr(dist, name, original)
+        setattr(dist.distributed_c10d, name, original)
+    _originals.clear()
+    if _writer is not None:
+        os.close(_writer.strings_fd)
+        _writer.map.close()
+    _writer = None
+
+
+def installed() -> bool:
+    return _writer is not None
+
+
+def _make_wrapper(name: str, original):
+    tensor_arg, peer_arg, p2p = _OPS[name]
+    params = list(inspect.signature(original).parameters.values())
+    index = {p.name: i for i, p in enumerate(params)}
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    op_id = None
+
+    def arg(args, kwargs, key):
+        i = index.get(key)
+        if i is not None and i < len(args):
+            return args[i]
+        return kwargs.get(key, defaults.get(key))
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        nonlocal op_id
+        writer = _writer
+        if writer is None or getattr(_local, "depth", 0):
+            return original(*args, **kwargs)
+        try:
+            if op_id is None:
+                op_id = writer.intern(name)
+            group = arg(args, kwargs, "group")
+            fields = _describe(writer, op_id, name, args, kwargs, arg, group, tensor_arg, peer_arg)
+            rec = writer.issue(fields + (p2p,))
+        except Exception:  # never let tracing break the user's collective
+            return original(*args, **kwargs)
+        _local.depth = 1
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            writer.done(rec, FAILED)
+            raise
+        finally:
+            _local.depth = 0
+        _complete_when_done(writer, rec, out)
+        return out
+
+    return traced
+
+
+def _describe(writer, op_id, name, args, kwargs, arg, group, tensor_arg, peer_arg) -> tuple:
+    group_id, group_name = _group(writer, group)
+    tensor = arg(args, kwargs, tensor_arg) if tensor_arg else None
+    dtype = shape = 0
+    numel = -1
+    if isinstance(tensor, torch.Tensor):
+        dtype = writer.intern(str(tensor.dtype).replace("torch.", ""))
+        shape = writer.intern(str(tuple(tensor.shape)))
+        numel = tensor.numel()
+    reduce_op = -1
+    if "op" in _OPS_WITH_REDUCE.get(name, ()):
+        op = arg(args, kwargs, "op")
+        reduce_op = int(op) if op is not None else -1
+    peer = -1
+    if peer_arg:
+        value = arg(args, kwargs, peer_arg)
+        if value is None:  # group_src / group_dst: a rank within the group
+            local = arg(args, kwargs, "group_" + peer_arg)
+            if local is not None:
+                value = dist.get_global_rank(group or dist.group.WORLD, local)
+        peer = -1 if value is None else int(value)
+    key = (group_name, peer) if _OPS[name][2] else (group_name,)
+    with _lock:
+        seq = _seq[key] = _seq.get(key, 0) + 1
+    return (seq, numel, op_id, dtype, shape, group_id, _site(writer), reduce_op, peer)
+
+
+_OPS_WITH_REDUCE = {
+    n: ("op",)
+    for n in ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter")
+    + ("reduce_scatter_tensor", "_reduce_scatter_base")
+}
+
+
+def _group(writer, group) -> tuple[int, str]:
+    key = id(group)
+    name = _groups.get(key)
+    if name is None:
+        if group is None or group is dist.group.WORLD:
+            name = "world"
+        else:
+            name = "pg" + str(dist.get_process_group_ranks(group)).replace(" ", "")
+        _groups[key] = name
+    return writer.intern(name), name
+
+
+def _site(writer) -> int:
+    """Interned 'file:line (function)' of the innermost frame outside torch and this file."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        code = frame.f_code
+        internal = _internal_code.get(code)
+        if internal is None:
+            internal = _internal_code[code] = code.co_filename.startswith(_SKIP_DIRS)
+        if not internal:
+            break
+        frame = frame.f_back
+    if frame is None:
+        return writer.intern("<unknown>")
+    key = (frame.f_code, frame.f_lineno)
+    sid = _sites.get(key)
+    if sid is None:
+        path = frame.f_code.co_filename
+        try:
+            rel = os.path.relpath(path)
+            path = path if rel.startswith("..") else rel
+        except ValueError:
+            pass
+        sid = _sites[key] = writer.intern(f"{path}:{frame.f_lineno} ({frame.f_code.co_name})")
+    return sid
+
+
+def _complete_when_done(writer: _Writer, rec: int, out) -> None:
+    works = out if isinstance(out, list) else [out]
+    works = [w for w in works if hasattr(w, "get_future")]
+    if not works:
+        writer.done(rec)
+        return
+    remaining = [len(works)]
+
+    def on_done(fut) -> None:  # runs on the backend's thread when the work finished
+        with _lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last and _writer is writer:
+            failed = fut.exception() if hasattr(fut, "exception") else None
+            writer.done(rec, FAILED if failed else COMPLETED)
+
+    for work in works:
+        try:
+            work.get_future().add_done_callback(on_done)
+        except Exception:  # a backend without futures: count it done at issue
+            writer.done(rec)
+            return
+
+
+# ------------------------------------------------------------ in the parent
+
+
+def read_header(path: str) -> tuple[int, int, float] | None:
+    """(events, pending, last event time) of a trace file, cheaply; None if not there yet."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+        return None
+    _, _, _, _, _, _, events, pending, last = _HEADER.unpack(raw)
+    return events, pending, last
+
+
+def read_trace(path: str) -> Trace | None:
+    """The whole trace of one rank (None if the rank never started tracing)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    if len(raw) < _HEADER_SIZE or raw[:8] != MAGIC:
+        return None
+    _, _, pid, rank, capacity, written, events, pending, last = _HEADER.unpack_from(raw)
+    strings = _read_strings(path + ".strings")
+    records = []
+    for index in range(max(0, written - capacity), written):
+        offset = _HEADER_SIZE + (index % capacity) * _RECORD_SIZE
+        (idx, seq, t_issue, t_done, numel, op, dtype, shape, group, site, reduce_op, peer, state,
+         p2p) = _RECORD.unpack_from(raw, offset)  # fmt: skip
+        if idx != index or state == 0:  # torn write of the very last record
+            continue
+        records.append(
+            Record(
+                index=idx, seq=seq, op=strings.get(op, "?"), group=strings.get(group, "?"),
+                reduce_op=_reduce_name(reduce_op), dtype=strings.get(dtype),
+                numel=None if numel < 0 else numel, shape=strings.get(shape),
+                peer=None if peer < 0 else peer, p2p=bool(p2p),
+                site=strings.get(site, "<unknown>"), state=STATES.get(state, "?"),
+                t_issue=t_issue, t_done=t_done or None,
+            )
+        )  # fmt: skip
+    dropped = max(0, written - capacity)
+    return Trace(rank, pid, tuple(records), events, pending, last, dropped)
+
+
+def _read_strings(path: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                sid, sep, text = line.rstrip("\n").partition("\t")
+                if sep and sid.isdigit():
+                    out[int(sid)] = text
+    except OSError:
+        pass
+    return out
+
+
+def _reduce_name(code: int) -> str | None:
+    if code < 0:
+        return None
+    try:
+        return dist.ReduceOp.RedOpType(code).name
+    except (ValueError, TypeError):
+        return f"op{code}"
