@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,13 @@ def load_class(spec: str) -> type:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as e:
-            raise ImplError(f"--impl {spec!r}: module {e.name!r} not found") from None
+            if e.name and module_part.startswith(e.name):  # the module named, not its import
+                raise ImplError(f"--impl {spec!r}: module {e.name!r} not found") from None
+            raise ImplError(f"--impl {spec!r}: importing {module_part} failed: {e}") from None
+        except Exception as e:  # SyntaxError, ImportError, anything raised at import time
+            raise ImplError(
+                f"--impl {spec!r}: importing {module_part} failed: {type(e).__name__}: {e}"
+            ) from None
     cls = getattr(module, class_name, None)
     if cls is None:
         available = sorted(n for n, v in vars(module).items() if inspect.isclass(v))
@@ -175,7 +182,9 @@ def load_class(spec: str) -> type:
 
 
 def _import_file(path: Path):
-    name = f"ddp_verify_user_{path.stem}"
+    # Keyed by the resolved path: two submissions both called ddp.py must not share a module.
+    resolved = str(path.resolve())
+    name = f"ddp_verify_user_{path.stem}_{zlib.crc32(resolved.encode()):08x}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path.resolve())

@@ -67,6 +67,36 @@ def test_bad_input_from_the_shell_has_no_traceback():
     )
 
 
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (
+            "from os import does_not_exist\n",
+            "importing userpkg_bad failed: ImportError: cannot import name",
+        ),
+        ("def broken(:\n", "importing userpkg_bad failed: SyntaxError"),
+        (
+            "raise RuntimeError('boom at import')\n",
+            "importing userpkg_bad failed: RuntimeError: boom at import",
+        ),
+        (
+            "import no_such_dependency\n",
+            "importing userpkg_bad failed: No module named 'no_such_dependency'",
+        ),
+    ],
+)
+def test_a_module_that_fails_to_import_is_one_line_and_exit_2(tmp_path, source, message):
+    (tmp_path / "userpkg_bad.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "verify", "consistency", "--impl", "userpkg_bad:MyDDP"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr
+
+
 def test_consistency_passes_for_bucketed_and_prints_table_and_verdict():
     proc = run_cli("consistency", "--impl", "bucketed", "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -112,6 +142,24 @@ def test_a_rank_that_raises_exits_1_with_its_traceback_summarized():
     assert proc.returncode == 1
     assert "rank 1" in proc.stdout and "rank one exploded in forward" in proc.stdout
     assert "user_classes.py" in proc.stdout  # the user's frame is named
+
+
+def test_a_user_class_taking_bucket_size_mb_gets_the_cli_value():
+    ok = run_cli(
+        "consistency",
+        "--impl",
+        f"{FIXTURES}:TakesBucketSize",
+        "--bucket-mb",
+        "0.75",
+        "--steps",
+        "1",
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    wrong = run_cli(
+        "consistency", "--impl", f"{FIXTURES}:TakesBucketSize", "--bucket-mb", "2", "--steps", "1"
+    )
+    assert wrong.returncode == 1
+    assert "got bucket_size_mb=2.0, expected 0.75" in wrong.stdout
 
 
 def test_a_user_sharded_optimizer_by_import_path():

@@ -1,17 +1,21 @@
 """Bitwise replica audit: are parameters, buffers, gradients and optimizer state identical on
 every rank? Decided by exchanging per-tensor fingerprints, not tensors.
 
-A fingerprint is computed from the tensor's raw bits, read as integer words:
+A fingerprint is computed from the tensor's raw bits, read as integer words (64-bit where
+the size allows), plus a code for dtype and shape and a flag for a missing tensor (a `.grad`
+that is None):
 
-- the wrapping 64-bit sum of all words, and
-- the wrapping sum of 256-word row sums weighted by row position,
+- the wrapping 64-bit sum of all words: any change to a single element changes it (the
+  difference of one word is nonzero and smaller than 2**64), so one ULP anywhere is caught;
+- a position-weighted sum. Tensors of up to 64K words (512 KiB: biases, norms, masks, small
+  layers) weight *every word* by a fixed pseudo-random odd 64-bit constant, so moved values
+  and exactly cancelling changes are caught too. Larger tensors weight 256-word row sums by
+  row position, which reads memory once, at the speed of a plain sum. The one blind spot is a
+  change confined to one row that leaves that row's sum unchanged: a permutation within 256
+  words, or exactly cancelling changes there and nowhere else.
 
-plus a code for dtype and shape, and a flag for a missing tensor (a `.grad` that is None).
-Any change to a single element changes the first sum (the difference of one word is nonzero
-and smaller than 2**64), so a one-ULP change anywhere is always caught; the weighted sum also
-catches values moved between rows. Distinct tensors can collide only when several elements
-change in exactly compensating ways in both sums at once. Integer addition is associative, so
-the fingerprint does not depend on how the reduction is ordered or threaded.
+Integer addition is associative, so the fingerprint does not depend on how the reduction is
+ordered or threaded, nor on where the tensor sits in memory.
 
 All ranks gather every rank's fingerprints (one small all-gather), so all ranks agree on
 which tensors mismatch. Only for those (at most `max_detail`) do they gather the tensor itself
@@ -29,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 _ROW = 256  # words per row of the position-weighted sum (wider rows: one pass at memory speed)
+_FULL_WEIGHT_WORDS = 1 << 16  # up to this many words, every word gets its own weight
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 _MISSING = -1  # metadata code of a tensor that does not exist on this rank (None grad)
 
 
@@ -80,13 +86,28 @@ def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     words = _as_words(t.reshape(-1))
-    full = words.numel() // _ROW * _ROW
-    rows = words[:full].view(-1, _ROW).sum(dim=1, dtype=torch.int64)
-    tail = words[full:].sum(dtype=torch.int64)
-    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    total = rows.sum() + tail
-    weighted = (rows * weights).sum() + tail * (rows.numel() + 1)
+    if words.numel() <= _FULL_WEIGHT_WORDS:
+        wide = words.to(torch.int64)
+        total = wide.sum()
+        weighted = (wide * _word_weights(wide.numel(), wide.device)).sum()
+    else:
+        full = words.numel() // _ROW * _ROW
+        rows = words[:full].view(-1, _ROW).sum(dim=1, dtype=torch.int64)
+        tail = words[full:].sum(dtype=torch.int64)
+        weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
+        total = rows.sum() + tail
+        weighted = (rows * weights).sum() + tail * (rows.numel() + 1)
     return torch.stack([torch.tensor(meta, device=total.device), total, weighted]).cpu()
+
+
+def _word_weights(n: int, device: torch.device) -> torch.Tensor:
+    """The first `n` per-word weights: fixed pseudo-random odd 64-bit integers, the same on
+    every rank (a seeded generator, cached per device)."""
+    if device not in _WEIGHTS:
+        g = torch.Generator().manual_seed(0x5EED)
+        bits = torch.randint(-(2**62), 2**62, (_FULL_WEIGHT_WORDS,), generator=g) * 2 + 1
+        _WEIGHTS[device] = bits.to(device)
+    return _WEIGHTS[device][:n]
 
 
 def _as_words(flat: torch.Tensor) -> torch.Tensor:
@@ -214,26 +235,34 @@ def _compare_gathered(label, name, tensor, differ, reference, process_group) -> 
     t = tensor.detach().contiguous().to(device)
     copies = [torch.empty_like(t) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(copies, t, group=process_group)
-    ref = copies[reference].cpu()
-    worst, count, first = 0.0, 0, None
+    ref = copies[reference].cpu().reshape(-1)
+    if ref.is_complex():  # compare and index the real and imaginary parts as elements
+        ref = torch.view_as_real(ref).reshape(-1)
     ref_bits = _element_bits(ref)
+    unequal = torch.zeros(ref.numel(), dtype=torch.bool)
+    worst = 0.0
     for r in differ:
-        other = copies[r].cpu()
+        other = copies[r].cpu().reshape(-1)
+        if other.is_complex():
+            other = torch.view_as_real(other).reshape(-1)
         # Bitwise: NaN-safe, and -0.0 vs 0.0 counts as a difference.
-        unequal = ref_bits.ne(_element_bits(other))
-        count = max(count, int(unequal.sum()))
-        if unequal.any():
-            flat_first = int(unequal.nonzero()[0])
-            first = flat_first if first is None else min(first, flat_first)
-        diff = (ref.double() - other.double()).abs().reshape(-1)
-        worst = max(worst, float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0)
-    first = first or 0
-    index = (
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(first), ref.shape))
-        if ref.dim()
-        else ()
-    )
-    return Mismatch(label, name, differ, reference, worst, count, ref.numel(), index)
+        unequal |= ref_bits.ne(_element_bits(other))
+        # Integers are subtracted exactly (2**60 + 1 vs 2**60 is a difference of 1, not 0).
+        wide = (
+            torch.int64
+            if not (ref.is_floating_point() or ref.dtype == torch.bool)
+            else torch.float64
+        )
+        diff = (ref.to(wide) - other.to(wide)).abs()
+        if diff.numel():
+            worst = max(worst, float(diff.double().nan_to_num(nan=float("inf")).max()))
+    first = int(unequal.nonzero()[0]) if unequal.any() else 0
+    shape = tuple(copies[reference].shape)
+    if copies[reference].is_complex():
+        shape = (*shape, 2)
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape)) if shape else ()
+    # Elements that differ on at least one of the differing ranks.
+    return Mismatch(label, name, differ, reference, worst, int(unequal.sum()), ref.numel(), index)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
