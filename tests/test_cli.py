@@ -117,6 +117,12 @@ def test_json_output_is_one_document():
     ]
 
 
+def test_json_stays_clean_when_the_user_class_prints():
+    proc = run_cli("consistency", "--impl", f"{FIXTURES}:Chatty", "--steps", "1", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["passed"] is True
+
+
 def test_user_class_from_a_file_passes():
     proc = run_cli(
         "consistency", "--impl", "docs/examples/student_ddp.py:StudentDDP", "--steps", "2"

@@ -317,3 +317,21 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
     for r in by_rank.values():  # every rank holds the whole result
         r.pop("pid")
         assert r == expected
+
+
+def _start_a_child_then_fail(ctx: RankContext, pid_dir: str) -> None:
+    """Each rank starts a long-running child process; then rank 1 raises."""
+    child = subprocess.Popen(["sleep", "120"])
+    Path(pid_dir, f"child{ctx.rank}.pid").write_text(str(child.pid))
+    dist.barrier()
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 fails with a child running")
+    dist.barrier()
+
+
+def test_processes_started_by_a_rank_do_not_outlive_the_launch(tmp_path: Path) -> None:
+    result = launch(_start_a_child_then_fail, world_size=2, args=(str(tmp_path),), timeout_s=60)
+    assert result.first_failure.rank == 1
+    children = [int(p.read_text()) for p in tmp_path.glob("child*.pid")]
+    assert len(children) == 2
+    _assert_none_alive(children)

@@ -105,7 +105,7 @@ class RankOutcome:
     traceback: str | None = None
     exitcode: int | None = None  # negative: killed by that signal
     stack: str | None = None  # faulthandler dump (timeout, killed, or a fatal signal)
-    stderr: str | None = None  # the last lines the rank wrote to stderr (failed ranks only)
+    stderr: str | None = None  # the last lines the rank wrote to stdout+stderr (failed ranks only)
 
 
 @dataclass(frozen=True)
@@ -315,6 +315,9 @@ def _supervise(procs, conns, stack_paths, timeout_s, watchdog=None, report_dir=N
         alive_at = time.time()
         wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], _POLL_S)
         for r in pending:
+            # Sampled before draining: a rank that had exited by now has all it sent in the
+            # pipe, so only one that really never reported is declared crashed below.
+            exited = not procs[r].is_alive()
             while outcomes[r] is None and (msg := _receive(conns[r])) is not None:
                 up.add(r)
                 if msg[0] == "up":
@@ -324,7 +327,7 @@ def _supervise(procs, conns, stack_paths, timeout_s, watchdog=None, report_dir=N
                 outcomes[r], failed_at = _outcome(r, msg)
                 if failed_at is not None:
                     failures.append((failed_at, r))
-            if outcomes[r] is None and not procs[r].is_alive():  # exited without a report
+            if outcomes[r] is None and exited:  # exited without a report
                 why = _describe_exit(procs[r].exitcode) + " before reporting"
                 stack = _read(stack_paths[r])  # faulthandler wrote there if a fatal signal hit
                 outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
@@ -419,6 +422,9 @@ def _kill(procs) -> None:
         if proc.is_alive():
             proc.kill()
         proc.join()
+        # The rank led its own process group (os.setsid in _rank_main): end what it started.
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            os.killpg(proc.pid, signal.SIGKILL)
         _LIVE.discard(proc)
 
 
@@ -454,9 +460,14 @@ def _rank_main(rank: int, common: tuple, paths: tuple, conn) -> None:
     if stderr_path is not None:
         # Everything this rank writes to fd 2 (Python warnings, and the C++ backend's abort
         # messages, which never reach Python) goes to a file the parent reads on failure.
+        # stdout goes there too: a user's print() must not corrupt the parent's --json output.
         fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 2)
+        os.dup2(fd, 1)
         os.close(fd)
+    with contextlib.suppress(OSError):
+        # A process group of its own: anything the rank starts is killed with it (_kill).
+        os.setsid()
     if sys.platform.startswith("linux"):  # die with the parent, even if it is SIGKILLed
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
