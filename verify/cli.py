@@ -69,9 +69,21 @@ def impl_help() -> str:
     return f"a registered name ({names}), package.module:Class, or path/to/file.py:Class"
 
 
+def default_world_size() -> int:
+    """2 ranks, or torchrun's WORLD_SIZE when this process is one of its ranks."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 2
+
+
 def add_common(p: argparse.ArgumentParser, *, workload: str = "mlp") -> None:
     p.add_argument("--impl", required=True, help=impl_help())
-    p.add_argument("--world-size", type=_positive_int("--world-size"), default=2)
+    p.add_argument(
+        "--world-size",
+        type=_positive_int("--world-size"),
+        default=default_world_size(),
+        help="ranks to spawn (default 2; under torchrun, its WORLD_SIZE)",
+    )
     p.add_argument("--steps", type=_positive_int("--steps"), default=3)
     p.add_argument("--workload", choices=list(WORKLOADS), default=workload)
     p.add_argument(
