@@ -26,7 +26,9 @@ EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 # Feature modules that add their own subcommand: each defines
 # `register(subparsers) -> None`, adding a parser whose `run(args) -> int` default is set.
 # Keeping the list here (one line per feature) keeps `python -m verify --help` in one place.
-EXTENSIONS: tuple[str, ...] = ()
+EXTENSIONS: tuple[str, ...] = (
+    "verify.equivalence_cli",  # equivalence
+)
 
 
 class UsageError(Exception):
