@@ -63,8 +63,8 @@ class Watchdog:
         return False
 
     def detection_s(self) -> float | None:
-        """Seconds from the last progress of any rank to now (the verdict), if stalled."""
-        if self.stalled_at is None:
+        """Seconds from the last progress any rank made (as last seen) to now, the verdict."""
+        if self.last_change is None:
             return None
         return time.time() - self.last_event_wall
 

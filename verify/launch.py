@@ -27,7 +27,10 @@ group and returns a ``LaunchResult`` with one ``RankOutcome`` per rank. The pare
   collectives that completed but disagreed (SUM vs MAX) come back as a "desync" diagnosis.
 
 Under ``torchrun`` (RANK, WORLD_SIZE and MASTER_ADDR set) nothing is spawned: this process
-is one rank, and every rank receives the full result through ``all_gather_object``.
+is one rank, and every rank receives the full result through the job's key-value store (not a
+collective, which a rank still inside fn's collectives could mis-pair with); a rank that failed
+waits a short grace for the others, then closes its process group so peers blocked on it fail
+and report too.
 
 fn must be a module-level (picklable) function, and it must call collectives in the same
 order on all ranks, or it hangs until ``stall_timeout_s`` (and is diagnosed).
@@ -293,7 +296,7 @@ def _diagnose(outcomes, traces, order, timed_out, watchdog) -> Diagnosis:
         states,
         stalled=watchdog.stalled_at is not None or timed_out,
         stall_timeout_s=watchdog.stall_timeout_s,
-        detection_s=watchdog.detection_s(),
+        detection_s=watchdog.detection_s() if (order or timed_out) else None,
         failure_order=order,
     )
 
@@ -541,14 +544,12 @@ def _join_torchrun(fn, args, world_size, timeout_s, backend, env) -> LaunchResul
     if created:
         timeout = datetime.timedelta(seconds=timeout_s)  # the only hang guard without a parent
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    global _JOINS
+    _JOINS += 1  # every rank calls launch() in the same order: the n-th launch's keys
+    prefix = f"ddp-verify/launch{_JOINS}/"
     try:
         report = _call(fn, RankContext(rank, world_size, local_rank, device, backend, False), args)
-        reports: list[Any] = [None] * world_size
-        try:  # an error report takes part too, or the ranks that succeeded would hang here
-            dist.all_gather_object(reports, report)
-        except Exception as exc:
-            lost = ("crashed", f"did not take part in the result gather: {_one_line(exc)}", None)
-            reports = [report if r == rank else (*lost, time.time()) for r in range(world_size)]
+        reports = _exchange(prefix, rank, world_size, report, timeout_s, created)
     finally:
         if created:
             with contextlib.suppress(Exception):
@@ -557,6 +558,43 @@ def _join_torchrun(fn, args, world_size, timeout_s, backend, env) -> LaunchResul
     outcomes = tuple(o for o, _ in pairs)
     order = _root_cause_order([(t, r) for r, (_, t) in enumerate(pairs) if t is not None], outcomes)
     return LaunchResult(world_size, outcomes, time.monotonic() - start, False, order)
+
+
+_JOINS = 0
+
+
+def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
+    """Every rank's report, through the job's key-value store rather than a collective: a
+    rank still inside fn's collectives cannot be mis-paired with the exchange, and a rank that
+    failed does not wait for the process-group timeout. It waits a grace for its peers, then
+    (if it created the group) destroys it, which makes peers blocked on it fail at once and
+    report, and waits for their reports for at most `timeout_s`."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{prefix}{rank}", pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    waits = [timeout_s]
+    if report[0] != "ok":
+        waits = [_GRACE_S, timeout_s]
+    for i, wait_s in enumerate(waits):
+        try:
+            store.wait(keys, datetime.timedelta(seconds=wait_s))
+            break
+        except Exception:
+            if i == 0 and len(waits) > 1 and created:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+    reports = []
+    for r, key in enumerate(keys):
+        if r == rank:
+            reports.append(report)
+            continue
+        try:
+            # check() first: get() on a missing key would block for the store's own timeout.
+            reports.append(pickle.loads(store.get(key)) if store.check([key]) else None)
+        except Exception:
+            reports.append(None)
+    lost = ("crashed", f"did not report within {timeout_s:g}s", None, time.time())
+    return [rep if rep is not None else lost for rep in reports]
 
 
 # ------------------------------------------------------------ formatting

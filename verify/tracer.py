@@ -5,8 +5,9 @@ parent can read while the rank is stuck.
 broadcast, all_gather, reduce_scatter, barrier, send/recv, the *_object helpers, ...) with
 thin wrappers. Each call appends one fixed-size binary record to a ring buffer in an mmap'ed
 file `path` and updates the file's header; a collective launched with `async_op=True` is marked
-completed from its Work's future callback, i.e. when the backend finished it, not when the
-user waited. A record holds:
+completed when the user's `Work.wait()` returns or a later traced call finds it finished
+(`is_completed()`), so a rank stuck in `wait()` shows that collective as pending. A record
+holds:
 
     per-group sequence number, op, reduce op, dtype, element count, shape, src/dst rank,
     process group, the user's call site (file:line of the first frame outside torch and this
@@ -218,11 +219,17 @@ class _Writer:
 
 _writer: _Writer | None = None
 _originals: dict[str, object] = {}
-_local = threading.local()  # .depth > 0 inside a traced call: nested collectives not recorded
+_wrappers: dict[str, object] = {}
+# 1 inside a traced call: collectives that one issues (all_gather_object's all_gathers) are not
+# recorded again. One flag for all threads: collectives are issued from one thread in practice.
+_depth = 0
 _seq: dict[tuple, int] = {}
 _groups: dict[int, str] = {}
 _sites: dict[tuple, int] = {}
 _internal_code: dict[object, bool] = {}
+_tensor_kinds: dict[tuple, tuple[int, int]] = {}  # (dtype, shape) -> interned ids
+_in_flight: dict[int, tuple] = {}  # id(work) -> (work, [record, works left]) for async ops
+_work_wait = dist.Work.wait
 _lock = threading.Lock()
 
 
@@ -239,20 +246,36 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
         if original is None:
             continue
         _originals[name] = original
-        wrapper = _make_wrapper(name, original)
-        setattr(dist.distributed_c10d, name, wrapper)
-        if getattr(dist, name, None) is original:
+        _wrappers[name] = _make_wrapper(name, original)
+    resume()
+
+
+def pause() -> None:
+    """Put the original functions back (the trace file stays open): `resume()` undoes it."""
+    dist.Work.wait = _work_wait
+    for name, original in _originals.items():
+        if hasattr(dist, name):
+            setattr(dist, name, original)
+        setattr(dist.distributed_c10d, name, original)
+
+
+def resume() -> None:
+    dist.Work.wait = _traced_wait(_work_wait)
+    for name, wrapper in _wrappers.items():
+        if getattr(dist, name, None) is _originals[name]:
             setattr(dist, name, wrapper)
+        setattr(dist.distributed_c10d, name, wrapper)
 
 
 def uninstall() -> None:
-    """Restore the original functions (tests and benchmarks switch tracing on and off)."""
+    """Restore the original functions and close the trace (tests and benchmarks)."""
     global _writer
-    for name, original in _originals.items():
-        if getattr(dist, name, None) is not original and hasattr(dist, name):
-            setattr(dist, name, original)
-        setattr(dist.distributed_c10d, name, original)
+    pause()
     _originals.clear()
+    _wrappers.clear()
+    _tensor_kinds.clear()
+    _sites.clear()
+    _in_flight.clear()
     if _writer is not None:
         os.close(_writer.strings_fd)
         _writer.map.close()
@@ -279,8 +302,9 @@ def _make_wrapper(name: str, original):
     @functools.wraps(original)
     def traced(*args, **kwargs):
         nonlocal op_id
+        global _depth
         writer = _writer
-        if writer is None or getattr(_local, "depth", 0):
+        if writer is None or _depth:
             return original(*args, **kwargs)
         try:
             if op_id is None:
@@ -290,15 +314,18 @@ def _make_wrapper(name: str, original):
             rec = writer.issue(fields + (p2p,))
         except Exception:  # never let tracing break the user's collective
             return original(*args, **kwargs)
-        _local.depth = 1
+        _depth = 1
         try:
             out = original(*args, **kwargs)
         except BaseException:
             writer.done(rec, FAILED)
             raise
         finally:
-            _local.depth = 0
-        _complete_when_done(writer, rec, out)
+            _depth = 0
+        if out is None or isinstance(out, int):  # a blocking call returned (recv: the src)
+            writer.done(rec)
+        else:
+            _complete_when_done(writer, rec, out)
         return out
 
     return traced
@@ -310,8 +337,14 @@ def _describe(writer, op_id, name, args, kwargs, arg, group, tensor_arg, peer_ar
     dtype = shape = 0
     numel = -1
     if isinstance(tensor, torch.Tensor):
-        dtype = writer.intern(str(tensor.dtype).replace("torch.", ""))
-        shape = writer.intern(str(tuple(tensor.shape)))
+        key = (tensor.dtype, tensor.shape)
+        ids = _tensor_kinds.get(key)
+        if ids is None:
+            ids = _tensor_kinds[key] = (
+                writer.intern(str(tensor.dtype).replace("torch.", "")),
+                writer.intern(str(tuple(tensor.shape))),
+            )
+        dtype, shape = ids
         numel = tensor.numel()
     reduce_op = -1
     if "op" in _OPS_WITH_REDUCE.get(name, ()):
@@ -325,9 +358,8 @@ def _describe(writer, op_id, name, args, kwargs, arg, group, tensor_arg, peer_ar
             if local is not None:
                 value = dist.get_global_rank(group or dist.group.WORLD, local)
         peer = -1 if value is None else int(value)
-    key = (group_name, peer) if _OPS[name][2] else (group_name,)
-    with _lock:
-        seq = _seq[key] = _seq.get(key, 0) + 1
+    key = (group_name, peer) if _OPS[name][2] else group_name
+    seq = _seq[key] = _seq.get(key, 0) + 1
     return (seq, numel, op_id, dtype, shape, group_id, _site(writer), reduce_op, peer)
 
 
@@ -377,27 +409,59 @@ def _site(writer) -> int:
 
 
 def _complete_when_done(writer: _Writer, rec: int, out) -> None:
+    """Mark `rec` completed now (a blocking call returned), or when its Work is found done.
+
+    No completion callback on the Work's future: it would run Python on the backend's worker
+    thread, which then waits for the GIL (up to the 5 ms switch interval) before it can start
+    the next collective, a real slowdown. Instead an async record is completed when the user's
+    `wait()` returns, or when a later traced call finds `is_completed()` true.
+    """
     works = out if isinstance(out, list) else [out]
-    works = [w for w in works if hasattr(w, "get_future")]
+    works = [w for w in works if hasattr(w, "is_completed")]
     if not works:
         writer.done(rec)
         return
-    remaining = [len(works)]
-
-    def on_done(fut) -> None:  # runs on the backend's thread when the work finished
-        with _lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last and _writer is writer:
-            failed = fut.exception() if hasattr(fut, "exception") else None
-            writer.done(rec, FAILED if failed else COMPLETED)
-
+    _sweep(writer)
+    entry = [rec, len(works)]
     for work in works:
+        _in_flight[id(work)] = (work, entry)
+
+
+def _sweep(writer: _Writer) -> None:
+    """Complete the records of async works the backend has finished."""
+    for key, (work, _) in list(_in_flight.items()):
         try:
-            work.get_future().add_done_callback(on_done)
-        except Exception:  # a backend without futures: count it done at issue
-            writer.done(rec)
-            return
+            finished = work.is_completed()
+        except Exception:
+            finished = True
+        if finished:
+            _finish_work(writer, key)
+
+
+def _finish_work(writer: _Writer, key: int, state: int = COMPLETED) -> None:
+    item = _in_flight.pop(key, None)
+    if item is None:
+        return
+    entry = item[1]
+    entry[1] -= 1
+    if entry[1] == 0:
+        writer.done(entry[0], state)
+
+
+def _traced_wait(original):
+    @functools.wraps(original)
+    def wait(self, *args, **kwargs):
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            if _writer is not None:
+                _finish_work(_writer, id(self), FAILED)
+            raise
+        if _writer is not None:
+            _finish_work(_writer, id(self))
+        return result
+
+    return wait
 
 
 # ------------------------------------------------------------ in the parent

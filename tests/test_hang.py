@@ -1,0 +1,346 @@
+"""Hang and desync detection with real gloo ranks: every scenario, a user's script, the
+student DDP of the docs, the launcher's watchdog and the pytest helper.
+
+Spawning ranks is the cost (about a second of CPU a rank), so the scenarios run once, together,
+in a module fixture (a few at a time in threads: each launch has its own rendezvous), and the
+tests below assert on their results. Stall timeouts are 3 s (4 s for the slow rank, which
+sleeps half of it: under `pytest -n auto` on two shared cores a rank can be descheduled for
+a while, and the margin keeps the "not flagged" claim about the watchdog, not about the load).
+Detection time is asserted with generous slack (stall + 10 s): the bar (stall + 2 s) is
+measured and printed, not asserted, since a loaded CI machine would make it flaky.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verify import tracer
+from verify.diagnose import RankState, diagnose
+from verify.hang import HangOptions, check_hang
+from verify.launch import RankContext, launch
+from verify.testing import launch_or_fail
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+STALL_S = 3.0
+
+# scenario -> (verdicts accepted, finding kinds accepted, culprit, call site that must be named)
+# gloo turns some mismatches into an abort (SIGABRT, "Received data size doesn't match") and
+# others into a hang, depending on timing: either is a detection, as long as the culprit,
+# the collective and the call site are named.
+EXPECTED = {
+    "hang:skip-collective": (
+        {"hang", "crash"}, {"skipped collective"}, 1, "scenarios.py:", "check_finite"
+    ),
+    "hang:bucket-order": (
+        {"hang", "crash"}, {"count mismatch", "extra collective"}, 1, "overlap.py:", "all_reduce"
+    ),
+    "hang:shape-mismatch": ({"hang", "crash"}, {"count mismatch"}, 1, "scenarios.py:", "(513,)"),
+    "hang:broadcast-source": (
+        {"hang", "desync", "crash"}, {"broadcast source mismatch"}, 1, "scenarios.py:",
+        "broadcast",
+    ),
+    "hang:reduce-op": ({"desync"}, {"reduce-op mismatch"}, 1, "scenarios.py:", "MAX"),
+    "hang:raise": ({"crash"}, {"missing", "raised"}, 1, "scenarios.py:", "hit a data error"),
+    "hang:sigkill": ({"crash"}, {"missing", "crashed"}, 1, "scenarios.py:", "SIGKILL"),
+    "hang:deadlock": (
+        {"hang"}, {"missing", "stuck outside collectives"}, 1, "scenarios.py:", "before_sync"
+    ),
+}  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie nobody reaped yet is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _cli(*args: str, out: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "verify", "hang", "--json", "--out", str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)
+    doc["exit"] = proc.returncode
+    return doc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every scenario, the user script (hanging and not) and the student DDP, run once per
+    test session: the first xdist worker to get here runs them under a file lock and leaves
+    the results as JSON in the session's shared temp dir; the others read that."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    cached = root / "hang-runs.json"
+    with open(root / "hang-runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            results = _run_all(root / "hang-reports")
+            cached.write_text(json.dumps(results, default=str))
+    return json.loads(cached.read_text())
+
+
+def _run_all(out: Path) -> dict:
+    out.mkdir(exist_ok=True)
+
+    def impl(name: str, stall: float = STALL_S):
+        result = check_hang(HangOptions(impl=name, stall_timeout_s=stall, out=str(out)))
+        return result.to_dict() | {"exit": 0 if result.passed else 1}
+
+    def script(mode: str):
+        options = HangOptions(script=(SCRIPT, mode), stall_timeout_s=STALL_S, out=str(out))
+        result = check_hang(options)
+        return result.to_dict() | {"exit": 0 if result.passed else 1}
+
+    jobs = {name: (impl, name) for name in EXPECTED if name != "hang:deadlock"}
+    jobs["hang:deadlock"] = (_cli, "--impl", "hang:deadlock", "--stall-timeout", "3")
+    jobs["hang:slow-rank"] = (_cli, "--impl", "hang:slow-rank", "--stall-timeout", "4")
+    jobs["script:skip"] = (script, "skip")
+    jobs["script:ok"] = (script, "ok")
+    jobs["student"] = (impl, "docs/examples/student_ddp.py:StudentDDP")
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {}
+        for key, (fn, *args) in jobs.items():
+            kwargs = {"out": out} if fn is _cli else {}
+            futures[key] = pool.submit(fn, *args, **kwargs)
+        results = {key: f.result() for key, f in futures.items()}
+    print(f"\n{len(jobs)} hang checks in {time.monotonic() - start:.1f}s")
+    for key, doc in results.items():
+        d = doc["diagnosis"]
+        detect = d.get("detection_s")
+        print(
+            f"  {key:24s} {d['verdict']:7s} culprit={d['culprit']} "
+            f"detected={'-' if detect is None else f'{detect:.1f}s'} ({doc['elapsed_s']:.1f}s)"
+        )
+    return results
+
+
+# The tests that read `runs` share one worker under xdist, so the fixture runs once.
+shared = pytest.mark.xdist_group("hang-scenarios")
+
+
+@shared
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_scenario_is_diagnosed(runs, name):
+    verdicts, kinds, culprit, site, detail = EXPECTED[name]
+    doc = runs[name]
+    d = doc["diagnosis"]
+    assert doc["exit"] == 1 and d["verdict"] in verdicts, d["headline"]
+    assert d["culprit"] == culprit, d["headline"]
+    head = next(f for f in d["findings"] if f["message"] == d["headline"])
+    assert head["kind"] in kinds, d["headline"]
+    assert d["collective"] and "#" in d["collective"], d["headline"]  # e.g. all_reduce #38
+    assert site in d["headline"] and detail in d["headline"] + str(d["ranks"]), d["headline"]
+    if d["verdict"] == "hang":
+        assert d["detection_s"] < STALL_S + 10, d["detection_s"]  # measured; bar is stall + 2
+        assert any(name.endswith(".stack") for name in doc["files"])
+    assert doc["pids"] and not [p for p in doc["pids"].values() if _alive(p)]
+    report = Path(doc["report_dir"])
+    assert (report / "report.txt").read_text().startswith("hang check:")
+    assert (
+        json.loads((report / "report.json").read_text())["diagnosis"]["headline"] == d["headline"]
+    )
+    assert (report / "rank0.collectives.jsonl").exists()
+
+
+@shared
+def test_slow_rank_is_not_a_hang(runs):
+    doc = runs["hang:slow-rank"]
+    assert doc["exit"] == 0 and doc["diagnosis"]["verdict"] == "ok", doc["diagnosis"]
+    assert not [p for p in doc["pids"].values() if _alive(p)]
+
+
+@shared
+def test_a_users_script_that_hangs(runs):
+    d = runs["script:skip"]["diagnosis"]
+    assert runs["script:skip"]["exit"] == 1 and d["verdict"] == "hang", d["headline"]
+    assert d["culprit"] == 1 and "hang_script.py:25" in d["site"], d["headline"]
+    assert "skipped all_reduce" in d["headline"] and "barrier" in d["headline"]
+    assert not [p for p in runs["script:skip"]["pids"].values() if _alive(p)]
+    ok = runs["script:ok"]
+    assert ok["exit"] == 0 and ok["diagnosis"]["verdict"] == "ok", ok["diagnosis"]
+
+
+@shared
+def test_student_ddp_on_unused_parameters(runs):
+    """docs/examples/student_ddp.py launches all-reduces in arrival order: on the `unused`
+    workload rank 0 (the only one using `one_rank`) issues two more, the ranks' k-th
+    collectives differ, and gloo aborts or hangs. The culprit is rank 0's extra one."""
+    d = runs["student"]["diagnosis"]
+    assert runs["student"]["exit"] == 1 and d["verdict"] in ("hang", "crash"), d
+    assert d["culprit"] == 0 and "student_ddp.py:" in d["headline"], d["headline"]
+
+
+# ---------------------------------------------------------------- tracer, launch, helper
+
+
+def _ops(ctx: RankContext) -> None:
+    t = torch.ones(2, 3)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, async_op=True).wait()
+    dist.broadcast(t, src=0)
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, {"rank": ctx.rank})  # its inner all_gathers are not recorded
+    dist.barrier()
+
+
+def test_tracer_records_every_collective(tmp_path):
+    result = launch(_ops, world_size=1, report_dir=str(tmp_path), stall_timeout_s=30)
+    assert result.ok and result.diagnosis.verdict == "ok", result.summary()
+    trace = tracer.read_trace(str(tmp_path / "rank0.trace"))
+    got = [
+        (r.seq, r.op, r.reduce_op, r.dtype, r.shape, r.numel, r.peer, r.state)
+        for r in trace.records
+    ]
+    assert got == [
+        (1, "all_reduce", "MAX", "float32", "(2, 3)", 6, None, "completed"),
+        (2, "all_reduce", "SUM", "float32", "(2, 3)", 6, None, "completed"),
+        (3, "broadcast", None, "float32", "(2, 3)", 6, 0, "completed"),
+        (4, "all_gather_object", None, None, None, None, None, "completed"),
+        (5, "barrier", None, None, None, None, None, "completed"),
+    ]  # fmt: skip
+    assert all(
+        r.site.startswith("tests/test_hang.py:") and "(_ops)" in r.site for r in trace.records
+    )
+    assert trace.pending == 0 and trace.events == 10
+
+
+def _mismatch_then_hang(ctx: RankContext) -> None:
+    t = torch.ones(4)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if ctx.rank == 0 else dist.ReduceOp.MAX)
+    if ctx.rank == 0:
+        dist.all_reduce(t)  # rank 1 never joins: a hang
+    else:
+        dist.recv(t, src=0)  # (a rank that returned would make rank 0's all_reduce fail)
+
+
+def _reduce_op_desync(ctx: RankContext) -> None:
+    dist.all_reduce(torch.ones(4), op=dist.ReduceOp.SUM if ctx.rank == 0 else dist.ReduceOp.MAX)
+
+
+def test_launch_watchdog_and_pytest_helper():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        launch_or_fail(_mismatch_then_hang, world_size=2, stall_timeout_s=2, timeout_s=60)
+    assert time.monotonic() - start < 40  # not the 60 s deadline: the 2 s stall timeout
+    message = str(failed.value)
+    assert "the ranks hung" in message and "rank 1" in message
+    assert "all_reduce #2" in message and "test_hang.py:" in message and "recv" in message
+    assert "reduce-op mismatch at collective #1" in message  # the desync before the hang
+    # A run that completes with mismatched reduce ops is ok for the launcher, a desync here.
+    result = launch(_reduce_op_desync, world_size=2, stall_timeout_s=5)
+    assert result.ok and result.diagnosis.verdict == "desync", result.summary()
+    assert "reduce-op mismatch" in result.summary()
+    with pytest.raises(pytest.fail.Exception, match="collectives disagreed"):
+        launch_or_fail(_reduce_op_desync, world_size=2)
+
+
+# ---------------------------------------------------------------- diagnosis rules, no ranks
+
+
+def _rec(seq, site, numel=4, state="completed", op="all_reduce", reduce_op="SUM"):
+    return tracer.Record(
+        index=seq - 1, seq=seq, op=op, group="world", reduce_op=reduce_op, dtype="float32",
+        numel=numel, shape=f"({numel},)", peer=None, p2p=False, site=site, state=state,
+        t_issue=100.0 + seq, t_done=None if state == "issued" else 100.5 + seq,
+    )  # fmt: skip
+
+
+def _trace(rank, records):
+    pending = sum(r.pending for r in records)
+    return tracer.Trace(rank, 1000 + rank, tuple(records), 2 * len(records), pending, 200.0, 0)
+
+
+def test_the_history_names_who_skipped():
+    """Two steps of [grad, grad, flag]; at step 3 rank 0 skips the flag: the tie between two
+    ranks is broken by what every earlier step did after the last grad."""
+    step = [("grad", 8), ("grad", 8), ("flag", 1)]
+    common = [_rec(i + 1, f"x.py:{s}", n) for i, (s, n) in enumerate(step * 2 + step[:2])]
+    r0 = common + [_rec(9, "x.py:grad", 8, "issued")]  # skipped the flag
+    r1 = common + [_rec(9, "x.py:flag", 1, "issued")]
+    states = [RankState(0, "timeout"), RankState(1, "timeout")]
+    d = diagnose([_trace(0, r0), _trace(1, r1)], states, stalled=True)
+    assert (d.verdict, d.culprit, d.findings[0].kind) == ("hang", 0, "skipped collective")
+    assert "rank 0 skipped all_reduce #9" in d.headline and "x.py:flag" in d.headline
+
+
+def test_same_count_different_shape_is_a_desync():
+    """hang:shape-desync in miniature: gloo reduces (2, 2) against (4,) without complaint."""
+    a, b = _rec(1, "a.py:1"), _rec(1, "a.py:2")
+    b = tracer.Record(**{**b.to_dict(), "shape": "(2, 2)"})
+    d = diagnose([_trace(0, [a]), _trace(1, [b])], [RankState(0, "ok"), RankState(1, "ok")])
+    assert (d.verdict, d.culprit, d.findings[0].kind) == ("desync", 1, "shape mismatch")
+    assert not d.findings[0].hangs and "(2, 2)" in d.headline
+
+
+def test_majority_and_missing_ranks():
+    ok = [_rec(1, "a.py:1")]
+    states = [RankState(r, "timeout") for r in range(3)] + [RankState(3, "crashed", "killed")]
+    traces = [
+        _trace(0, ok + [_rec(2, "a.py:2", 4, "issued")]),
+        _trace(1, ok + [_rec(2, "a.py:2", 4, "issued")]),
+        _trace(2, ok + [_rec(2, "a.py:2", 5, "issued")]),  # the odd one out
+        _trace(3, ok),  # died after #1
+    ]
+    d = diagnose(traces, states, stalled=True)
+    assert d.culprit == 3 and d.findings[0].kind == "missing" and "killed" in d.headline
+    d = diagnose(traces[:3], states[:3], stalled=True)
+    assert d.culprit == 2 and d.findings[0].kind == "count mismatch"
+
+
+def test_torchrun_node_watchdog(tmp_path):
+    """Under torchrun, verify.hang_run's node watchdog ends a hung job and writes the report."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(ROOT), DDP_VERIFY_STALL_TIMEOUT="3", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "verify.hang_run", SCRIPT, "skip"]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90
+    reports = list(tmp_path.glob("profiles/hang_torchrun_*/report.json"))
+    assert reports, stderr[-3000:]
+    d = json.loads(reports[0].read_text())
+    assert d["verdict"] == "hang" and d["culprit"] == 1, d["headline"]
+    assert "hang_script.py:25" in d["headline"]
+    assert "verify.hang_run (node watchdog)" in stderr, stderr[-3000:]
+    assert _session_members(proc.pid) == []  # torchrun and every rank are gone
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes of session `sid` (torchrun was started as a session leader)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            members.append(int(stat.parent.name))
+    return members

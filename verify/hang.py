@@ -1,0 +1,465 @@
+"""`python -m verify hang`: run a job under the hang watchdog and report a diagnosis.
+
+Two ways in:
+
+- `--impl NAME`: train the implementation through the workloads where data-parallel code
+  hangs (a parameter used on one rank only and parameters never used, several buckets, tied
+  weights) with `launch(..., stall_timeout_s=...)`;
+- `--nproc N -- train.py ARGS`: run the user's own script in N processes (RANK, WORLD_SIZE,
+  LOCAL_RANK, MASTER_ADDR, MASTER_PORT set, a free port picked), each under
+  `python -m verify.hang_run`, which traces its collectives, while this process watches.
+
+Either way one report folder is written per run, never over an earlier one:
+`profiles/hang_<name>_<world>x<device>_<stamp>/` (or under `--out DIR`) with report.txt (what
+was printed), report.json, metadata.json and, per rank, `rank<r>.collectives.jsonl` (every
+traced collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` (the
+backend's debug log: TORCH_CPP_LOG_LEVEL=INFO, TORCH_DISTRIBUTED_DEBUG=INFO; NCCL_DEBUG=INFO
+files on NCCL) and `rank<r>.flight_recorder.json`. Exit code 0: no hang and no desync; 1: a
+hang, desync or crash was diagnosed; 2: the check could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from impls.registry import resolve
+
+from . import capture, scenarios, tracer
+from .diagnose import Diagnosis, RankState, diagnose, innermost_frames
+from .launch import RankContext, launch
+from .workloads import get_workload
+
+#: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
+#: some or all steps; many small buckets; a weight shared by two layers.
+HANG_WORKLOADS = (("unused", 0.002), ("mlp", 0.0005), ("tied", 0.002))
+DEFAULT_STALL_S = 10.0
+_GRACE_S = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangOptions:
+    impl: str | None = None  # --impl mode
+    script: tuple[str, ...] = ()  # --nproc mode: the script and its arguments
+    world_size: int = 2
+    stall_timeout_s: float = DEFAULT_STALL_S
+    steps: int = 3
+    out: str = "profiles"
+    timeout_s: float = 600.0
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if (self.impl is None) == (not self.script):
+            raise ValueError("give either --impl NAME or --nproc N -- script.py ARGS")
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall timeout must be > 0 seconds, got {self.stall_timeout_s}")
+        if self.steps < 2:
+            raise ValueError(f"steps must be >= 2 (faults show at step 2), got {self.steps}")
+        if self.impl is not None:
+            resolve(self.impl)
+        elif not os.path.isfile(self.script[0]):
+            raise ValueError(f"script {self.script[0]} does not exist")
+
+
+@dataclass(frozen=True)
+class HangResult:
+    options: HangOptions
+    diagnosis: Diagnosis
+    report_dir: str
+    elapsed_s: float
+    failure: str | None = None  # the launcher's summary when a rank failed
+    files: dict = field(default_factory=dict)
+    pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
+
+    @property
+    def passed(self) -> bool:
+        return not self.diagnosis.faulty
+
+    def to_dict(self) -> dict:
+        return {
+            "check": "hang",
+            "passed": self.passed,
+            "verdict": self.diagnosis.verdict,
+            "report_dir": self.report_dir,
+            "elapsed_s": self.elapsed_s,
+            "options": {k: v for k, v in vars(self.options).items()},
+            "diagnosis": self.diagnosis.to_dict(),
+            "failure": self.failure,
+            "files": self.files,
+            "pids": self.pids,
+        }
+
+
+# ------------------------------------------------------------ --impl
+
+
+def check_hang(options: HangOptions) -> HangResult:
+    """Run `options.impl` (or the script) under the watchdog; write and return the report."""
+    name = options.impl or os.path.basename(options.script[0])
+    report_dir = new_report_dir(options.out, name, options.world_size, options.backend)
+    _write_json(os.path.join(report_dir, "metadata.json"), _metadata(options))
+    start = time.monotonic()
+    if options.script:
+        diagnosis, failure = _run_script(options, report_dir)
+    else:
+        run = launch(
+            run_hang_on_rank,
+            world_size=options.world_size,
+            args=(options,),
+            timeout_s=options.timeout_s,
+            backend=options.backend,
+            env=capture.backend_env(options.backend, report_dir),
+            stall_timeout_s=options.stall_timeout_s,
+            report_dir=report_dir,
+        )
+        assert run.diagnosis is not None
+        diagnosis, failure = run.diagnosis, None if run.ok else run.summary()
+    elapsed = time.monotonic() - start
+    files, pids = finish_report(report_dir, options.world_size)
+    diagnosis = _with_files(diagnosis, files)
+    result = HangResult(options, diagnosis, report_dir, elapsed, failure, files, pids)
+    with open(os.path.join(report_dir, "report.txt"), "w") as f:
+        f.write(format_hang(result) + "\n")
+    _write_json(os.path.join(report_dir, "report.json"), result.to_dict())
+    return result
+
+
+def run_hang_on_rank(ctx: RankContext, options: HangOptions) -> int:
+    """Train the implementation for a few steps on each hang-prone workload; the watchdog in
+    the parent does the checking. Returns the number of steps run."""
+    impl = resolve(options.impl)
+    steps = 0
+    for workload_name, bucket_mb in HANG_WORKLOADS:
+        workload = get_workload(workload_name)
+        torch.manual_seed(ctx.rank)
+        model = workload.build().to(ctx.device)
+        wrapped = impl.wrap(
+            model, bucket_size_mb=bucket_mb, find_unused_parameters=workload.has_unused_parameters
+        )
+        optimizer = impl.make_optimizer(workload.param_groups(model), torch.optim.SGD)
+        finish = getattr(wrapped, "finish_gradient_synchronization", None)
+        start_batch = getattr(wrapped, "on_train_batch_start", None)
+        for step in range(1, options.steps + 1):
+            if start_batch is not None:
+                start_batch()
+            optimizer.zero_grad()
+            batch = workload.batch(step, ctx.world_size).shard(ctx.rank, ctx.world_size)
+            workload.loss(wrapped, batch.to(ctx.device)).backward()
+            if finish is not None:
+                finish()
+            optimizer.step()
+            steps += 1
+    return steps
+
+
+# ------------------------------------------------------------ --nproc -- script.py
+
+
+def _run_script(options: HangOptions, report_dir: str) -> tuple[Diagnosis, str | None]:
+    """Spawn the script in N processes under `verify.hang_run`, watch, diagnose, end them."""
+    n = options.world_size
+    env = {
+        **os.environ,
+        **capture.backend_env(options.backend, report_dir),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", _loopback()),
+        "DDP_VERIFY_HANG_DIR": report_dir,
+        "DDP_VERIFY_HANG_PARENT": str(os.getpid()),
+        scenarios.STALL_ENV: repr(options.stall_timeout_s),
+        "PYTHONPATH": os.pathsep.join(p for p in (_root(), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    env.pop("DDP_VERIFY_SPAWNED", None)
+    procs = []
+    try:
+        for r in range(n):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            out = open(os.path.join(report_dir, f"rank{r}.stdout"), "wb")  # noqa: SIM115
+            err = open(os.path.join(report_dir, f"rank{r}.stderr"), "wb")  # noqa: SIM115
+            cmd = [sys.executable, "-m", "verify.hang_run", *options.script]
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err))
+            out.close()
+            err.close()
+        return _watch(procs, options, report_dir)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _watch(procs, options: HangOptions, report_dir: str) -> tuple[Diagnosis, str | None]:
+    n = len(procs)
+    trace_paths = [os.path.join(report_dir, f"rank{r}.trace") for r in range(n)]
+    watchdog = capture.Watchdog(trace_paths, options.stall_timeout_s)
+    deadline = time.monotonic() + options.timeout_s
+    failed_at: float | None = None
+    order: list[int] = []
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        for r, code in enumerate(codes):
+            if code not in (None, 0) and r not in order:
+                order.append(r)
+                failed_at = failed_at or time.monotonic()
+        if all(c is not None for c in codes):
+            break
+        if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
+            break
+        if failed_at is None and watchdog.poll():
+            break
+        time.sleep(0.05)
+    live = [r for r, p in enumerate(procs) if p.poll() is None]
+    capture.request_flight_recorder(report_dir, live)
+    for r in live:  # hang_run registered faulthandler on SIGUSR1
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.5 if live else 0)
+    for r in live:
+        procs[r].kill()
+    for p in procs:
+        p.wait()
+    stalled = watchdog.stalled_at is not None
+    states = []
+    for r, p in enumerate(procs):
+        stack = _read(os.path.join(report_dir, f"rank{r}.stack"))
+        tb = _read(os.path.join(report_dir, f"rank{r}.traceback"))
+        if r in live and failed_at is not None:
+            why = f"still running {_GRACE_S:g}s after rank {order[0]} failed"
+            states.append(RankState(r, "killed", why, None, stack, p.returncode))
+        elif r in live:
+            why = (
+                "no rank progressed (stall timeout)" if stalled else "still running at the deadline"
+            )
+            states.append(RankState(r, "timeout", why, None, stack, p.returncode))
+        elif p.returncode == 0:
+            states.append(RankState(r, "ok", exitcode=0))
+        elif tb:
+            last = tb.strip().splitlines()[-1]
+            states.append(RankState(r, "error", last, tb, stack, p.returncode))
+        else:
+            why = _describe_exit(p.returncode)
+            states.append(RankState(r, "crashed", why, None, stack, p.returncode))
+    traces = [tracer.read_trace(path) for path in trace_paths]
+    diag = diagnose(
+        traces,
+        states,
+        stalled=stalled or (bool(live) and failed_at is None),
+        stall_timeout_s=options.stall_timeout_s,
+        detection_s=watchdog.detection_s(),
+        failure_order=tuple(order),
+    )
+    return diag, None
+
+
+# ------------------------------------------------------------ the report folder
+
+
+def new_report_dir(out: str, name: str, world: int, backend: str) -> str:
+    """`out/hang_<name>_<world>x<device>_<stamp>/`, created; never an existing folder."""
+    device = "gpu" if backend == "nccl" else "cpu"
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(out, f"hang_{slug}_{world}x{device}_{stamp}")
+    path, i = base, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            i += 1
+            path = f"{base}-{i}"
+
+
+def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:
+    """Turn the binary traces into rank<r>.collectives.jsonl; the captured files, and the
+    ranks' process ids (from their traces)."""
+    files: dict[str, str] = {}
+    pids: dict[int, int] = {}
+    for r in range(world):
+        trace_path = os.path.join(report_dir, f"rank{r}.trace")
+        trace = tracer.read_trace(trace_path)
+        if trace is not None:
+            pids[r] = trace.pid
+            path = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
+            with open(path, "w") as f:
+                for rec in trace.records:
+                    f.write(json.dumps(rec.to_dict()) + "\n")
+            for leftover in (trace_path, trace_path + ".strings"):
+                os.remove(leftover)
+        for kind in ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json"):
+            path = os.path.join(report_dir, f"rank{r}.{kind}")
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                files[f"rank{r}.{kind}"] = path
+    for name in sorted(os.listdir(report_dir)):
+        if name.startswith(("nccl.", "nccl_trace_rank_")):
+            files[name] = os.path.join(report_dir, name)
+    return files, pids
+
+
+def _with_files(diag: Diagnosis, files: dict) -> Diagnosis:
+    from dataclasses import replace
+
+    return replace(diag, files=dict(files))
+
+
+def _metadata(options: HangOptions) -> dict:
+    return {
+        "command": " ".join([os.path.basename(sys.executable), "-m", "verify", *sys.argv[1:]]),
+        "options": vars(options),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.node()}, {os.cpu_count()} cpus",
+        "cuda": torch.cuda.is_available(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def format_hang(result: HangResult) -> str:
+    o = result.options
+    what = o.impl or " ".join(o.script)
+    head = (
+        f"hang check: {what}, world size {o.world_size}, stall timeout {o.stall_timeout_s:g}s "
+        f"({result.elapsed_s:.1f}s)"
+    )
+    d = result.diagnosis
+    if not d.faulty:
+        body = "no hang: every rank finished and every collective matched on every rank"
+        return f"{head}\n{body}\nreport: {result.report_dir}"
+    return f"{head}\n{d.text()}\nreport: {result.report_dir}"
+
+
+# ------------------------------------------------------------ CLI
+
+
+def register(subparsers) -> None:
+    from .cli import _positive_float, _positive_int, impl_help
+
+    p = subparsers.add_parser(
+        "hang",
+        help="run under the hang watchdog: diagnose hangs and desyncs",
+        description="python -m verify hang --impl NAME | --nproc N -- train.py ARGS",
+    )
+    p.add_argument("--impl", default=None, help=impl_help())
+    p.add_argument("--nproc", type=_positive_int("--nproc"), default=None)
+    p.add_argument("--world-size", type=_positive_int("--world-size"), default=2)
+    p.add_argument(
+        "--stall-timeout",
+        type=_positive_float("--stall-timeout"),
+        default=DEFAULT_STALL_S,
+        help="seconds without progress on any rank that make a hang",
+    )
+    p.add_argument("--steps", type=_positive_int("--steps"), default=3)
+    p.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0)
+    p.add_argument("--out", default="profiles", help="parent folder of the report folder")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py ARGS (with --nproc)")
+    p.set_defaults(run=cmd_hang)
+    p = subparsers.add_parser(
+        "bench-tracer", help="benchmark the collective tracer against a training step"
+    )
+    p.add_argument("--impl", default="bucketed", help=impl_help())
+    p.add_argument("--world-size", type=_positive_int("--world-size"), default=2)
+    p.add_argument("--model-size", type=_positive_float("--model-size"), default=None)
+    p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=None)
+    p.add_argument("--repeats", type=_positive_int("--repeats"), default=15)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_bench_tracer)
+
+
+def cmd_hang(args: argparse.Namespace) -> int:
+    from .cli import EXIT_FAULT, EXIT_PASS, UsageError
+
+    script = tuple(a for a in args.script if a != "--") if args.script else ()
+    if args.nproc is not None and not script:
+        raise UsageError("--nproc needs a script: --nproc N -- train.py ARGS")
+    if script and args.nproc is None:
+        raise UsageError(f"unexpected arguments {' '.join(script)} (did you mean --nproc N --?)")
+    options = HangOptions(
+        impl=args.impl,
+        script=script,
+        world_size=args.nproc or args.world_size,
+        stall_timeout_s=args.stall_timeout,
+        steps=max(2, args.steps),
+        out=args.out,
+        timeout_s=args.timeout,
+    )
+    result = check_hang(options)
+    print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else format_hang(result))
+    return EXIT_PASS if result.passed else EXIT_FAULT
+
+
+def cmd_bench_tracer(args: argparse.Namespace) -> int:
+    from .bench_tracer import TracerBenchOptions, format_tracer_bench, run_tracer_bench
+    from .cli import EXIT_FAULT, EXIT_PASS
+
+    options = TracerBenchOptions(
+        impl=args.impl,
+        world_size=args.world_size,
+        model_size_m=args.model_size,
+        repeats=args.repeats,
+        **({} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}),
+    )
+    result = run_tracer_bench(options)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_tracer_bench(result))
+    return EXIT_PASS if result.ok else EXIT_FAULT
+
+
+# ------------------------------------------------------------ small helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback() -> str:
+    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
+
+
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read() or None
+    except OSError:
+        return None
+
+
+def _describe_exit(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _write_json(path: str, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+
+
+__all__ = ["HangOptions", "HangResult", "check_hang", "innermost_frames", "run_hang_on_rank"]

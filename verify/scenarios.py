@@ -1,0 +1,202 @@
+"""Hang and desync scenarios: DDP wrappers that go wrong on purpose, one way each.
+
+Registered as `hang:<name>` implementations (source "hang"), so
+`python -m verify hang --impl hang:skip-collective` shows what a diagnosis looks like and the
+tests prove each is caught. Every scenario is the same small DDP (broadcast at construction;
+in `finish_gradient_synchronization()` one blocking all-reduce per gradient, then an
+all-reduce of a "gradients are finite" flag, as training loops do before stepping), with one
+fault injected on the last rank at the second synchronized step, so the first step's
+collectives give the diagnosis a history to compare against:
+
+| scenario | the last rank, at step 2 | what happens on gloo |
+|---|---|---|
+| skip-collective | skips the finite-flag all-reduce | hang, or a size-mismatch abort |
+| bucket-order | launches its buckets in reverse (from step 1) | size-mismatch abort or hang |
+| shape-mismatch | all-reduces one gradient with an extra element | abort or hang |
+| broadcast-source | re-syncs a parameter broadcasting from itself, not rank 0 | desync or hang |
+| reduce-op | reduces the finite flag with MAX instead of SUM | completes: a desync |
+| shape-desync | all-reduces a gradient flattened (same element count) | completes: a desync |
+| raise | raises before its all-reduces | the others wait, the launcher ends them |
+| sigkill | SIGKILLs itself | the others wait, the launcher ends them |
+| deadlock | waits on an event nobody sets (outside any collective) | hang |
+| slow-rank | sleeps half the stall timeout, then continues | must NOT be flagged |
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from impls.bucketed import BucketedDDP
+from impls.registry import REGISTRY, Implementation, register
+
+FAULT_STEP = 2
+STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # set by the launcher in every rank
+_fault_model: int | None = None  # id of the wrapper whose step 2 is faulty in this process
+
+
+class ScenarioDDP(nn.Module):
+    """The healthy base: per-gradient blocking all-reduce plus a finite-flag all-reduce."""
+
+    def __init__(self, module: nn.Module, *, process_group=None, **_hints) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.steps = 0
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0, group=self.process_group)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def faulty(self) -> bool:
+        """True on the last rank at the fault step of the first model it wraps (never at world
+        size 1): the fault happens once per process, however many workloads follow."""
+        global _fault_model
+        if self.world_size == 1 or self.rank != self.world_size - 1 or self.steps != FAULT_STEP:
+            return False
+        if _fault_model is None:
+            _fault_model = id(self)
+        return _fault_model == id(self)
+
+    def finish_gradient_synchronization(self) -> None:
+        self.steps += 1
+        self.before_sync()
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(self.world_size)
+            self.reduce_grad(i, p.grad)
+        self.check_finite()
+
+    # --- what scenarios override ---
+
+    def before_sync(self) -> None:
+        pass
+
+    def reduce_grad(self, index: int, grad: torch.Tensor) -> None:
+        dist.all_reduce(grad, group=self.process_group)
+
+    def check_finite(self, op=dist.ReduceOp.SUM) -> None:
+        bad = torch.tensor(
+            [float(sum(not bool(torch.isfinite(p.grad).all()) for p in self.params))]
+        )
+        dist.all_reduce(bad, op=op, group=self.process_group)
+
+
+class SkipCollective(ScenarioDDP):
+    def check_finite(self, op=dist.ReduceOp.SUM) -> None:
+        if self.faulty:
+            return  # e.g. an early `return` on a rank-local condition
+        super().check_finite(op)
+
+
+class ShapeMismatch(ScenarioDDP):
+    def reduce_grad(self, index, grad) -> None:
+        if self.faulty and index == 0:
+            padded = torch.cat([grad.flatten(), grad.new_zeros(1)])
+            dist.all_reduce(padded, group=self.process_group)
+            grad.copy_(padded[:-1].view_as(grad))
+            return
+        super().reduce_grad(index, grad)
+
+
+class ShapeDesync(ScenarioDDP):
+    def reduce_grad(self, index, grad) -> None:
+        if self.faulty and index == 0 and grad.dim() > 1:
+            flat = grad.flatten()  # same elements, different shape: gloo does not mind
+            dist.all_reduce(flat, group=self.process_group)
+            grad.copy_(flat.view_as(grad))
+            return
+        super().reduce_grad(index, grad)
+
+
+class ReduceOpMismatch(ScenarioDDP):
+    def check_finite(self, op=dist.ReduceOp.SUM) -> None:
+        super().check_finite(dist.ReduceOp.MAX if self.faulty else op)
+
+
+class BroadcastSource(ScenarioDDP):
+    def before_sync(self) -> None:
+        # "Re-sync the first parameter from rank 0", but the last rank names itself.
+        src = self.rank if self.faulty else 0
+        dist.broadcast(self.params[0].data, src=src, group=self.process_group)
+
+
+class Raises(ScenarioDDP):
+    def before_sync(self) -> None:
+        if self.faulty:
+            raise RuntimeError(f"rank {self.rank} hit a data error at step {self.steps}")
+
+
+class Killed(ScenarioDDP):
+    def before_sync(self) -> None:
+        if self.faulty:
+            os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does
+
+
+class Deadlock(ScenarioDDP):
+    def before_sync(self) -> None:
+        if self.faulty:
+            threading.Event().wait()  # a lock of its own that nobody releases
+
+
+class SlowRank(ScenarioDDP):
+    def before_sync(self) -> None:
+        if self.faulty:
+            stall = float(os.environ.get(STALL_ENV, "2"))
+            time.sleep(stall / 2)  # slow, not hung: the watchdog must not flag this
+
+
+class ReversedBuckets(BucketedDDP):
+    """BucketedDDP whose last rank launches its buckets in the reverse order: the bucket order
+    depends on the rank, as when it is planned from a rank-local order of gradient arrival."""
+
+    def __init__(self, module, *, bucket_size_mb: float = 25.0, **kwargs) -> None:
+        # Small buckets, so that there are several of different sizes.
+        super().__init__(module, bucket_size_mb=min(bucket_size_mb, 0.002), **kwargs)
+
+    def _plan_units(self):
+        plan = super()._plan_units()
+        ws = dist.get_world_size(self.process_group)
+        if ws > 1 and dist.get_rank(self.process_group) == ws - 1:
+            plan, self.buckets = plan[::-1], self.buckets[::-1]
+        return plan
+
+
+def _wrap(cls):
+    def wrap(module, *, bucket_size_mb=25.0, process_group=None, **_hints):
+        if cls is ReversedBuckets:
+            return cls(module, bucket_size_mb=bucket_size_mb, process_group=process_group)
+        return cls(module, process_group=process_group)
+
+    return wrap
+
+
+#: name -> (class, summary, what the hang check must conclude: "hang" | "crash" | "desync" | "ok")
+SCENARIOS: dict[str, tuple[type, str, str]] = {
+    "hang:skip-collective": (SkipCollective, "last rank skips a collective at step 2", "hang"),
+    "hang:bucket-order": (ReversedBuckets, "last rank launches buckets in reverse order", "hang"),
+    "hang:shape-mismatch": (ShapeMismatch, "last rank all-reduces one extra element", "hang"),
+    "hang:broadcast-source": (BroadcastSource, "last rank broadcasts from itself", "desync"),
+    "hang:reduce-op": (ReduceOpMismatch, "last rank reduces with MAX, others SUM", "desync"),
+    "hang:shape-desync": (ShapeDesync, "last rank reduces a gradient flattened", "desync"),
+    "hang:raise": (Raises, "last rank raises at step 2", "crash"),
+    "hang:sigkill": (Killed, "last rank is SIGKILLed at step 2", "crash"),
+    "hang:deadlock": (Deadlock, "last rank blocks outside any collective", "hang"),
+    "hang:slow-rank": (SlowRank, "last rank stalls half the stall timeout (not a hang)", "ok"),
+}
+
+for _name, (_cls, _summary, _) in SCENARIOS.items():
+    if _name not in REGISTRY:
+        register(Implementation(_name, _summary, _wrap(_cls), source="hang"))
