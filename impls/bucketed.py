@@ -3,9 +3,9 @@
 What is communicated, when, and at what cost:
 - during `backward()`: gradients are grouped (per device and dtype) into buckets planned once at
   construction (`planning.plan_buckets`, reverse registration order). When a bucket's last
-  gradient is ready, its gradients are copied into the bucket's flat buffer, divided by the
-  world size, and one async all-reduce of the buffer is launched; buckets launch strictly in
-  plan order (see `overlap.py` for why);
+  gradient is ready, its gradients are copied into the bucket's flat buffer divided by the
+  world size (one pass), and one async all-reduce of the buffer is launched; buckets launch
+  strictly in plan order (see `overlap.py` for why);
 - in `finish_gradient_synchronization()`: launch buckets not yet launched (gradients this rank
   did not produce are zeros), all-reduce the usage map, wait on each bucket and copy the
   averaged gradients back into `.grad`;
@@ -78,10 +78,12 @@ class BucketedDDP(OverlapDDP):
         for index, view in zip(self.units[unit], bucket.views):
             grad = self.sync_params[index].grad
             if self._locally_used[index] and grad is not None:
-                view.copy_(grad)
+                # Divide on the way in: one pass over the gradient instead of a copy and then a
+                # div_ of the buffer (the same rounding, bitwise; the copies are what a CPU
+                # all-reduce competes with for memory bandwidth).
+                torch.div(grad, self.world_size, out=view)
             else:
                 view.zero_()  # not produced here: contributes zero, and no stale values ride along
-        bucket.buffer.div_(self.world_size)
         return self._all_reduce_async(bucket.buffer), bucket
 
     def _complete(self, unit: int, payload: object, used: list[bool]) -> None:

@@ -27,6 +27,7 @@ EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 # `register(subparsers) -> None`, adding a parser whose `run(args) -> int` default is set.
 # Keeping the list here (one line per feature) keeps `python -m verify --help` in one place.
 EXTENSIONS: tuple[str, ...] = (
+    "verify.perf_cli",  # profile, bench, comm, scaling, train
     "verify.hang",  # hang, bench-tracer
     "verify.equivalence_cli",  # equivalence
 )

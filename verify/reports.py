@@ -1,0 +1,105 @@
+"""Where measurements land and what they say about the machine that made them.
+
+Every profile, benchmark and training run writes into a fresh folder
+`<out>/<name>_<world>x<device>_<stamp>/` (never over an earlier run: a suffix `-2`, `-3`, ...
+is added if two runs start in the same second) holding a `metadata.json` with the command,
+torch version, hardware and date, so a table or chart found later says where it came from.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = "profiles"
+
+
+def machine_info() -> dict:
+    """Hardware and software facts a benchmark table should carry."""
+    info = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gloo": torch.distributed.is_gloo_available(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
+    }
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info
+
+
+def describe_machine(info: dict) -> str:
+    """One line: 'Intel Xeon ..., 2 cores, torch 2.13.0+cpu, host'."""
+    parts = [info.get("cpu") or platform.machine(), f"{info.get('cores')} cores"]
+    if info.get("gpus"):
+        parts.append(f"{len(info['gpus'])}x {info['gpus'][0]}")
+    parts.append(f"torch {info.get('torch')}")
+    return ", ".join(parts)
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def new_run_dir(out: str | os.PathLike, name: str, world_size: int, device: str) -> Path:
+    """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder."""
+    safe = re.sub(r"[^A-Za-z0-9.+-]+", "-", name).strip("-") or "run"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(out) / f"{safe}_{world_size}x{device}_{stamp}"
+    Path(out).mkdir(parents=True, exist_ok=True)
+    candidate, n = base, 1
+    while True:
+        try:
+            candidate.mkdir()  # atomic: two runs in the same second get different folders
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = base.with_name(f"{base.name}-{n}")
+
+
+def write_metadata(run_dir: Path, options: dict) -> dict:
+    """Write `metadata.json` (command, options, machine, date) and return it."""
+    meta = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "options": options,
+        "machine": machine_info(),
+    }
+    write_json(run_dir / "metadata.json", meta)
+    return meta
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def default_device(world_size: int) -> str:
+    """'cuda' when every rank can have its own GPU, else 'cpu'."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "cuda"
+    return "cpu"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
