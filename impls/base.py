@@ -94,7 +94,7 @@ class DataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
-        sync_module_states(module, self.process_group)
+        self._sync_module_states()
 
         # module.parameters() yields a tied parameter once, so each gradient is reduced once.
         self.sync_params = [p for p in module.parameters() if p.requires_grad]
@@ -133,6 +133,10 @@ class DataParallel(nn.Module):
         self._locally_used = [False] * len(self.sync_params)
 
     # --- what variants provide -------------------------------------------------------------
+
+    def _sync_module_states(self) -> None:
+        """Start every replica from rank 0's parameters and buffers (a collective)."""
+        sync_module_states(self.module, self.process_group)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         """Called in backward when `param`'s gradient is fully accumulated (synced steps only)."""

@@ -138,6 +138,11 @@ def register(impl: Implementation) -> Implementation:
 def resolve(spec: str) -> Implementation:
     """Turn an `--impl` value into an Implementation, or raise ImplError with one line saying
     what was wrong and what is accepted."""
+    if spec.startswith("faulty:") and spec not in REGISTRY:
+        from impls.faulty import FAULTS  # registers the catalogue of deliberately broken ones
+
+        if spec not in REGISTRY:
+            raise ImplError(f"unknown implementation {spec!r}; faulty ones: {', '.join(FAULTS)}")
     if spec in REGISTRY:
         return REGISTRY[spec]
     if ":" not in spec:

@@ -30,6 +30,7 @@ EXTENSIONS: tuple[str, ...] = (
     "verify.perf_cli",  # profile, bench, comm, scaling, train
     "verify.hang",  # hang, bench-tracer
     "verify.equivalence_cli",  # equivalence
+    "verify.matrix_cli",  # matrix, faults
 )
 
 

@@ -1,0 +1,70 @@
+"""The detection matrix, asserted: every faulty implementation (`impls/faulty/`) is caught by
+the check its docstring names, on the behaviours where its bug shows, and no correct
+implementation (the built-ins, torch-ddp, torch-zero) is flagged on those same behaviours.
+
+One test per family of faults, so xdist can spread them over workers. Each is one detection
+run: the family's faults and the controls share launches (one per world size, plus one per
+cell that crashes its launch: `arrival-order` aborts gloo with a size mismatch on purpose).
+Each behaviour's controls run in the first family that uses it, so no control cell runs twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from verify.matrix import BEHAVIOUR, CERTIFIED, run_detection
+
+# Modules of impls.faulty. The package is imported inside the tests, not here: importing it
+# registers the faulty implementations, and tests that parametrize over the registry at
+# collection (test_gpu.py) must not see them.
+FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults")
+
+
+def family(name: str) -> tuple[str, ...]:
+    from impls.faulty import FAULTS
+
+    return tuple(n for n, f in FAULTS.items() if f.cls.__module__ == f"impls.faulty.{name}")
+
+
+def control_rows(name: str) -> tuple[str, ...]:
+    """The rows of this family's faults that no earlier family has."""
+    from impls.faulty import FAULTS
+
+    seen: set[str] = set()
+    for other in FAMILIES:
+        rows = [k for n in family(other) for k in FAULTS[n].shows_on if k not in seen]
+        if other == name:
+            return tuple(dict.fromkeys(rows))
+        seen.update(rows)
+    raise KeyError(name)
+
+
+def test_the_catalogue():
+    """At least 15, every one in a family, each documented and pointing at real rows."""
+    from impls.faulty import CHECKS, FAULTS
+
+    assert len(FAULTS) >= 15
+    assert sorted(FAULTS) == sorted(n for f in FAMILIES for n in family(f))
+    for name, f in FAULTS.items():
+        assert f.caught_by in CHECKS, name
+        assert f.shows_on and all(k in BEHAVIOUR for k in f.shows_on), name
+        assert f.bug and f.symptom, name
+        assert f.caught_by in inspect.getdoc(f.cls).split("Symptom:")[1], name
+        assert "# BUG:" in inspect.getsource(f.cls), name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_fault_is_caught_and_no_control_is_flagged(name):
+    result = run_detection(family(name), controls=CERTIFIED, control_rows=control_rows(name))
+    missed = [
+        f"{d.name}: {d.caught_by} said {d.checks[d.caught_by].status} on {d.shows_on}"
+        for d in result.detections
+        if not d.caught
+    ]
+    assert not missed, "\n".join(missed)
+    flagged = [f"{c}: {r.headline}" for c, r in result.false_alarms]
+    assert not flagged, "\n".join(flagged)
+    for d in result.detections:  # the named check, not only some check
+        assert d.checks[d.caught_by].status == "fail", d.name

@@ -1,0 +1,141 @@
+"""The certification matrix: a built-in passes every row that applies, a user class without
+`no_sync()` is "not claimed" there (not a pass, not a fault), and the CLI's exit codes.
+
+The matrix runs every cell of one world size in one launch (`matrix.py`); the full matrix of
+one built-in is 4 launches (world sizes 1-4). zero1 is the built-in certified here: it is a
+bucketed wrapper (bucket sizes, `no_sync()`) with a sharded optimizer, so it meets every row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from impls.registry import resolve
+from verify.cells import Behaviour, not_claimed, with_group_added_later
+from verify.matrix import BEHAVIOUR, BEHAVIOURS, CERTIFIED, MatrixOptions, run_matrix
+from verify.matrix_cli import format_matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDENT = f"{ROOT}/docs/examples/student_ddp.py:StudentDDP"
+
+
+def test_the_rows_the_issue_asks_for_are_there():
+    keys = [b.key for b in BEHAVIOURS]
+    assert len(keys) == len(set(keys))
+    assert {1, 2, 3, 4} <= {b.world_size for b in BEHAVIOURS}
+    assert {"frozen", "tied", "unused", "buffers", "bf16"} <= {b.workload for b in BEHAVIOURS}
+    assert any(b.accumulate > 1 for b in BEHAVIOURS)
+    assert any(not b.set_to_none for b in BEHAVIOURS)
+    assert {25.0, 1e-9, 0.0045} <= {b.bucket_mb for b in BEHAVIOURS}
+    sharded = {b.key for b in BEHAVIOURS if b.sharded_only}
+    assert sharded == {
+        "param-groups",
+        "add-param-group",
+        "scheduler",
+        "round-trip",
+        "more-ranks-than-params",
+    }
+    assert set(CERTIFIED) == {"naive", "flat", "overlap", "bucketed", "zero1"} | {
+        "torch-ddp",
+        "torch-zero",
+    }
+
+
+def test_options_fail_before_any_rank_starts():
+    with pytest.raises(ValueError, match="unknown behaviour 'nope'"):
+        MatrixOptions(impls=("naive",), rows=("nope",))
+    with pytest.raises(ValueError, match="unknown implementation"):
+        MatrixOptions(impls=("nope",))
+    with pytest.raises(ValueError, match="checks must be among"):
+        MatrixOptions(impls=("naive",), checks=("speed",))
+    with pytest.raises(ValueError, match="round trip needs steps >= 2"):
+        Behaviour(key="x", title="x", round_trip=True, steps=1)
+    with pytest.raises(ValueError, match="sharded-optimizer behaviour"):
+        with_group_added_later(resolve("naive"), "naive+add_param_group")
+
+
+class _Plain(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+
+
+class _Bucketed(nn.Module):
+    def __init__(self, module, bucket_size_mb=25.0):
+        super().__init__()
+
+    def no_sync(self):
+        raise NotImplementedError
+
+
+def test_claims_are_read_from_the_wrapper():
+    plain, bucketed = _Plain(nn.Linear(1, 1)), _Bucketed(nn.Linear(1, 1))
+    assert not_claimed(plain, BEHAVIOUR["world-2"]) is None
+    assert "has no no_sync()" in not_claimed(plain, BEHAVIOUR["no-sync"])
+    assert "takes no bucket_size_mb" in not_claimed(plain, BEHAVIOUR["one-bucket"])
+    assert not_claimed(bucketed, BEHAVIOUR["no-sync"]) is None
+    assert not_claimed(bucketed, BEHAVIOUR["one-bucket"]) is None
+
+
+def test_a_builtin_passes_every_row():
+    result = run_matrix(MatrixOptions(impls=("zero1",)))
+    failed = {k: r.detail for k, r in result.results.items() if r.status != "pass"}
+    # Only the shard check at world size 1 does not apply; zero1 claims everything else.
+    assert failed == {
+        ("zero1", "world-1", "shard"): "one rank: nothing to shard",
+    }, failed
+    assert result.passed
+    assert result.launches == 4  # one per world size: cells share ranks
+
+
+def test_a_user_class_without_no_sync_does_not_claim_accumulation():
+    """StudentDDP (no no_sync(), no bucket_size_mb) next to a broken implementation, in one
+    launch: not claimed is neither a pass nor a fault, and the table names the failed cell."""
+    rows = ("world-2", "no-sync", "one-bucket", "scheduler")
+    result = run_matrix(MatrixOptions(impls=(STUDENT, "faulty:no-divide"), rows=rows))
+    status = {(k, c): r.status for (i, k, c), r in result.results.items() if i == STUDENT}
+    assert status == {
+        ("world-2", "consistency"): "pass",
+        ("world-2", "equivalence"): "pass",
+        ("world-2", "shard"): "n/a",
+        ("no-sync", "consistency"): "not claimed",
+        ("no-sync", "equivalence"): "not claimed",
+        ("no-sync", "shard"): "n/a",
+        ("one-bucket", "consistency"): "not claimed",
+        ("one-bucket", "equivalence"): "not claimed",
+        ("one-bucket", "shard"): "n/a",
+        ("scheduler", "consistency"): "n/a",
+        ("scheduler", "equivalence"): "n/a",
+        ("scheduler", "shard"): "n/a",
+    }
+    assert not any(r.failed for (i, _, _), r in result.results.items() if i == STUDENT)
+    assert [c for c, r in result.results.items() if r.failed] == [
+        ("faulty:no-divide", "world-2", "equivalence"),
+        ("faulty:no-divide", "no-sync", "equivalence"),
+    ]
+    assert not result.passed and result.launches == 1
+    table = format_matrix(result)
+    assert "faulty:no-divide / world size 2 / equivalence: FAULT: first divergence" in table
+    assert f"{STUDENT}: gradient accumulation: the wrapper has no no_sync()" in table
+    assert "FAULT: 4 pass, 2 fail, 6 not claimed, 4 n/a  (" in table
+    doc = json.loads(json.dumps(result.to_dict()))  # what --json prints
+    assert not doc["passed"] and len(doc["cells"]) == 2 * len(rows) * 3
+
+
+def test_cli_exit_codes(monkeypatch, capsys):
+    """End to end in-process, on one rank (the cheapest launch): exit 1 on a fault, 0 when
+    the detection matrix holds, 2 on bad input before any rank starts."""
+    from verify.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["matrix", "--impl", "faulty:divide-by-two", "--rows", "world-1", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["check"] for c in doc["cells"] if c["status"] == "fail"] == ["equivalence"]
+    assert main(["faults", "--fault", "faulty:divide-by-two", "--no-controls"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 1/1 faulty implementations caught by their check" in out
+    assert main(["matrix", "--impl", "naive", "--rows", "nope"]) == 2
+    assert "unknown behaviour 'nope'" in capsys.readouterr().err
