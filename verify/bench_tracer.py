@@ -2,10 +2,13 @@
 
 In one launch (the launcher's own tracing off), on the transformer workload with the bucketed
 implementation (default bucket size; `--bucket-mb 0.1` gives several all-reduces per step, the
-hard case for a per-call cost), training steps alternate untraced and traced (which goes first flips every pair; the tracer
-is switched by swapping function references), so machine noise hits both alike. Reported: median step time of each (the slowest
-rank's), the overhead ratio (goal: under 5%), and the tracer's CPU cost per collective call
-(its wrapper around a stand-in that does nothing), the price the ratio is made of.
+hard case for a per-call cost), training steps rotate through three arms: untraced, traced, and
+untraced again (the control arm). The order rotates every step and the tracer is switched by
+swapping function references, so drifts in machine load hit all arms alike. Reported: median
+step time of each arm (the slowest rank's), the overhead (median over steps of traced /
+untraced, goal: under 5%), the same statistic between the two untraced arms (the noise floor
+of this machine at this moment, with its load average), and the tracer's CPU cost per
+collective call (its wrapper around a stand-in that does nothing), the price it is made of.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class TracerBenchOptions:
     world_size: int = 2
     model_size_m: float | None = None  # None: the tiny default GPT (the per-call cost shows most)
     bucket_mb: float = DEFAULT_BUCKET_MB  # --bucket-mb 0.1: 8 all-reduces a step, the worst case
-    repeats: int = 15
+    repeats: int = 20
     steps: int = 4
     timeout_s: float = 1800.0
 
@@ -56,6 +59,8 @@ class TracerBenchResult:
     collectives_per_step: int = 0
     plain_step_s: tuple[float, ...] = ()
     traced_step_s: tuple[float, ...] = ()
+    control_step_s: tuple[float, ...] = ()  # a second untraced arm: the noise floor
+    load_avg: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after
     plain_call_us: float = 0.0
     traced_call_us: float = 0.0
     machine: str = ""
@@ -70,6 +75,12 @@ class TracerBenchResult:
         return statistics.median(t / p for t, p in pairs) - 1
 
     @property
+    def noise(self) -> float:
+        """The same statistic between the two untraced arms: what the machine alone does."""
+        pairs = zip(self.control_step_s, self.plain_step_s, strict=True)
+        return statistics.median(c / p for c, p in pairs) - 1
+
+    @property
     def overhead_of_medians(self) -> float:
         return statistics.median(self.traced_step_s) / statistics.median(self.plain_step_s) - 1
 
@@ -78,6 +89,7 @@ class TracerBenchResult:
         if self.ok:
             d["overhead"] = self.overhead
             d["overhead_of_medians"] = self.overhead_of_medians
+            d["noise"] = self.noise
             d["goal"] = GOAL
         return d
 
@@ -133,15 +145,19 @@ def _rank_main(ctx: RankContext, options: TracerBenchOptions) -> dict:
     first = tracer._writer.written
     train_step()
     per_step = tracer._writer.written - first
-    # Steps alternate traced and untraced (which goes first flips every pair), so drifts in
+    # Steps rotate through untraced, traced and untraced again (the control arm, whose
+    # difference from the first is the noise floor); the order rotates every triple, so drifts in
     # machine load hit both alike; the tracer is switched by swapping function references.
-    plain, traced = [], []
+    plain, traced, control = [], [], []
+    arms = ("plain", "traced", "control")
+    load_before = os.getloadavg()[0]
     for rep in range(options.repeats * options.steps):
-        pair = {}
-        for mode in (False, True) if rep % 2 == 0 else (True, False):
-            pair[mode] = timed_step(mode)
-        plain.append(pair[False])
-        traced.append(pair[True])
+        times = {}
+        for arm in arms[rep % 3 :] + arms[: rep % 3]:
+            times[arm] = timed_step(arm == "traced")
+        plain.append(times["plain"])
+        traced.append(times["traced"])
+        control.append(times["control"])
     tracer.uninstall()
 
     # The per-call price, without the network: the tracer's wrapper around a stand-in
@@ -166,6 +182,8 @@ def _rank_main(ctx: RankContext, options: TracerBenchOptions) -> dict:
         "collectives_per_step": per_step,
         "plain_step_s": tuple(plain),
         "traced_step_s": tuple(traced),
+        "control_step_s": tuple(control),
+        "load_avg": (load_before, os.getloadavg()[0]),
         "plain_call_us": statistics.median(calls[False]),
         "traced_call_us": statistics.median(calls[True]),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads/rank, "
@@ -189,6 +207,7 @@ def format_tracer_bench(result: TracerBenchResult) -> str:
         for name, v in [
             ("training step, untraced", result.plain_step_s),
             ("training step, traced", result.traced_step_s),
+            ("training step, untraced (control arm)", result.control_step_s),
         ]
     ]
     table = tabulate(rows, headers=["what", "median ms", "min ms"])
@@ -202,6 +221,9 @@ def format_tracer_bench(result: TracerBenchResult) -> str:
         f"ratio of the medians: {result.overhead_of_medians * 100:+.2f}%; per call x calls per "
         f"step / median step: "
         f"{(result.traced_call_us - result.plain_call_us) * result.collectives_per_step / 1e4 / statistics.median(result.plain_step_s):.2f}%\n"
+        f"noise floor (control arm vs untraced, same statistic): {result.noise * 100:+.2f}%; "
+        f"load average {result.load_avg[0]:.1f} -> {result.load_avg[1]:.1f} on "
+        f"{os.cpu_count()} cpus\n"
         f"tracer overhead on a step (median of paired ratios): {result.overhead * 100:+.2f}%  "
         f"(goal < {GOAL * 100:g}%: {verdict})"
     )

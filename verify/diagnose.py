@@ -57,6 +57,7 @@ class RankState:
     traceback: str | None = None
     stack: str | None = None
     exitcode: int | None = None
+    stderr: str | None = None  # the tail of what the rank wrote to stderr
 
 
 @dataclass(frozen=True)
@@ -433,8 +434,11 @@ def _where(state: RankState, trace: Trace | None, now: float) -> str:
     n = len(trace.records) if trace else 0
     head = f"rank {state.rank} [{state.status}]"
     if state.status == "crashed":
-        return f"{head}: {state.error}; last collective: " + (
-            f"{last.describe()} at {last.site}" if last else "none"
+        said = _last_words(state.stderr)
+        return (
+            f"{head}: {state.error}; last collective: "
+            + (f"{last.describe()} at {last.site}" if last else "none")
+            + (f"; its stderr ended with: {said}" if said else "")
         )
     if state.status == "error":
         site = _tb_site(state.traceback)
@@ -446,6 +450,15 @@ def _where(state: RankState, trace: Trace | None, now: float) -> str:
         return f"{head}: finished; {n} collective(s) traced"
     frames = innermost_frames(state.stack) if state.stack else ""
     return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
+
+
+def _last_words(stderr: str | None) -> str | None:
+    """The backend's reason for killing a rank: the last stderr line that is not a log line."""
+    if not stderr:
+        return None
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("[I", "[W")) and "Warning" not in ln]
+    return lines[-1][:300] if lines else None
 
 
 _PLUMBING = ("launch.py", "hang_run.py", "runpy.py", "<frozen runpy>", "tracer.py")

@@ -193,14 +193,16 @@ def _run_script(options: HangOptions, report_dir: str) -> tuple[Diagnosis, str |
             out = open(os.path.join(report_dir, f"rank{r}.stdout"), "wb")  # noqa: SIM115
             err = open(os.path.join(report_dir, f"rank{r}.stderr"), "wb")  # noqa: SIM115
             cmd = [sys.executable, "-m", "verify.hang_run", *options.script]
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err))
+            # A session of its own: what the script starts (data loader workers) is ended with it.
+            procs.append(
+                subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err, start_new_session=True)
+            )
             out.close()
             err.close()
         return _watch(procs, options, report_dir)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            _kill_session(p)
         for p in procs:
             p.wait()
 
@@ -233,8 +235,8 @@ def _watch(procs, options: HangOptions, report_dir: str) -> tuple[Diagnosis, str
         except ProcessLookupError:
             pass
     time.sleep(0.5 if live else 0)
-    for r in live:
-        procs[r].kill()
+    for p in procs:
+        _kill_session(p)
     for p in procs:
         p.wait()
     stalled = watchdog.stalled_at is not None
@@ -257,7 +259,8 @@ def _watch(procs, options: HangOptions, report_dir: str) -> tuple[Diagnosis, str
             states.append(RankState(r, "error", last, tb, stack, p.returncode))
         else:
             why = _describe_exit(p.returncode)
-            states.append(RankState(r, "crashed", why, None, stack, p.returncode))
+            err = _read(os.path.join(report_dir, f"rank{r}.stderr"))
+            states.append(RankState(r, "crashed", why, None, stack, p.returncode, err))
     traces = [tracer.read_trace(path) for path in trace_paths]
     diag = diagnose(
         traces,
@@ -380,7 +383,7 @@ def register(subparsers) -> None:
     p.add_argument("--world-size", type=_positive_int("--world-size"), default=2)
     p.add_argument("--model-size", type=_positive_float("--model-size"), default=None)
     p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=None)
-    p.add_argument("--repeats", type=_positive_int("--repeats"), default=15)
+    p.add_argument("--repeats", type=_positive_int("--repeats"), default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_bench_tracer)
 
@@ -424,6 +427,14 @@ def cmd_bench_tracer(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------ small helpers
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the rank and everything in its session (it is the session leader)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _free_port() -> int:

@@ -289,7 +289,8 @@ def _spawn(payload, world_size, timeout_s, backend, env, stall_timeout_s, report
 def _diagnose(outcomes, traces, order, timed_out, watchdog) -> Diagnosis:
     """Compare the ranks' records; the root-cause rank (if any) goes first."""
     states = [
-        RankState(o.rank, o.status, o.error, o.traceback, o.stack, o.exitcode) for o in outcomes
+        RankState(o.rank, o.status, o.error, o.traceback, o.stack, o.exitcode, o.stderr)
+        for o in outcomes
     ]
     return diagnose(
         traces,
