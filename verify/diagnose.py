@@ -246,7 +246,12 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     others = [r for r in present if r not in culprits]
     ref = present[others[0]] if others else present[min(present)]
     bad = present[culprit]
-    if why == _BY_HISTORY and hangs:
+    skipped = why == _BY_HISTORY or (
+        attr in ("op", "numel", "dtype", "site")
+        and bad.site != ref.site
+        and _expected_site(k, colls) == ref.site
+    )
+    if skipped and hangs:
         what = (
             f"rank {culprit} skipped {ref.describe()} at {ref.site}, which rank(s) "
             f"{_ranks(others)} issued{' and wait in' if ref.pending else ''} (every earlier "

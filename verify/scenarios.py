@@ -13,7 +13,7 @@ collectives give the diagnosis a history to compare against:
 | skip-collective | skips the finite-flag all-reduce | hang, or a size-mismatch abort |
 | bucket-order | launches its buckets in reverse (from step 1) | size-mismatch abort or hang |
 | shape-mismatch | all-reduces one gradient with an extra element | abort or hang |
-| broadcast-source | re-syncs a parameter broadcasting from itself, not rank 0 | desync or hang |
+| broadcast-source | re-syncs a parameter broadcasting from itself, not rank 0 | hang (both send) |
 | reduce-op | reduces the finite flag with MAX instead of SUM | completes: a desync |
 | shape-desync | all-reduces a gradient flattened (same element count) | completes: a desync |
 | raise | raises before its all-reduces | the others wait, the launcher ends them |
@@ -188,7 +188,7 @@ SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:skip-collective": (SkipCollective, "last rank skips a collective at step 2", "hang"),
     "hang:bucket-order": (ReversedBuckets, "last rank launches buckets in reverse order", "hang"),
     "hang:shape-mismatch": (ShapeMismatch, "last rank all-reduces one extra element", "hang"),
-    "hang:broadcast-source": (BroadcastSource, "last rank broadcasts from itself", "desync"),
+    "hang:broadcast-source": (BroadcastSource, "last rank broadcasts from itself", "hang"),
     "hang:reduce-op": (ReduceOpMismatch, "last rank reduces with MAX, others SUM", "desync"),
     "hang:shape-desync": (ShapeDesync, "last rank reduces a gradient flattened", "desync"),
     "hang:raise": (Raises, "last rank raises at step 2", "crash"),
