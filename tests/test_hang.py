@@ -254,6 +254,23 @@ def test_launch_watchdog_and_pytest_helper():
         launch_or_fail(_reduce_op_desync, world_size=2)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hang", "--nproc", "2"], "--nproc needs a script"),
+        (["hang"], "give either --impl NAME or --nproc N -- script.py ARGS"),
+        (["hang", "--impl", "nope"], "unknown implementation 'nope'"),
+        (["hang", "--nproc", "2", "--", "missing.py"], "script missing.py does not exist"),
+        (["hang", "--impl", "bucketed", "--stall-timeout", "0"], "--stall-timeout must be > 0"),
+    ],
+)
+def test_bad_input_exits_2(argv, message, capsys):
+    from verify.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- diagnosis rules, no ranks
 
 

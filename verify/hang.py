@@ -70,6 +70,13 @@ class HangOptions:
             raise ValueError(f"stall timeout must be > 0 seconds, got {self.stall_timeout_s}")
         if self.steps < 2:
             raise ValueError(f"steps must be >= 2 (faults show at step 2), got {self.steps}")
+        if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and (
+            "DDP_VERIFY_SPAWNED" not in os.environ
+        ):
+            raise ValueError(
+                "under torchrun, run your script as `torchrun ... -m verify.hang_run train.py "
+                "ARGS` (see docs/debugging.md); `hang` spawns and watches its own ranks"
+            )
         if self.impl is not None:
             resolve(self.impl)
         elif not os.path.isfile(self.script[0]):
