@@ -191,13 +191,15 @@ def run_bench(options: BenchOptions) -> BenchResult:
     device = options.device or reports.default_device(options.world_size)
     run_dir = reports.new_run_dir(options.out, "bench", options.world_size, device)
     meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
-    run = launch(
-        _rank_main,
-        world_size=options.world_size,
-        args=(options,),
-        timeout_s=options.timeout_s,
-        backend=reports.backend_for(device),
-    )
+    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
+    with reports.relay_progress(progress):
+        run = launch(
+            _rank_main,
+            world_size=options.world_size,
+            args=(options, progress),
+            timeout_s=options.timeout_s,
+            backend=reports.backend_for(device),
+        )
     machine = reports.describe_machine(meta["machine"])
     if not run.ok:
         return BenchResult(
@@ -291,10 +293,9 @@ def _round_robin(trainers: dict, batches: list, repeats: int, say) -> dict[str, 
     return times
 
 
-def _rank_main(ctx: RankContext, options: BenchOptions) -> dict:
+def _rank_main(ctx: RankContext, options: BenchOptions, progress: reports.Progress) -> dict:
     def say(msg: str) -> None:
-        if options.progress and ctx.rank == 0:
-            print(f"bench: {msg}", flush=True)
+        progress(f"bench: {msg}", rank=ctx.rank)
 
     workload = get_workload(
         "transformer", size_m=options.model_size_m, local_batch=options.local_batch

@@ -154,6 +154,42 @@ def loss_curves(
     return _save(fig, plt, path)
 
 
+def timeline(
+    path: Path, rows: Sequence[tuple[str, Sequence[tuple[float, float, str]]]], *, title: str
+) -> Chart:
+    """One step as horizontal lanes of (start ms, duration ms, name) ranges: what the
+    training thread does while each communication thread has a collective on the wire."""
+    plt = _pyplot()
+    if plt is None:
+        return Chart(None, MISSING)
+    palette = plt.get_cmap("tab10").colors
+    colors: dict[str, tuple] = {}
+
+    def color(name: str) -> tuple:
+        key = name.split("[")[0]  # all launches alike, all waits alike
+        return colors.setdefault(key, palette[len(colors) % len(palette)])
+
+    fig, ax = plt.subplots(figsize=(11, 0.7 * len(rows) + 1.4))
+    for y, (_, items) in enumerate(rows):
+        ax.broken_barh(
+            [(s, d) for s, d, _ in items],
+            (y - 0.35, 0.7),
+            facecolors=[color(n) for _, _, n in items],
+            edgecolor="white",
+            linewidth=0.3,
+        )
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(
+        handles, list(colors), fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0)
+    )
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: Path) -> Chart:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -300,16 +300,17 @@ def run_comm(options: CommOptions) -> CommResult:
     meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
     points: list[CommPoint] = []
     memcpy, grad_bytes, backward_s = 0.0, 0, 0.0
+    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
     for ws in options.world_sizes:
-        if options.progress:
-            print(f"comm: world size {ws}", flush=True)
-        run = launch(
-            _rank_main,
-            world_size=ws,
-            args=(options,),
-            timeout_s=options.timeout_s,
-            backend=reports.backend_for(device),
-        )
+        progress(f"comm: world size {ws}")
+        with reports.relay_progress(progress):
+            run = launch(
+                _rank_main,
+                world_size=ws,
+                args=(options, progress),
+                timeout_s=options.timeout_s,
+                backend=reports.backend_for(device),
+            )
         if not run.ok:
             return CommResult(options, False, tuple(points), failure=run.summary())
         got = run.values[0]
@@ -358,12 +359,15 @@ def run_comm(options: CommOptions) -> CommResult:
     return result
 
 
-def _rank_main(ctx: RankContext, options: CommOptions) -> dict:
+def _rank_main(ctx: RankContext, options: CommOptions, progress: reports.Progress) -> dict:
     samples: dict[tuple[str, int], list[float]] = {}
     calls = {(op, s): collective_call(op, s, ctx) for op in options.ops for s in options.sizes}
     for fn in calls.values():  # warm-up: connections, first-touch of buffers
         fn()
     for r in range(options.repeats):
+        progress(
+            f"comm: world size {ctx.world_size}, round {r + 1}/{options.repeats}", rank=ctx.rank
+        )
         keys = list(calls)
         keys = keys[r % len(keys) :] + keys[: r % len(keys)]  # rotate: no fixed position
         for key in keys:

@@ -1,5 +1,8 @@
 """Subcommands that measure rather than verify: `profile`, `bench`, `comm`, `scaling`, `train`.
 
+Progress goes to stderr (relayed from rank 0 through a file in the run folder), results to
+stdout: tables, or one JSON document with `--json`.
+
 Registered through `verify.cli.EXTENSIONS`. Like the rest of the CLI this module only parses
 and prints: the measuring functions live in `profiling`, `bench`, `comm` and `training`, and
 return result dataclasses. Exit codes: 0 the run finished (whatever the numbers), 1 a rank
@@ -106,7 +109,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
-        progress=not args.json,
+        progress=True,  # to stderr: --json output stays clean
     )
     return _finish(args, run_profile(options), format_profile)
 
@@ -206,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
-        progress=not args.json,
+        progress=True,  # to stderr: --json output stays clean
     )
     return _finish(args, run_bench(options), format_bench)
 
@@ -223,7 +226,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
-        progress=not args.json,
+        progress=True,  # to stderr: --json output stays clean
     )
     return _finish(args, run_comm(options), format_comm)
 
@@ -242,7 +245,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
-        progress=not args.json,
+        progress=True,  # to stderr: --json output stays clean
     )
     return _finish(args, run_scaling(options), format_scaling)
 
@@ -261,6 +264,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
-        progress=not args.json,
+        progress=True,  # to stderr: --json output stays clean
     )
     return _finish(args, run_training(options), format_training)

@@ -119,13 +119,15 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
     machine = reports.describe_machine(meta["machine"])
     several = len(options.variants) > 1
     trace_dirs = {v: (run_dir / _folder(v) if several else run_dir) for v in options.variants}
-    run = launch(
-        _rank_main,
-        world_size=options.world_size,
-        args=(options, {k: str(v) for k, v in trace_dirs.items()}),
-        timeout_s=options.timeout_s,
-        backend=reports.backend_for(device),
-    )
+    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
+    with reports.relay_progress(progress):
+        run = launch(
+            _rank_main,
+            world_size=options.world_size,
+            args=(options, {k: str(v) for k, v in trace_dirs.items()}, progress),
+            timeout_s=options.timeout_s,
+            backend=reports.backend_for(device),
+        )
     if not run.ok:
         return ProfileResult(options, False, run_dir, (), trace_dirs, machine, run.summary())
     summaries = tuple(traces.analyze_run(trace_dirs[v], v)[0] for v in options.variants)
@@ -136,8 +138,25 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
         title=f"phases per step (profiled, world size {options.world_size})",
     )
     notes.append(chart.note)
+    for impl in options.variants:  # rank 0's first profiled step, as lanes
+        rank0 = traces.find_traces(trace_dirs[impl]).get("rank0")
+        rows = traces.timeline(traces.load_trace(rank0)) if rank0 else []
+        if rows:
+            chart = charts.timeline(
+                run_dir / f"timeline_{_folder(impl)}.png",
+                rows,
+                title=f"{impl}: one step on rank 0 (world size {options.world_size})",
+            )
+            notes.append(chart.note)
     result = ProfileResult(
-        options, True, run_dir, summaries, trace_dirs, machine, None, tuple(n for n in notes if n)
+        options,
+        True,
+        run_dir,
+        summaries,
+        trace_dirs,
+        machine,
+        None,
+        tuple(dict.fromkeys(n for n in notes if n)),
     )
     reports.write_json(run_dir / "summary.json", result.to_dict())
     (run_dir / "summary.txt").write_text(format_profile(result) + "\n")
@@ -148,10 +167,9 @@ def _folder(impl: str) -> str:
     return "".join(c if c.isalnum() or c in ".+-" else "-" for c in impl)
 
 
-def _rank_main(ctx: RankContext, options: ProfileOptions, trace_dirs: dict) -> None:
+def _rank_main(ctx: RankContext, options: ProfileOptions, trace_dirs: dict, progress) -> None:
     for n, impl_name in enumerate(options.variants, 1):
-        if options.progress and ctx.rank == 0:
-            print(f"profiling {impl_name} ({n}/{len(options.variants)})", flush=True)
+        progress(f"profile: {impl_name} ({n}/{len(options.variants)})", rank=ctx.rank)
         _profile_variant(ctx, options, impl_name, trace_dirs[impl_name])
 
 

@@ -8,6 +8,7 @@ torch version, hardware and date, so a table or chart found later says where it 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -15,6 +16,7 @@ import platform
 import re
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -103,3 +105,55 @@ def default_device(world_size: int) -> str:
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
+
+
+# --- progress -------------------------------------------------------------------------------
+# Ranks' stdout and stderr belong to the launcher (it keeps them for diagnosis and keeps
+# --json output clean), so rank 0 reports progress by appending lines to a file in the run
+# folder, and the parent relays new lines to its own stderr while it waits for the launch.
+
+
+class Progress:
+    """Picklable: `say(msg)` appends a line to the progress file (rank 0 only, if enabled)."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = str(path) if path else None
+
+    def __call__(self, msg: str, *, rank: int = 0) -> None:
+        if self.path and rank == 0:
+            with open(self.path, "a") as f:
+                f.write(msg.rstrip("\n") + "\n")
+
+
+@contextlib.contextmanager
+def relay_progress(progress: Progress, *, interval_s: float = 0.5):
+    """While the block runs, copy new lines of the progress file to stderr."""
+    if not progress.path:
+        yield
+        return
+    Path(progress.path).touch()
+    stop = threading.Event()
+
+    def pump(offset: int = 0) -> int:
+        with open(progress.path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # whole lines only
+        if complete:
+            sys.stderr.write(complete.decode("utf-8", "replace"))
+            sys.stderr.flush()
+        return offset + len(complete)
+
+    def loop() -> None:
+        offset = 0
+        while not stop.wait(interval_s):
+            offset = pump(offset)
+        pump(offset)
+
+    thread = threading.Thread(target=loop, name="progress-relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
     points = []
     for ws in range(1, options.max_world_size + 1):
         if options.progress:
-            print(f"scaling: world size {ws}", flush=True)
+            print(f"scaling: world size {ws}", file=sys.stderr, flush=True)
         run = launch(
             _rank_main,
             world_size=ws,

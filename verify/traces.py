@@ -273,3 +273,45 @@ def analyze_run(run_dir: str | Path, impl: str) -> tuple[VariantSummary, list[St
         rank = int(worker[4:]) if re.fullmatch(r"rank\d+", worker) else len(metrics)
         metrics += analyze(load_trace(path), rank=rank)
     return summarize(impl, metrics), metrics
+
+
+def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[float, float, str]]]]:
+    """Rows of (start ms, duration ms, name) within one profiled step, for a timeline chart:
+    the training thread's phases, its bucket launches and waits, and each communication
+    thread's collectives (times from the step's start)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = sorted(
+        (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
+    )
+    if len(steps) <= step_index:
+        return []
+    step = steps[step_index]
+    lo, hi = _span(step)
+    main_tid = step["tid"]
+    inside = [e for e in events if lo <= e["ts"] < hi]
+
+    def row(selected):
+        return [((e["ts"] - lo) / 1e3, e["dur"] / 1e3, e["name"]) for e in selected]
+
+    rows = [
+        ("phases", row(e for e in inside if e["tid"] == main_tid and e["name"] in PHASES)),
+        (
+            "sync ranges",
+            row(
+                e
+                for e in inside
+                if e["tid"] == main_tid
+                and e.get("cat") == "user_annotation"
+                and re.search(r"\.(launch|wait)\[|^zero1\.", e["name"])
+            ),
+        ),
+    ]
+    comm_threads = sorted({e["tid"] for e in inside if _COLLECTIVE.match(e["name"])} - {main_tid})
+    for n, tid in enumerate(comm_threads):
+        rows.append(
+            (
+                f"comm thread {n}",
+                row(e for e in inside if e["tid"] == tid and _COLLECTIVE.match(e["name"])),
+            )
+        )
+    return [(label, items) for label, items in rows if items]

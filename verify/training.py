@@ -121,14 +121,16 @@ def run_training(options: TrainOptions) -> TrainResult:
     machine = reports.describe_machine(meta["machine"])
     backend = reports.backend_for(device)
     losses, seconds = {}, {}
+    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
     for names, ws in [((REFERENCE,), 1), (options.impls, options.world_size)]:
-        run = launch(
-            _rank_main,
-            world_size=ws,
-            args=(options, names),
-            timeout_s=options.timeout_s,
-            backend=backend,
-        )
+        with reports.relay_progress(progress):
+            run = launch(
+                _rank_main,
+                world_size=ws,
+                args=(options, names, progress),
+                timeout_s=options.timeout_s,
+                backend=backend,
+            )
         if not run.ok:
             return TrainResult(
                 options, False, losses, seconds, str(run_dir), machine, run.summary()
@@ -144,7 +146,7 @@ def run_training(options: TrainOptions) -> TrainResult:
     return result
 
 
-def _rank_main(ctx: RankContext, options: TrainOptions, names: tuple[str, ...]) -> dict:
+def _rank_main(ctx: RankContext, options: TrainOptions, names: tuple[str, ...], progress) -> dict:
     # The same thread budget per process in both launches (the launcher gives a lone rank
     # every core; OpenMP threads spinning on tiny GPT ops next to other load cost 10x).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -153,7 +155,7 @@ def _rank_main(ctx: RankContext, options: TrainOptions, names: tuple[str, ...]) 
     data = MarkovText(cfg.vocab_size, cfg.block_size, options.examples, options.seed)
     out = {}
     for name in names:
-        out[name] = _train(ctx, options, name, data)
+        out[name] = _train(ctx, options, name, data, progress)
     return out
 
 
@@ -187,7 +189,7 @@ def _batches(ctx: RankContext, options: TrainOptions, data: Dataset, reference: 
         epoch += 1
 
 
-def _train(ctx: RankContext, options: TrainOptions, name: str, data: Dataset):
+def _train(ctx: RankContext, options: TrainOptions, name: str, data: Dataset, progress):
     from impls.registry import resolve
 
     torch.manual_seed(options.seed)
@@ -233,16 +235,12 @@ def _train(ctx: RankContext, options: TrainOptions, name: str, data: Dataset):
             dist.all_reduce(logged)
             logged /= ctx.world_size
         losses.append(float(logged))
-        if (
-            options.progress
-            and ctx.rank == 0
-            and (step % options.log_every == 0 or step == options.steps)
-        ):
+        if step % options.log_every == 0 or step == options.steps:
             rate = step / (time.perf_counter() - start)
-            print(
+            progress(
                 f"train {name}: step {step}/{options.steps}  loss {losses[-1]:.4f}  "
                 f"({rate:.1f} steps/s)",
-                flush=True,
+                rank=ctx.rank,
             )
     return losses, time.perf_counter() - start
 
