@@ -7,7 +7,7 @@ What is communicated, when, and at what cost:
   world size (one pass), and one async all-reduce of the buffer is launched; buckets launch
   strictly in plan order (see `overlap.py` for why);
 - in `finish_gradient_synchronization()`: launch buckets not yet launched (gradients this rank
-  did not produce are zeros), all-reduce the usage map, wait on each bucket and copy the
+  did not produce are zeros), all-reduce the usage map, wait on every bucket, then copy the
   averaged gradients back into `.grad`;
 - collectives per step: B + 1 for B buckets; extra memory: one flat buffer per bucket (a copy
   of the gradients), as PyTorch DDP with `gradient_as_bucket_view=False`.

@@ -93,9 +93,14 @@ class OverlapDDP(DataParallel):
         self._launch_ready_units(force=True)
         # After every gradient collective, so it sits at the same place on every rank.
         used = self._globally_used()
-        for unit, handle, payload in self._in_flight:
-            with torch.profiler.record_function(f"{type(self).__name__}.wait[{unit}]"):
+        name = type(self).__name__
+        for unit, handle, _ in self._in_flight:
+            with torch.profiler.record_function(f"{name}.wait[{unit}]"):
                 if handle is not None:
                     handle.wait()
+        # Results are written back only once nothing is on the wire: on a CPU the copies
+        # would compete with the collectives still in flight for cores and memory bandwidth.
+        with torch.profiler.record_function(f"{name}.write_back"):
+            for unit, _, payload in self._in_flight:
                 self._complete(unit, payload, used)
         self._reset()

@@ -90,9 +90,23 @@ def bandwidth(
     plt = _pyplot()
     if plt is None:
         return Chart(None, MISSING)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # Labels are "<op> n=<world>": one colour per op, one line style per world size.
+    ops = list(dict.fromkeys(label.split()[0] for label in series))
+    worlds = list(dict.fromkeys(label.split()[-1] for label in series))
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    palette = plt.get_cmap("tab10").colors
     for label, ys in series.items():
-        ax.plot(sizes[: len(ys)], ys, marker="o", label=label)
+        op, world = ops.index(label.split()[0]), worlds.index(label.split()[-1])
+        ax.plot(
+            sizes[: len(ys)],
+            ys,
+            color=palette[op % len(palette)],
+            linestyle=styles[world % len(styles)],
+            marker=markers[world % len(markers)],
+            markersize=4,
+            label=label,
+        )
     if reference:
         ax.axhline(reference[1], linestyle="--", color="gray", label=reference[0])
     ax.set_xscale("log", base=2)
@@ -100,7 +114,7 @@ def bandwidth(
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="x-small", ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, plt, path)
 

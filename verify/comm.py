@@ -416,7 +416,7 @@ def measure_backward(ctx: RankContext, model_size_m: float, repeats: int = 3) ->
 
 def _size(nbytes: float) -> str:
     for unit, scale in (("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= scale:
+        if nbytes >= 0.99 * scale:  # sizes rounded down to a multiple of the world size
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:g} B"
 

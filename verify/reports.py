@@ -33,6 +33,8 @@ def machine_info() -> dict:
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        # Other work on the machine when the run started: benchmark numbers depend on it.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "gloo": torch.distributed.is_gloo_available(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -50,6 +52,8 @@ def describe_machine(info: dict) -> str:
     if info.get("gpus"):
         parts.append(f"{len(info['gpus'])}x {info['gpus'][0]}")
     parts.append(f"torch {info.get('torch')}")
+    if info.get("load_avg_1m") is not None:
+        parts.append(f"load average {info['load_avg_1m']:g} at the start")
     return ", ".join(parts)
 
 
@@ -82,8 +86,11 @@ def new_run_dir(out: str | os.PathLike, name: str, world_size: int, device: str)
 
 def write_metadata(run_dir: Path, options: dict) -> dict:
     """Write `metadata.json` (command, options, machine, date) and return it."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(os.path.join("verify", "__main__.py")):
+        argv[:1] = ["-m", "verify"]  # how it was typed: python -m verify ...
     meta = {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(shlex.quote(a) for a in ["python", *argv]),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "options": options,
         "machine": machine_info(),
