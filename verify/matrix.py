@@ -185,15 +185,20 @@ class MatrixResult:
 
 def run_matrix(options: MatrixOptions) -> MatrixResult:
     """Run every (implementation, behaviour, check) cell; failures come back as results."""
-    return _run_matrix(options, [(i, b) for i in options.impls for b in options.behaviours])
+    return _run_matrix(
+        options, [(i, b, options.checks) for i in options.impls for b in options.behaviours]
+    )
 
 
-def _run_matrix(options: MatrixOptions, pairs: list[tuple[str, Behaviour]]) -> MatrixResult:
+def _run_matrix(
+    options: MatrixOptions, plan: list[tuple[str, Behaviour, tuple[str, ...]]]
+) -> MatrixResult:
+    """Run the checks `plan` names for each (implementation, behaviour), in its order."""
     start = time.perf_counter()
     results: dict[Cell, CheckResult] = {}
     pending: list[Cell] = []
-    for impl, b in pairs:
-        for check in options.checks:
+    for impl, b, checks in plan:
+        for check in checks:
             why = not_applicable(resolve(impl), b, check)  # decided here: no launch needed
             if why:
                 results[(impl, b.key, check)] = CheckResult("n/a", why)
@@ -212,7 +217,7 @@ def _run_matrix(options: MatrixOptions, pairs: list[tuple[str, Behaviour]]) -> M
             done, count = run.result()
             results.update(done)
             launches += count
-    ordered = {(i, b.key, c): results[(i, b.key, c)] for i, b in pairs for c in options.checks}
+    ordered = {(i, b.key, c): results[(i, b.key, c)] for i, b, checks in plan for c in checks}
     return MatrixResult(options, ordered, time.perf_counter() - start, launches)
 
 
@@ -337,11 +342,17 @@ def run_detection(
     *,
     controls: tuple[str, ...] = (),
     control_rows: tuple[str, ...] | None = None,
+    named_check_only: bool = False,
     timeout_s: float = 600.0,
 ) -> DetectionResult:
     """Run each faulty implementation (all, or `names`) on the behaviours where it shows, and
     the `controls` (correct implementations) on `control_rows` (default: all of those
-    behaviours), in one matrix: the controls share the faults' launches."""
+    behaviours), in one matrix: the controls share the faults' launches.
+
+    The faults run every check, or with `named_check_only` only the one that must catch them
+    (fewer cells, and a fault that crashes its launch does it once). The controls run first:
+    a fault that crashes a launch then leaves few cells to rerun.
+    """
     from impls.faulty import FAULTS
 
     unknown = [n for n in names if n not in FAULTS]
@@ -350,19 +361,27 @@ def run_detection(
     faults = [FAULTS[n] for n in names] if names else list(FAULTS.values())
     rows = tuple(dict.fromkeys(k for f in faults for k in f.shows_on))
     control_rows = rows if control_rows is None else control_rows
-    impls = tuple(f.name for f in faults) + tuple(controls)
     options = MatrixOptions(
-        impls=impls, rows=tuple(dict.fromkeys(rows + control_rows)), timeout_s=timeout_s
+        impls=tuple(controls) + tuple(f.name for f in faults),
+        rows=tuple(dict.fromkeys(rows + control_rows)),
+        timeout_s=timeout_s,
     )
-    pairs = [(f.name, BEHAVIOUR[k]) for f in faults for k in f.shows_on]
-    pairs += [(c, BEHAVIOUR[k]) for c in controls for k in control_rows]
-    matrix = _run_matrix(options, pairs)
+    plan = [(c, BEHAVIOUR[k], CHECKS) for c in controls for k in control_rows]
+    for f in faults:
+        checks = (f.caught_by,) if named_check_only else CHECKS
+        plan += [(f.name, BEHAVIOUR[k], checks) for k in f.shows_on]
+    matrix = _run_matrix(options, plan)
     detections = []
     for f in faults:
         checks, where = {}, {}
-        for check in matrix.checks_for(f.name):
-            found = [(k, matrix.result(f.name, k, check)) for k in f.shows_on]
-            where[check], checks[check] = next((kr for kr in found if kr[1].failed), found[0])
+        for check in CHECKS:
+            found = [
+                (k, matrix.results[(f.name, k, check)])
+                for k in f.shows_on
+                if (f.name, k, check) in matrix.results
+            ]
+            if found:
+                where[check], checks[check] = next((kr for kr in found if kr[1].failed), found[0])
         detections.append(
             Detection(f.name, f.bug, f.symptom, f.caught_by, f.shows_on, checks, where)
         )

@@ -157,10 +157,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
 def format_detection(result: DetectionResult) -> str:
     rows = []
     for d in result.detections:
-        cells = [
-            _detected(d.checks[c]) if c in d.checks else "n/a"
-            for c in ("consistency", "equivalence", "shard")
-        ]
+        cells = [_detected(d.checks[c]) if c in d.checks else "-" for c in CHECKS]
         rows.append(
             [d.name, ", ".join(d.shows_on), *cells, d.caught_by, "yes" if d.caught else "NO"]
         )
