@@ -362,3 +362,42 @@ def _session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
             members.append(int(stat.parent.name))
     return members
+
+
+JOB = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from verify.launch import launch
+
+def fn(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 fails before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+    return "unreachable"
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    r = launch(fn, world_size=2, timeout_s=60)
+    with open(f"{__file__}.rank{os.environ['RANK']}.json", "w") as f:
+        json.dump({"statuses": [o.status for o in r.outcomes], "first": r.first_failure.rank,
+                   "elapsed": time.monotonic() - start}, f)
+"""
+
+
+def test_torchrun_join_does_not_wait_for_the_collective_timeout(tmp_path):
+    """launch() joined to torchrun: rank 1 raises while rank 0 waits for it in an all_reduce.
+    The results travel through the job's store, and rank 1 closes its group after a grace, so
+    rank 0's all_reduce fails at once: both ranks hold the whole result in seconds, not at the
+    60 s timeout (an all_gather_object exchange would have waited for it, or mis-paired)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        doc = json.loads(Path(f"{script}.rank{rank}.json").read_text())
+        assert doc["statuses"] == ["error", "error"] and doc["first"] == 1, doc
+        assert doc["elapsed"] < 30, doc  # the grace (1.5 s) and a teardown, not the 60 s timeout
