@@ -123,11 +123,37 @@ class BenchResult:
             return None
         return comm.predict_exposed(self.fit, self.grad_bytes, self.backward_s, bucket_mb * MiB)
 
+    def paired(self, a: str, b: str) -> float:
+        """Median over rounds of a's step / b's step in the same round. The variants of one
+        round ran seconds apart, so this cancels the machine's load drifting between rounds,
+        which a ratio of two medians does not."""
+        return statistics.median(x / y for x, y in zip(self.steps[a], self.steps[b]))
+
+    def sweep_exposed(self, key: str) -> float:
+        """Median over the sweep's rounds of (step - local step) in seconds, paired per round."""
+        return statistics.median(x - loc for x, loc in zip(self.sweep[key], self.sweep[LOCAL]))
+
+    def exposed_share(self, name: str) -> float:
+        """Median over rounds of (step - local step) / step, paired per round."""
+        return statistics.median(
+            (x - loc) / x for x, loc in zip(self.steps[name], self.steps[LOCAL])
+        )
+
     def bars(self) -> list[Bar]:
+        """The issue's bars; step-time ratios are paired per round (see `paired`), with the
+        ratio of medians and of minimums beside them."""
         out = []
+
+        def step_bar(what: str, a: str, b: str, goal: float) -> Bar:
+            r = self.paired(a, b)
+            detail = (
+                f"ratio of medians {self.median(a) / self.median(b):.3f}, "
+                f"of minimums {min(self.steps[a]) / min(self.steps[b]):.3f}"
+            )
+            return Bar(what, r, f"<= {goal}", r <= goal, detail)
+
         if {"bucketed", REFERENCE} <= self.steps.keys():
-            r = self.median("bucketed") / self.median(REFERENCE)
-            out.append(Bar("bucketed / torch-ddp step time", r, f"<= {BAR_DDP}", r <= BAR_DDP))
+            out.append(step_bar("bucketed / torch-ddp step time", "bucketed", REFERENCE, BAR_DDP))
         if "zero1" in self.steps and self.memory and self.state_bytes("zero1"):
             state = self.state_bytes("zero1")
             ideal = sum(state) / len(state)
@@ -154,20 +180,18 @@ class BenchResult:
                     )
                 )
         if {"zero1", "torch-zero"} <= self.steps.keys():
-            r = self.median("zero1") / self.median("torch-zero")
-            out.append(Bar("zero1 / torch-zero step time", r, f"<= {BAR_ZERO}", r <= BAR_ZERO))
+            out.append(step_bar("zero1 / torch-zero step time", "zero1", "torch-zero", BAR_ZERO))
         if self.bandwidth:
-            r = statistics.median(self.bandwidth["raw_s"]) / statistics.median(
-                self.bandwidth["ours_s"]
-            )
+            b = self.bandwidth
+            r = statistics.median(raw / ours for raw, ours in zip(b["raw_s"], b["ours_s"]))
             out.append(
                 Bar(
                     "bucket all-reduce busbw / raw all_reduce busbw",
                     r,
                     f">= {BAR_BUSBW}",
                     r >= BAR_BUSBW,
-                    f"{len(self.bandwidth['buckets'])} buckets, "
-                    f"{sum(self.bandwidth['buckets']) / MiB:.1f} MiB",
+                    f"{len(b['buckets'])} buckets, {sum(b['buckets']) / MiB:.1f} MiB; ratio of "
+                    f"medians {statistics.median(b['raw_s']) / statistics.median(b['ours_s']):.3f}",
                 )
             )
         return out
@@ -384,10 +408,13 @@ def _bucket_bandwidth(ctx: RankContext, workload, options: BenchOptions, batch) 
 
     Gradients are made ready under `no_sync()`, then `finish_gradient_synchronization()`
     launches every bucket (copying each in just before its launch), waits, and copies back.
-    "On the wire" is measured the same way for both: from the first all-reduce's launch to the
-    last one's completion (stamped by a callback on its Work's future), so the copy of bucket
-    k+1 while bucket k is in flight counts against us, as it does in training. The whole
-    synchronization, copies included, is reported beside it. Slowest rank; interleaved.
+    "On the wire" is measured the same way for both: from the first all-reduce's launch on the
+    last rank to launch it, to the last one's completion on the last rank to see it (stamped
+    by a callback on its Work's future), so the copy of bucket k+1 while bucket k is in
+    flight counts against us, as it does in training; how much later a rank launches its
+    first bucket because it copied slower does not (that is the copy's cost, not the
+    collective's). The whole synchronization, copies included, is reported beside it.
+    Interleaved, paired per round.
     """
     if ctx.world_size == 1:
         return {}
@@ -423,7 +450,14 @@ def _bucket_bandwidth(ctx: RankContext, workload, options: BenchOptions, batch) 
         for fn, key in pair if r % 2 else pair[::-1]:
             stamps.clear()
             total = timed(fn)
-            wire = comm.slowest(max(e for _, e in stamps) - min(s for s, _ in stamps))
+            # The collectives are on the wire from the moment the LAST rank launched the first
+            # one (none can progress before) until the last one completes on every rank.
+            # Ranks on one host share perf_counter's clock (CLOCK_MONOTONIC).
+            edges = torch.tensor(
+                [min(s for s, _ in stamps), max(e for _, e in stamps)], dtype=torch.float64
+            )
+            dist.all_reduce(edges, op=dist.ReduceOp.MAX)
+            wire = float(edges[1] - edges[0])
             if r:  # the first round is warm-up
                 out[f"{key}_s"].append(wire)
                 if key == "ours":
@@ -457,21 +491,22 @@ def _charts(result: BenchResult, run_dir) -> list[charts.Chart]:
     ]
     if result.sweep:
         o = result.options
-        local_sweep = result.median(LOCAL, "sweep") * 1e3
         series = {
-            impl: [result.median(f"{impl}@{mb:g}", "sweep") * 1e3 for mb in o.sweep_mb]
+            f"{impl} (measured)": [
+                result.sweep_exposed(f"{impl}@{mb:g}") * 1e3 for mb in o.sweep_mb
+            ]
             for impl in o.sweep_impls
         }
-        series["local (no communication)"] = [local_sweep] * len(o.sweep_mb)
         if result.fit is not None:
-            series["local + predicted exposed (alpha-beta)"] = [
-                local_sweep + result.predicted_exposed(mb) * 1e3 for mb in o.sweep_mb
+            series["alpha-beta prediction"] = [
+                result.predicted_exposed(mb) * 1e3 for mb in o.sweep_mb
             ]
         out.append(
             charts.sweep(
                 run_dir / "sweep.png",
                 o.sweep_mb,
                 series,
+                ylabel="exposed ms per step (step - local)",
                 title=f"bucket-size sweep, world size {o.world_size}",
             )
         )
@@ -485,7 +520,6 @@ def format_bench(result: BenchResult) -> str:
     if not result.ok:
         return f"bench failed:\n{result.failure}"
     ref = result.median(REFERENCE) if REFERENCE in result.steps else None
-    local = result.median(LOCAL)
     lines = [
         f"bench: {result.parameters / 1e6:.1f}M-parameter transformer, world size "
         f"{o.world_size}, local batch {o.local_batch}, bucket {o.bucket_mb:g} MB; "
@@ -503,14 +537,14 @@ def format_bench(result: BenchResult) -> str:
                 f"{min(samples) * 1e3:.1f}",
                 "-" if ref is None else f"{med / ref:.3f}",
                 "-" if ref is None else f"{min(samples) / min(result.steps[REFERENCE]):.3f}",
-                "-" if name == LOCAL else f"{100 * max(0.0, med - local) / med:.0f}%",
+                "-" if name == LOCAL else f"{100 * result.exposed_share(name):.0f}%",
             ]
         )
     headers = ["variant", "median ms", "min ms", "/ torch-ddp", "min / min", "exposed comm"]
     lines += [tabulate(rows, headers=headers, disable_numparse=True)]
     lines += [
-        "(exposed comm = (step - local step) / step: the step's share spent in "
-        "communication not hidden by compute)",
+        "(exposed comm = (step - local step) / step, median over rounds of the same round's "
+        "steps: the step's share spent in communication not hidden by compute)",
         "",
     ]
     if result.sweep:
@@ -519,8 +553,9 @@ def format_bench(result: BenchResult) -> str:
         for mb in o.sweep_mb:
             row = [f"{mb:g}"]
             for impl in o.sweep_impls:
-                med = result.median(f"{impl}@{mb:g}", "sweep")
-                row += [f"{med * 1e3:.1f}", f"{(med - local_sweep) * 1e3:.1f}"]
+                key = f"{impl}@{mb:g}"
+                med = result.median(key, "sweep")
+                row += [f"{med * 1e3:.1f}", f"{result.sweep_exposed(key) * 1e3:.1f}"]
             pred = result.predicted_exposed(mb)
             row.append("-" if pred is None else f"{pred * 1e3:.1f}")
             rows.append(row)
@@ -529,7 +564,8 @@ def format_bench(result: BenchResult) -> str:
             headers += [f"{impl} ms", "exposed ms"]
         headers.append("predicted exposed ms")
         lines += [
-            f"bucket sweep ({o.sweep_repeats} rounds; local step {local_sweep * 1e3:.1f} ms):",
+            f"bucket sweep ({o.sweep_repeats} rounds; local step {local_sweep * 1e3:.1f} ms; "
+            "exposed = step - local step, median over rounds of the same round's pair):",
             tabulate(rows, headers=headers, disable_numparse=True),
         ]
         if result.fit is not None:
@@ -565,7 +601,8 @@ def format_bench(result: BenchResult) -> str:
         sync = statistics.median(b["ours_sync_s"])
         lines += [
             f"bucket all-reduces on the wire ({len(b['buckets'])} buckets, {total / MiB:.1f} "
-            f"MiB, first launch to last completion): ours {ours * 1e3:.1f} ms "
+            f"MiB, from the last rank's first launch to the last completion): ours "
+            f"{ours * 1e3:.1f} ms "
             f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce "
             f"{raw * 1e3:.1f} ms ({total * factor / raw / 1e9:.2f} GB/s busbw); the whole "
             f"synchronization with copy-in/out and the usage map: {sync * 1e3:.1f} ms",
@@ -582,7 +619,7 @@ def format_bench(result: BenchResult) -> str:
         for b in result.bars()
     ]
     lines += [
-        "bars:",
+        "bars (step-time and bandwidth ratios: median over rounds of each round's ratio):",
         tabulate(rows, headers=["what", "value", "goal", "", ""], disable_numparse=True),
         "",
     ]
