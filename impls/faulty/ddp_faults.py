@@ -133,7 +133,8 @@ class SkipsFrozenParameters(NaiveDDP):
     """
 
     def _sync_module_states(self) -> None:
-        trainable = [p.data for p in self.module.parameters() if p.requires_grad]  # BUG: frozen left out
+        # BUG: only the trainable ones; frozen parameters keep each rank's initialization.
+        trainable = [p.data for p in self.module.parameters() if p.requires_grad]
         broadcast_coalesced(trainable + list(self.module.buffers()), self.process_group)
 
 
@@ -166,7 +167,7 @@ class NeverClearsHandles(OverlapDDP):
 
     Symptom: from the second step on, `finish_gradient_synchronization()` walks the handles
     of every earlier step too and writes each one's (stale) averaged gradient over this
-    step's, racing with this step's own all-reduces. Gradients are a mix of old and new, and
+    step's: the optimizer steps on old gradients where this rank produced new ones, and
     memory grows every step.
 
     Caught by equivalence at step 2 (the stale gradients are the same on every rank, so the
