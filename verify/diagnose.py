@@ -246,10 +246,11 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     others = [r for r in present if r not in culprits]
     ref = present[others[0]] if others else present[min(present)]
     bad = present[culprit]
-    skipped = why == _BY_HISTORY or (
-        attr in ("op", "numel", "dtype", "site")
-        and bad.site != ref.site
-        and _expected_site(k, colls) == ref.site
+    # A different call site where history expected the others' collective: a skip (the same
+    # site with a different size is a reordering, reported as the mismatch it is).
+    skipped = bad.site != ref.site and (
+        why == _BY_HISTORY
+        or (attr in ("op", "numel", "dtype", "site") and _expected(k, colls) == _token(ref))
     )
     if skipped and hangs:
         what = (
@@ -289,9 +290,9 @@ def _culprits(attr, k, present: dict[int, Record], colls) -> tuple[list[int], st
     if len(blocs[0]) > len(blocs[1]):
         return [r for b in blocs[1:] for r in b], ""
     # A tie (two ranks): which one broke the pattern of the earlier steps?
-    expected = _expected_site(k, colls)
+    expected = _expected(k, colls)
     if expected is not None:
-        keep = [r for r, rec in present.items() if rec.site == expected]
+        keep = [r for r, rec in present.items() if _token(rec) == expected]
         if keep and len(keep) < len(present):
             return [r for r in present if r not in keep], _BY_HISTORY
     extra = _extra_ops(k, present, colls)
@@ -301,13 +302,19 @@ def _culprits(attr, k, present: dict[int, Record], colls) -> tuple[list[int], st
     return [r for r in present if r not in ref], f" (taking rank {min(present)} as the reference)"
 
 
-def _expected_site(k, colls, window: int = 2000, longest: int = 64) -> str | None:
-    """The call site history predicts for #k: find the earlier point whose preceding calls
-    match the calls just before #k for longest (the ranks agree up to #k-1), and take the
-    site that came next there. A loop of per-gradient all-reduces followed by one flag
-    all-reduce predicts the flag, not another gradient, at the end of step 2."""
+def _token(rec: Record) -> tuple:
+    return (rec.op, rec.site, rec.numel)
+
+
+def _expected(k, colls, window: int = 2000, longest: int = 64, least: int = 3) -> tuple | None:
+    """The (op, call site, count) history predicts for #k: find the earlier point whose
+    preceding calls match the calls just before #k for longest (the ranks agree up to #k-1),
+    and take what came next there. A loop of per-gradient all-reduces followed by one flag
+    all-reduce predicts the flag, not another gradient, at the end of step 2; buckets
+    launched from one line predict the next bucket's size. A match shorter than `least` calls
+    is a coincidence (two biases of the same size), not a pattern: no prediction."""
     history = colls[next(iter(colls))]
-    tokens = [(history[s].op, history[s].site) if s in history else None for s in range(k)]
+    tokens = [_token(history[s]) if s in history else None for s in range(k)]
     best, best_len = None, 0
     for j in range(k - 2, max(0, k - window), -1):
         n = 0
@@ -319,8 +326,8 @@ def _expected_site(k, colls, window: int = 2000, longest: int = 64) -> str | Non
         ):
             n += 1
         if n > best_len and tokens[j + 1] is not None:
-            best, best_len = tokens[j + 1][1], n
-    return best
+            best, best_len = tokens[j + 1], n
+    return best if best_len >= least else None
 
 
 def _extra_ops(k, present, colls, most: int = 8) -> list[int]:

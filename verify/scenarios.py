@@ -11,7 +11,7 @@ collectives give the diagnosis a history to compare against:
 | scenario | the last rank, at step 2 | what happens on gloo |
 |---|---|---|
 | skip-collective | skips the finite-flag all-reduce | hang, or a size-mismatch abort |
-| bucket-order | launches its buckets in reverse (from step 1) | size-mismatch abort or hang |
+| bucket-order | rebuilds its buckets in reverse order after step 2 | size-mismatch abort or hang |
 | shape-mismatch | all-reduces one gradient with an extra element | abort or hang |
 | broadcast-source | re-syncs a parameter broadcasting from itself, not rank 0 | hang (both send) |
 | reduce-op | reduces the finite flag with MAX instead of SUM | completes: a desync |
@@ -159,19 +159,32 @@ class SlowRank(ScenarioDDP):
 
 
 class ReversedBuckets(BucketedDDP):
-    """BucketedDDP whose last rank launches its buckets in the reverse order: the bucket order
-    depends on the rank, as when it is planned from a rank-local order of gradient arrival."""
+    """BucketedDDP whose last rank rebuilds its buckets in the reverse order after step 2, as a
+    wrapper does that re-plans buckets from each rank's own gradient arrival order (PyTorch DDP
+    rebuilds its buckets after the first iteration, from an order it agrees on first)."""
 
     def __init__(self, module, *, bucket_size_mb: float = 25.0, **kwargs) -> None:
         # Small buckets, so that there are several of different sizes.
         super().__init__(module, bucket_size_mb=min(bucket_size_mb, 0.002), **kwargs)
+        self.steps = 0
 
-    def _plan_units(self):
-        plan = super()._plan_units()
+    def finish_gradient_synchronization(self) -> None:
+        super().finish_gradient_synchronization()
+        self.steps += 1
+        global _fault_model
         ws = dist.get_world_size(self.process_group)
-        if ws > 1 and dist.get_rank(self.process_group) == ws - 1:
-            plan, self.buckets = plan[::-1], self.buckets[::-1]
-        return plan
+        # After step 2, so that two steps of history show which rank changed its order.
+        if self.steps != FAULT_STEP or ws == 1 or self.rank_in_group() != ws - 1:
+            return
+        if _fault_model not in (None, id(self)):
+            return  # once per process
+        _fault_model = id(self)
+        self.units, self.buckets = self.units[::-1], self.buckets[::-1]
+        self._unit_of = {i: u for u, unit in enumerate(self.units) for i in unit}
+        self._reset()
+
+    def rank_in_group(self) -> int:
+        return dist.get_rank(self.process_group)
 
 
 def _wrap(cls):
@@ -186,7 +199,7 @@ def _wrap(cls):
 #: name -> (class, summary, what the hang check must conclude: "hang" | "crash" | "desync" | "ok")
 SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:skip-collective": (SkipCollective, "last rank skips a collective at step 2", "hang"),
-    "hang:bucket-order": (ReversedBuckets, "last rank launches buckets in reverse order", "hang"),
+    "hang:bucket-order": (ReversedBuckets, "last rank rebuilds its buckets reversed", "hang"),
     "hang:shape-mismatch": (ShapeMismatch, "last rank all-reduces one extra element", "hang"),
     "hang:broadcast-source": (BroadcastSource, "last rank broadcasts from itself", "hang"),
     "hang:reduce-op": (ReduceOpMismatch, "last rank reduces with MAX, others SUM", "desync"),
