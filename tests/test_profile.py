@@ -1,8 +1,8 @@
 """The profiler harness: real traces from real ranks, the numbers read back from them, and a
 real TensorBoard serving them.
 
-One profile of every variant (a small transformer, 2 ranks, 2 active steps) is written once
-per module and shared; the tests read it. Interval arithmetic and the trace analysis are also
+One profile of every variant (the tiny GPT, 2 ranks, 2 active steps) is written once per
+test run and shared by every xdist worker; the tests read it. Interval arithmetic and the trace analysis are also
 checked on synthetic traces whose answers are known exactly. Nothing here asserts a time: the
 machine is shared, so only relations that hold by construction are checked (exposed <=
 communication <= step, compute <= step), plus counts and bytes, which are exact.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -22,25 +23,33 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from filelock import FileLock
 
 from verify import reports, traces
 from verify.profiling import ProfileOptions, all_variants, run_profile
 
-pytestmark = pytest.mark.xdist_group("profile")  # one worker writes the profile, all read it
-
 BUCKET_MB = 0.02  # several buckets even in the tiny GPT (0.1M parameters)
 
 
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profiles")
-    options = ProfileOptions(
-        impl="all", world_size=2, wait=0, warmup=1, active=2, model_size_m=None,
-        bucket_mb=BUCKET_MB, out=str(out), timeout_s=300,
-    )  # fmt: skip
-    result = run_profile(options)
-    assert result.ok, result.failure
-    return result
+@pytest.fixture(scope="session")
+def profiled(tmp_path_factory, worker_id):
+    """The profile, written once for the whole run: the first xdist worker to ask writes it
+    under a lock in the directory all workers share, the others read the pickled result."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # shared by every worker of this pytest run
+    with FileLock(str(root / "profile.lock")):
+        done = root / "profile.pickle"
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        options = ProfileOptions(
+            impl="all", world_size=2, wait=0, warmup=1, active=2, model_size_m=None,
+            bucket_mb=BUCKET_MB, out=str(root / "profiles"), timeout_s=300,
+        )  # fmt: skip
+        result = run_profile(options)
+        assert result.ok, result.failure
+        done.write_bytes(pickle.dumps(result))
+        return result
 
 
 # --- synthetic traces: exact answers --------------------------------------------------------
