@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from impls.registry import resolve
-from verify.audit import Auditor, fingerprint
-from verify.launch import launch
-from verify.workloads import get_workload
+from verify.checks.audit import Auditor, fingerprint
+from verify.launching import launch
+from verify.training.workloads import get_workload
 
 
 def test_fingerprint_sees_every_single_bit_flip_and_ignores_nothing():

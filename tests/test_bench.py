@@ -15,11 +15,11 @@ import random
 
 import pytest
 
-from verify import comm
-from verify.bench import LOCAL, BenchOptions, format_bench, run_bench
+from verify.perf import comm
+from verify.perf.bench import LOCAL, BenchOptions, format_bench, run_bench
 from verify.cli import main
-from verify.scaling import ScalingOptions, format_scaling, run_scaling
-from verify.training import REFERENCE, TrainOptions, format_training, run_training
+from verify.perf.scaling import ScalingOptions, format_scaling, run_scaling
+from verify.perf.train import REFERENCE, TrainOptions, format_training, run_training
 
 TINY_M = 0.5  # ~0.9M parameters: 8 layers of width 64 and an 8k vocabulary
 

@@ -35,7 +35,7 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     [
         (["--impl", "nope"], "unknown implementation 'nope'; choose one of naive, flat"),
         (["--impl", "no_such_module:Cls"], "module 'no_such_module' not found"),
-        (["--impl", "verify.workloads:Nope"], "has no class 'Nope' (classes there:"),
+        (["--impl", "verify.training.workloads:Nope"], "has no class 'Nope' (classes there:"),
         (
             ["--impl", f"{FIXTURES}:NotAWrapper"],
             "neither an nn.Module DDP wrapper nor a torch.optim.Optimizer",

@@ -40,9 +40,9 @@ from filelock import FileLock
 
 from impls.registry import REGISTRY
 from verify.cli import main
-from verify.equivalence import EquivalenceOptions, EquivalenceReport, run_equivalence_on_rank
-from verify.launch import launch
-from verify.workloads import HARD_CASES
+from verify.checks.equivalence import EquivalenceOptions, EquivalenceReport, run_equivalence_on_rank
+from verify.launching import launch
+from verify.training.workloads import HARD_CASES
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = str(ROOT / "tests/fixtures/equivalence_broken.py")

@@ -16,8 +16,8 @@ import inspect
 
 import pytest
 
-from verify.matrix import BEHAVIOUR, CERTIFIED, run_detection
-from verify.matrix_cli import format_detection
+from verify.checks.matrix import BEHAVIOUR, CERTIFIED, run_detection
+from verify.cli.matrix import format_detection
 
 # Modules of impls.faulty. The package is imported inside the tests, not here: importing it
 # registers the faulty implementations, and tests that parametrize over the registry at

@@ -9,7 +9,7 @@ import torch
 
 from impls.registry import REGISTRY
 from verify.cli import main
-from verify.consistency import ConsistencyOptions, check_consistency
+from verify.checks.consistency import ConsistencyOptions, check_consistency
 
 
 @pytest.mark.gpu

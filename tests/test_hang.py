@@ -25,10 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verify import tracer
-from verify.diagnose import RankState, diagnose
-from verify.hang import HangOptions, check_hang
-from verify.launch import RankContext, launch
+from verify.watching import tracer
+from verify.watching.diagnose import RankState, diagnose
+from verify.checks.hang import HangOptions, check_hang
+from verify.launching import RankContext, launch
 from verify.testing import launch_or_fail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,7 +367,7 @@ def _session_members(sid: int) -> list[int]:
 JOB = """
 import json, os, sys, time
 import torch, torch.distributed as dist
-from verify.launch import launch
+from verify.launching import launch
 
 def fn(ctx):
     if ctx.rank == 1:

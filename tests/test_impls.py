@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from impls.registry import REGISTRY, resolve
-from verify.audit import Auditor
-from verify.launch import launch
-from verify.workloads import HARD_CASES, Batch, get_workload
+from verify.checks.audit import Auditor
+from verify.launching import launch
+from verify.training.workloads import HARD_CASES, Batch, get_workload
 
 # The built-in DDP wrappers, read from the registry (as the CLI's --impl list is).
 DDP_VARIANTS = tuple(n for n, i in REGISTRY.items() if i.source == "builtin" and not i.sharded)

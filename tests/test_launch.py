@@ -1,4 +1,4 @@
-"""verify.launch with real spawned gloo ranks: values, errors, crashes, hangs, torchrun.
+"""verify.launching with real spawned gloo ranks: values, errors, crashes, hangs, torchrun.
 
 Each spawn costs ~1 s of CPU per rank (importing torch), so the file keeps launches few and
 small. The rank functions below are module-level because spawned ranks unpickle them by
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verify.launch import LaunchResult, RankContext, launch
+from verify.launching import LaunchResult, RankContext, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,7 +237,7 @@ def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
     """
     script = textwrap.dedent(f"""
         import test_launch as t
-        from verify.launch import launch
+        from verify.launching import launch
         r = launch(t._die, world_size=2, args=({str(tmp_path / "first")!r},), timeout_s=60)
         print(r.summary(), flush=True)
         launch(t._hang, world_size=2, args=({str(tmp_path)!r},), timeout_s=120)
@@ -275,7 +275,7 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
         textwrap.dedent("""
         import json, os
         import torch, torch.distributed as dist
-        from verify.launch import launch
+        from verify.launching import launch
 
         def fn(ctx, offset):
             t = torch.tensor([float(ctx.rank + offset)])

@@ -15,9 +15,9 @@ import pytest
 from torch import nn
 
 from impls.registry import resolve
-from verify.cells import Behaviour, not_claimed, with_group_added_later
-from verify.matrix import BEHAVIOUR, BEHAVIOURS, CERTIFIED, MatrixOptions, run_matrix
-from verify.matrix_cli import format_matrix
+from verify.checks.cells import Behaviour, not_claimed, with_group_added_later
+from verify.checks.matrix import BEHAVIOUR, BEHAVIOURS, CERTIFIED, MatrixOptions, run_matrix
+from verify.cli.matrix import format_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDENT = f"{ROOT}/docs/examples/student_ddp.py:StudentDDP"

@@ -25,8 +25,10 @@ import urllib.request
 import pytest
 from filelock import FileLock
 
-from verify import reports, traces
-from verify.profiling import ProfileOptions, all_variants, run_profile
+from verify import runs
+
+from verify.perf import traces
+from verify.perf.profiling import ProfileOptions, all_variants, run_profile
 
 BUCKET_MB = 0.02  # several buckets even in the tiny GPT (0.1M parameters)
 
@@ -111,11 +113,11 @@ def test_analysis_of_a_synthetic_gpu_trace():
 
 
 def test_run_folders_are_never_reused(tmp_path):
-    first = reports.new_run_dir(tmp_path, "bucketed", 2, "cpu")
-    second = reports.new_run_dir(tmp_path, "bucketed", 2, "cpu")
+    first = runs.new_run_dir(tmp_path, "bucketed", 2, "cpu")
+    second = runs.new_run_dir(tmp_path, "bucketed", 2, "cpu")
     assert first != second and first.is_dir() and second.is_dir()
     assert re.fullmatch(r"bucketed_2xcpu_\d{8}-\d{6}(-\d+)?", first.name)
-    assert reports.new_run_dir(tmp_path, "my/ddp.py:MyDDP", 2, "cpu").name.startswith(
+    assert runs.new_run_dir(tmp_path, "my/ddp.py:MyDDP", 2, "cpu").name.startswith(
         "my-ddp.py-MyDDP_2xcpu_"
     )
 

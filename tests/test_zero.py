@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.zero import ShardedOptimizer
-from verify.launch import launch
+from verify.launching import launch
 
 
 class MLP(nn.Module):

@@ -33,7 +33,9 @@ import threading
 import time
 import traceback
 
-from . import capture, tracer
+from verify.watching import capture
+
+from verify.watching import tracer
 
 
 def main(argv: list[str]) -> None:
@@ -90,7 +92,7 @@ def _has_cuda() -> bool:
 
 def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
     """Under torchrun: watch this node's ranks; on a stall write the report and end them."""
-    from .diagnose import RankState, diagnose
+    from verify.watching.diagnose import RankState, diagnose
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .launch import LaunchResult, launch
+from verify.launching import LaunchResult, launch
 
 TEST_STALL_TIMEOUT_S = 10.0  # a test's ranks that make no progress for this long are hung
 

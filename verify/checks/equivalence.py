@@ -41,8 +41,8 @@ from torch import nn
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
 
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 OPTIMIZERS = ("adamw", "sgd")
 SGD_MOMENTUM = 0.9

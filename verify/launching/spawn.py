@@ -63,8 +63,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import capture, tracer
-from .diagnose import Diagnosis, RankState, diagnose
+from verify.watching import capture
+
+from verify.watching import tracer
+from verify.watching.diagnose import Diagnosis, RankState, diagnose
 
 _SPAWNED_ENV = "DDP_VERIFY_SPAWNED"  # marks our children: they must not mistake us for torchrun
 _GRACE_S = 1.5  # after a failure, peers usually error out within ms (their sockets close)

@@ -28,9 +28,9 @@ from tabulate import tabulate
 
 from impls.registry import resolve
 
-from .audit import Auditor
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.checks.audit import Auditor
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 GOAL_VS_ALLGATHER = 0.10
 GOAL_VS_STEP = 0.05

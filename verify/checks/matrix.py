@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 from impls.registry import REGISTRY, resolve
 
-from .cells import CHECKS, Behaviour, CheckResult, not_applicable, run_check_on_rank
-from .launch import RankContext, launch
+from verify.checks.cells import CHECKS, Behaviour, CheckResult, not_applicable, run_check_on_rank
+from verify.launching import RankContext, launch
 
 BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour(key="world-1", title="world size 1", world_size=1),

@@ -35,15 +35,15 @@ from torch import nn
 
 from impls.registry import DEFAULT_BUCKET_MB, REGISTRY, Implementation, register, resolve
 
-from .audit import Auditor
-from .equivalence import (
+from verify.checks.audit import Auditor
+from verify.checks.equivalence import (
     SCHEDULER_GAMMA,
     EquivalenceOptions,
     full_state_dict,
     run_equivalence_on_rank,
 )
-from .launch import RankContext
-from .workloads import get_workload
+from verify.launching import RankContext
+from verify.training.workloads import get_workload
 
 CHECKS = ("consistency", "equivalence", "shard")
 ADDED_LATER = "+add_param_group"  # suffix of an implementation played through add_param_group

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, _positive_int
-from .cli import impl_help as _impl_help
+from verify.cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, _positive_int
+from verify.cli import impl_help as _impl_help
 
 
 def _nonneg_int(name: str):
@@ -70,7 +70,7 @@ def _common(p: argparse.ArgumentParser, *, world_size: int = 2) -> None:
 
 
 def register(sub) -> None:
-    from .profiling import DEFAULT_MODEL_M, DEFAULT_PROFILE_BUCKET_MB
+    from verify.perf.profiling import DEFAULT_MODEL_M, DEFAULT_PROFILE_BUCKET_MB
 
     p = sub.add_parser("profile", help="profile variants; traces for TensorBoard / Perfetto")
     p.add_argument("--impl", required=True, help=_impl_help() + ", or all")
@@ -95,7 +95,7 @@ def register(sub) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .profiling import ProfileOptions, format_profile, run_profile
+    from verify.perf.profiling import ProfileOptions, format_profile, run_profile
 
     options = ProfileOptions(
         impl=args.impl,
@@ -115,7 +115,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _impls(text: str) -> tuple[str, ...]:
-    from .profiling import all_variants
+    from verify.perf.profiling import all_variants
 
     return tuple(all_variants()) if text == "all" else tuple(v for v in text.split(",") if v)
 
@@ -123,8 +123,8 @@ def _impls(text: str) -> tuple[str, ...]:
 def register_measurements(sub) -> None:
     from impls.registry import DEFAULT_BUCKET_MB
 
-    from .bench import BenchOptions
-    from .comm import CommOptions
+    from verify.perf.bench import BenchOptions
+    from verify.perf.comm import CommOptions
 
     b = BenchOptions()
     p = sub.add_parser("bench", help="step time of every variant vs torch-ddp / torch-zero")
@@ -194,7 +194,7 @@ def _finish(args, result, formatter) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchOptions, format_bench, run_bench
+    from verify.perf.bench import BenchOptions, format_bench, run_bench
 
     options = BenchOptions(
         variants=_impls(args.impls),
@@ -215,7 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_comm(args: argparse.Namespace) -> int:
-    from .comm import CommOptions, format_comm, run_comm
+    from verify.perf.comm import CommOptions, format_comm, run_comm
 
     options = CommOptions(
         world_sizes=args.world_sizes,
@@ -232,7 +232,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:
-    from .scaling import ScalingOptions, format_scaling, run_scaling
+    from verify.perf.scaling import ScalingOptions, format_scaling, run_scaling
 
     options = ScalingOptions(
         impl=args.impl,
@@ -251,7 +251,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .training import TrainOptions, format_training, run_training
+    from verify.perf.train import TrainOptions, format_training, run_training
 
     options = TrainOptions(
         impls=_impls(args.impl),

@@ -9,8 +9,8 @@ import json
 
 from tabulate import tabulate
 
-from .cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, impl_help
-from .matrix import (
+from verify.cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, impl_help
+from verify.checks.matrix import (
     BEHAVIOUR,
     CERTIFIED,
     CHECKS,

@@ -27,9 +27,9 @@ import torch
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
 
-from .audit import Auditor, Checkpoint, Mismatch
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.checks.audit import Auditor, Checkpoint, Mismatch
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 
 @dataclass(frozen=True, kw_only=True)

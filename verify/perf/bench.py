@@ -40,11 +40,15 @@ import torch.distributed as dist
 from impls.bucketed import BucketedDDP
 from impls.registry import DEFAULT_BUCKET_MB, resolve
 
-from . import charts, comm, reports
-from .comm import MiB, timed
-from .launch import RankContext, launch
-from .profiling import all_variants
-from .workloads import get_workload
+from verify.perf import charts
+
+from verify.perf import comm
+
+from verify import runs
+from verify.perf.comm import MiB, timed
+from verify.launching import RankContext, launch
+from verify.perf.profiling import all_variants
+from verify.training.workloads import get_workload
 
 LOCAL = "local"  # no wrapper, no communication: the compute-only reference
 REFERENCE = "torch-ddp"
@@ -66,7 +70,7 @@ class BenchOptions:
     sweep_repeats: int = 5
     bandwidth_repeats: int = 8
     device: str | None = None
-    out: str = reports.DEFAULT_OUT
+    out: str = runs.DEFAULT_OUT
     timeout_s: float = 3600.0
     progress: bool = False
 
@@ -212,19 +216,19 @@ class BenchResult:
 
 
 def run_bench(options: BenchOptions) -> BenchResult:
-    device = options.device or reports.default_device(options.world_size)
-    run_dir = reports.new_run_dir(options.out, "bench", options.world_size, device)
-    meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
-    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
-    with reports.relay_progress(progress):
+    device = options.device or runs.default_device(options.world_size)
+    run_dir = runs.new_run_dir(options.out, "bench", options.world_size, device)
+    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
+    progress = runs.Progress(run_dir / "progress.log" if options.progress else None)
+    with runs.relay_progress(progress):
         run = launch(
             _rank_main,
             world_size=options.world_size,
             args=(options, progress),
             timeout_s=options.timeout_s,
-            backend=reports.backend_for(device),
+            backend=runs.backend_for(device),
         )
-    machine = reports.describe_machine(meta["machine"])
+    machine = runs.describe_machine(meta["machine"])
     if not run.ok:
         return BenchResult(
             options, False, run_dir=str(run_dir), machine=machine, failure=run.summary()
@@ -240,7 +244,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
     )
     notes = [c.note for c in _charts(result, run_dir) if c.note]
     result = dataclasses.replace(result, notes=tuple(dict.fromkeys(notes)))
-    reports.write_json(run_dir / "bench.json", result.to_dict())
+    runs.write_json(run_dir / "bench.json", result.to_dict())
     (run_dir / "bench.txt").write_text(format_bench(result) + "\n")
     return result
 
@@ -317,7 +321,7 @@ def _round_robin(trainers: dict, batches: list, repeats: int, say) -> dict[str, 
     return times
 
 
-def _rank_main(ctx: RankContext, options: BenchOptions, progress: reports.Progress) -> dict:
+def _rank_main(ctx: RankContext, options: BenchOptions, progress: runs.Progress) -> dict:
     def say(msg: str) -> None:
         progress(f"bench: {msg}", rank=ctx.rank)
 

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import charts, reports
-from .bench import _Trainer
-from .comm import timed
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.perf import charts
+
+from verify import runs
+from verify.perf.bench import _Trainer
+from verify.perf.comm import timed
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +41,7 @@ class ScalingOptions:
     repeats: int = 8
     threads_per_rank: int | None = None  # None: cores // max_world_size (at least 1)
     device: str | None = None
-    out: str = reports.DEFAULT_OUT
+    out: str = runs.DEFAULT_OUT
     timeout_s: float = 1800.0
     progress: bool = False
 
@@ -101,10 +103,10 @@ class ScalingResult:
 
 
 def run_scaling(options: ScalingOptions) -> ScalingResult:
-    device = options.device or reports.default_device(options.max_world_size)
-    run_dir = reports.new_run_dir(options.out, "scaling", options.max_world_size, device)
-    meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
-    machine = reports.describe_machine(meta["machine"])
+    device = options.device or runs.default_device(options.max_world_size)
+    run_dir = runs.new_run_dir(options.out, "scaling", options.max_world_size, device)
+    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
+    machine = runs.describe_machine(meta["machine"])
     points = []
     for ws in range(1, options.max_world_size + 1):
         if options.progress:
@@ -114,7 +116,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
             world_size=ws,
             args=(options,),
             timeout_s=options.timeout_s,
-            backend=reports.backend_for(device),
+            backend=runs.backend_for(device),
         )
         if not run.ok:
             return ScalingResult(
@@ -133,7 +135,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
         title=f"weak scaling, {options.threads} thread(s) per rank",
     )
     result = dataclasses.replace(result, notes=tuple(n for n in [chart.note] if n))
-    reports.write_json(run_dir / "scaling.json", result.to_dict())
+    runs.write_json(run_dir / "scaling.json", result.to_dict())
     (run_dir / "scaling.txt").write_text(format_scaling(result) + "\n")
     return result
 

@@ -19,7 +19,7 @@ from tabulate import tabulate
 from impls.registry import DEFAULT_BUCKET_MB, REGISTRY
 from impls.registry import ImplError as ImplError
 
-from .workloads import WORKLOADS
+from verify.training.workloads import WORKLOADS
 
 EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 
@@ -27,10 +27,10 @@ EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2
 # `register(subparsers) -> None`, adding a parser whose `run(args) -> int` default is set.
 # Keeping the list here (one line per feature) keeps `python -m verify --help` in one place.
 EXTENSIONS: tuple[str, ...] = (
-    "verify.perf_cli",  # profile, bench, comm, scaling, train
-    "verify.hang",  # hang, bench-tracer
-    "verify.equivalence_cli",  # equivalence
-    "verify.matrix_cli",  # matrix, faults
+    "verify.cli.perf",  # profile, bench, comm, scaling, train
+    "verify.checks.hang",  # hang, bench-tracer
+    "verify.cli.equivalence",  # equivalence
+    "verify.cli.matrix",  # matrix, faults
 )
 
 
@@ -151,7 +151,7 @@ def _is_reporting_rank() -> bool:
 
 
 def cmd_consistency(args: argparse.Namespace) -> int:
-    from .consistency import ConsistencyOptions, check_consistency
+    from verify.checks.consistency import ConsistencyOptions, check_consistency
 
     options = ConsistencyOptions(
         impl=args.impl,
@@ -227,7 +227,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_audit(args: argparse.Namespace) -> int:
-    from .bench_audit import AuditBenchOptions, format_audit_bench, run_audit_bench
+    from verify.perf.bench_audit import AuditBenchOptions, format_audit_bench, run_audit_bench
 
     options = AuditBenchOptions(
         impl=args.impl,

@@ -29,7 +29,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from .tracer import ROOTED_OPS, UNEVEN_OPS, Record, Trace
+from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS, Record, Trace
 
 _BY_HISTORY = " (the others follow the earlier steps)"
 _BY_EXTRA = " (its later collectives match the others' from this one on)"

@@ -9,7 +9,7 @@ when bucket k goes on the wire, `<Class>.wait[k]`, `zero1.step`, `zero1.sync_par
 backend adds one range per collective (`gloo:all_reduce`, ...) on its own threads, so a trace
 shows which bucket is on the wire while which layer computes.
 
-Layout of a run (never written over; see `reports.new_run_dir`)::
+Layout of a run (never written over; see `runs.new_run_dir`)::
 
     profiles/<impl>_<world>x<device>_<stamp>/
         metadata.json               command, options, torch version, hardware, date
@@ -40,9 +40,13 @@ from torch.profiler import (
 
 from impls.registry import REGISTRY, resolve
 
-from . import charts, reports, traces
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.perf import charts
+
+from verify import runs
+
+from verify.perf import traces
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 DEFAULT_MODEL_M = 5.0
 DEFAULT_PROFILE_BUCKET_MB = 4.0  # several buckets in the 5M model, so overlap is visible
@@ -64,7 +68,7 @@ class ProfileOptions:
     local_batch: int = 4
     bucket_mb: float = DEFAULT_PROFILE_BUCKET_MB
     device: str | None = None  # None: cuda if every rank gets a GPU, else cpu
-    out: str = reports.DEFAULT_OUT
+    out: str = runs.DEFAULT_OUT
     timeout_s: float = 900.0
     progress: bool = False
 
@@ -113,20 +117,20 @@ class ProfileResult:
 
 def run_profile(options: ProfileOptions) -> ProfileResult:
     """Profile every requested variant in one launch, then read the traces back."""
-    device = options.device or reports.default_device(options.world_size)
-    run_dir = reports.new_run_dir(options.out, options.impl, options.world_size, device)
-    meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
-    machine = reports.describe_machine(meta["machine"])
+    device = options.device or runs.default_device(options.world_size)
+    run_dir = runs.new_run_dir(options.out, options.impl, options.world_size, device)
+    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
+    machine = runs.describe_machine(meta["machine"])
     several = len(options.variants) > 1
     trace_dirs = {v: (run_dir / _folder(v) if several else run_dir) for v in options.variants}
-    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
-    with reports.relay_progress(progress):
+    progress = runs.Progress(run_dir / "progress.log" if options.progress else None)
+    with runs.relay_progress(progress):
         run = launch(
             _rank_main,
             world_size=options.world_size,
             args=(options, {k: str(v) for k, v in trace_dirs.items()}, progress),
             timeout_s=options.timeout_s,
-            backend=reports.backend_for(device),
+            backend=runs.backend_for(device),
         )
     if not run.ok:
         return ProfileResult(options, False, run_dir, (), trace_dirs, machine, run.summary())
@@ -158,7 +162,7 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
         None,
         tuple(dict.fromkeys(n for n in notes if n)),
     )
-    reports.write_json(run_dir / "summary.json", result.to_dict())
+    runs.write_json(run_dir / "summary.json", result.to_dict())
     (run_dir / "summary.txt").write_text(format_profile(result) + "\n")
     return result
 

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 
-from . import tracer
+from verify.watching import tracer
 
 FR_BUFFER = "2000"  # flight-recorder entries kept per process group
 _FR_WAIT_S = 1.0

@@ -26,9 +26,9 @@ from tabulate import tabulate
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
 
-from . import tracer
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.watching import tracer
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 GOAL = 0.05
 

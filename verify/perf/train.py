@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import charts, reports
-from .launch import RankContext, launch
-from .workloads import GPT, GPTConfig
+from verify.perf import charts
+
+from verify import runs
+from verify.launching import RankContext, launch
+from verify.training.workloads import GPT, GPTConfig
 
 BRANCHING = 4
 REFERENCE = "single process"
@@ -66,7 +68,7 @@ class TrainOptions:
     seed: int = 0
     log_every: int = 25
     device: str | None = None
-    out: str = reports.DEFAULT_OUT
+    out: str = runs.DEFAULT_OUT
     timeout_s: float = 3600.0
     progress: bool = False
 
@@ -113,17 +115,17 @@ class TrainResult:
 
 
 def run_training(options: TrainOptions) -> TrainResult:
-    device = options.device or reports.default_device(options.world_size)
+    device = options.device or runs.default_device(options.world_size)
     impls = options.impls
     name = "train-" + ("+".join(impls) if len(impls) <= 3 else f"{len(impls)}-impls")
-    run_dir = reports.new_run_dir(options.out, name, options.world_size, device)
-    meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
-    machine = reports.describe_machine(meta["machine"])
-    backend = reports.backend_for(device)
+    run_dir = runs.new_run_dir(options.out, name, options.world_size, device)
+    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
+    machine = runs.describe_machine(meta["machine"])
+    backend = runs.backend_for(device)
     losses, seconds = {}, {}
-    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
+    progress = runs.Progress(run_dir / "progress.log" if options.progress else None)
     for names, ws in [((REFERENCE,), 1), (options.impls, options.world_size)]:
-        with reports.relay_progress(progress):
+        with runs.relay_progress(progress):
             run = launch(
                 _rank_main,
                 world_size=ws,
@@ -141,7 +143,7 @@ def run_training(options: TrainOptions) -> TrainResult:
     steps = list(range(1, options.steps + 1))
     chart = charts.loss_curves(run_dir / "loss.png", steps, losses, REFERENCE)
     result = dataclasses.replace(result, notes=tuple(n for n in [chart.note] if n))
-    reports.write_json(run_dir / "train.json", result.to_dict())
+    runs.write_json(run_dir / "train.json", result.to_dict())
     (run_dir / "train.txt").write_text(format_training(result) + "\n")
     return result
 

@@ -38,10 +38,14 @@ from tabulate import tabulate
 
 from impls.registry import resolve
 
-from . import capture, scenarios, tracer
-from .diagnose import Diagnosis, RankState, diagnose, innermost_frames
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.watching import capture
+
+from verify.checks import scenarios
+
+from verify.watching import tracer
+from verify.watching.diagnose import Diagnosis, RankState, diagnose, innermost_frames
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 #: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
 #: some or all steps; many small buckets; a weight shared by two layers.
@@ -416,7 +420,7 @@ def format_scenarios(results: list[HangResult], stall_timeout_s: float) -> str:
 
 
 def register(subparsers) -> None:
-    from .cli import _positive_float, _positive_int, impl_help
+    from verify.cli import _positive_float, _positive_int, impl_help
 
     p = subparsers.add_parser(
         "hang",
@@ -457,7 +461,7 @@ def register(subparsers) -> None:
 
 
 def cmd_hang(args: argparse.Namespace) -> int:
-    from .cli import EXIT_FAULT, EXIT_PASS, UsageError
+    from verify.cli import EXIT_FAULT, EXIT_PASS, UsageError
 
     if args.scenarios:
         sweep = run_scenarios(
@@ -489,8 +493,8 @@ def cmd_hang(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_tracer(args: argparse.Namespace) -> int:
-    from .bench_tracer import TracerBenchOptions, format_tracer_bench, run_tracer_bench
-    from .cli import EXIT_FAULT, EXIT_PASS
+    from verify.perf.bench_tracer import TracerBenchOptions, format_tracer_bench, run_tracer_bench
+    from verify.cli import EXIT_FAULT, EXIT_PASS
 
     options = TracerBenchOptions(
         impl=args.impl,
@@ -526,7 +530,7 @@ def _loopback() -> str:
 
 
 def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _read(path: str) -> str | None:

@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import charts, reports
-from .launch import RankContext, launch
-from .workloads import get_workload
+from verify.perf import charts
+
+from verify import runs
+from verify.launching import RankContext, launch
+from verify.training.workloads import get_workload
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KiB, MiB = 1024, 1024 * 1024
@@ -213,7 +215,7 @@ class CommOptions:
     repeats: int = 5
     model_size_m: float = 10.0  # the model whose best bucket size is predicted
     device: str | None = None
-    out: str = reports.DEFAULT_OUT
+    out: str = runs.DEFAULT_OUT
     timeout_s: float = 1800.0
     progress: bool = False
 
@@ -295,21 +297,21 @@ class CommResult:
 
 def run_comm(options: CommOptions) -> CommResult:
     """One launch per world size; then fits and predictions in the parent."""
-    device = options.device or reports.default_device(max(options.world_sizes))
-    run_dir = reports.new_run_dir(options.out, "comm", max(options.world_sizes), device)
-    meta = reports.write_metadata(run_dir, dataclasses.asdict(options))
+    device = options.device or runs.default_device(max(options.world_sizes))
+    run_dir = runs.new_run_dir(options.out, "comm", max(options.world_sizes), device)
+    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
     points: list[CommPoint] = []
     memcpy, grad_bytes, backward_s = 0.0, 0, 0.0
-    progress = reports.Progress(run_dir / "progress.log" if options.progress else None)
+    progress = runs.Progress(run_dir / "progress.log" if options.progress else None)
     for ws in options.world_sizes:
         progress(f"comm: world size {ws}")
-        with reports.relay_progress(progress):
+        with runs.relay_progress(progress):
             run = launch(
                 _rank_main,
                 world_size=ws,
                 args=(options, progress),
                 timeout_s=options.timeout_s,
-                backend=reports.backend_for(device),
+                backend=runs.backend_for(device),
             )
         if not run.ok:
             return CommResult(options, False, tuple(points), failure=run.summary())
@@ -338,7 +340,7 @@ def run_comm(options: CommOptions) -> CommResult:
         backward_s,
         predictions,
         str(run_dir),
-        reports.describe_machine(meta["machine"]),
+        runs.describe_machine(meta["machine"]),
     )
     series = {
         f"{op} n={ws}": [p.busbw / 1e9 for p in points if p.op == op and p.world_size == ws]
@@ -354,12 +356,12 @@ def run_comm(options: CommOptions) -> CommResult:
         title="bus bandwidth (nccl-tests definition)",
     )
     result = dataclasses.replace(result, notes=tuple(n for n in [*notes, chart.note] if n))
-    reports.write_json(run_dir / "comm.json", result.to_dict())
+    runs.write_json(run_dir / "comm.json", result.to_dict())
     (run_dir / "comm.txt").write_text(format_comm(result) + "\n")
     return result
 
 
-def _rank_main(ctx: RankContext, options: CommOptions, progress: reports.Progress) -> dict:
+def _rank_main(ctx: RankContext, options: CommOptions, progress: runs.Progress) -> dict:
     samples: dict[tuple[str, int], list[float]] = {}
     calls = {(op, s): collective_call(op, s, ctx) for op in options.ops for s in options.sizes}
     for fn in calls.values():  # warm-up: connections, first-touch of buffers

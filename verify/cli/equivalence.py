@@ -12,7 +12,7 @@ import math
 
 from tabulate import tabulate
 
-from .cli import (
+from verify.cli import (
     EXIT_FAULT,
     EXIT_PASS,
     _is_reporting_rank,
@@ -20,7 +20,7 @@ from .cli import (
     _positive_int,
     add_common,
 )
-from .equivalence import (
+from verify.checks.equivalence import (
     OPTIMIZERS,
     EquivalenceOptions,
     EquivalenceResult,
