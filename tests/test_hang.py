@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from verify.watching import tracer
-from verify.watching.diagnose import RankState, diagnose
+from verify.launching import RankOutcome
+from verify.watching.diagnose import diagnose
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import RankContext, launch
 from verify.testing import launch_or_fail
@@ -295,7 +296,7 @@ def test_the_history_names_who_skipped():
     common = [_rec(i + 1, f"x.py:{s}", n) for i, (s, n) in enumerate(step * 2 + step[:2])]
     r0 = common + [_rec(9, "x.py:grad", 8, "issued")]  # skipped the flag
     r1 = common + [_rec(9, "x.py:flag", 1, "issued")]
-    states = [RankState(0, "timeout"), RankState(1, "timeout")]
+    states = [RankOutcome(0, "timeout"), RankOutcome(1, "timeout")]
     d = diagnose([_trace(0, r0), _trace(1, r1)], states, stalled=True)
     assert (d.verdict, d.culprit, d.findings[0].kind) == ("hang", 0, "skipped collective")
     assert "rank 0 skipped all_reduce #9" in d.headline and "x.py:flag" in d.headline
@@ -305,14 +306,14 @@ def test_same_count_different_shape_is_a_desync():
     """hang:shape-desync in miniature: gloo reduces (2, 2) against (4,) without complaint."""
     a, b = _rec(1, "a.py:1"), _rec(1, "a.py:2")
     b = tracer.Record(**{**b.to_dict(), "shape": "(2, 2)"})
-    d = diagnose([_trace(0, [a]), _trace(1, [b])], [RankState(0, "ok"), RankState(1, "ok")])
+    d = diagnose([_trace(0, [a]), _trace(1, [b])], [RankOutcome(0, "ok"), RankOutcome(1, "ok")])
     assert (d.verdict, d.culprit, d.findings[0].kind) == ("desync", 1, "shape mismatch")
     assert not d.findings[0].hangs and "(2, 2)" in d.headline
 
 
 def test_majority_and_missing_ranks():
     ok = [_rec(1, "a.py:1")]
-    states = [RankState(r, "timeout") for r in range(3)] + [RankState(3, "crashed", "killed")]
+    states = [RankOutcome(r, "timeout") for r in range(3)] + [RankOutcome(3, "crashed", error="killed")]
     traces = [
         _trace(0, ok + [_rec(2, "a.py:2", 4, "issued")]),
         _trace(1, ok + [_rec(2, "a.py:2", 4, "issued")]),

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verify.launching import LaunchResult, RankContext, launch
+from verify.launching import LaunchResult, RankContext, launch, thread_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,11 +133,13 @@ def test_values_come_back_per_rank(world_size: int) -> None:
             "t",
         )
         assert torch.equal(v["tensor"], torch.arange(3) * rank)  # returned as fn returned it
-        assert v["ctx"] == RankContext(rank, world_size, rank, torch.device("cpu"), "gloo", True)
+        budget = thread_budget(world_size)  # the machine's share, as torchrun gives it
+        assert v["ctx"] == RankContext(
+            rank, world_size, rank, torch.device("cpu"), "gloo", True, budget.per_rank
+        )
         assert v["pid"] != os.getpid()  # world size 1 is spawned too
         assert v["extra"] == "x" and v["ifname"]
-        if "OMP_NUM_THREADS" not in os.environ:
-            assert v["threads"] == max(1, len(os.sched_getaffinity(0)) // world_size)
+        assert v["threads"] == budget.per_rank
     assert [o.exitcode for o in result.outcomes] == [0] * world_size
     _assert_none_alive([v["pid"] for v in values])
 

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.registry import DEFAULT_BUCKET_MB, REGISTRY, Implementation, register, resolve
-
 from verify.checks.audit import Auditor
 from verify.checks.equivalence import (
     SCHEDULER_GAMMA,

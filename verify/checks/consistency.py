@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
-
 from verify.checks.audit import Auditor, Checkpoint, Mismatch
 from verify.launching import RankContext, launch
 from verify.training.workloads import get_workload

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
-
 from verify.launching import RankContext, launch
 from verify.training.workloads import get_workload
 

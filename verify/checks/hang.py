@@ -26,9 +26,6 @@ import json
 import os
 import platform
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,20 +34,15 @@ import torch
 from tabulate import tabulate
 
 from impls.registry import resolve
-
-from verify.watching import capture
-
 from verify.checks import scenarios
-
-from verify.watching import tracer
-from verify.watching.diagnose import Diagnosis, RankState, diagnose, innermost_frames
-from verify.launching import RankContext, launch
+from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script
 from verify.training.workloads import get_workload
+from verify.watching import capture, trace_file
+from verify.watching.findings import Diagnosis
 
 #: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
 #: some or all steps; many small buckets; a weight shared by two layers.
 HANG_WORKLOADS = (("unused", 0.002), ("mlp", 0.0005), ("tied", 0.002))
-DEFAULT_STALL_S = 10.0
 _GRACE_S = 1.5
 
 
@@ -59,11 +51,12 @@ class HangOptions:
     impl: str | None = None  # --impl mode
     script: tuple[str, ...] = ()  # --nproc mode: the script and its arguments
     world_size: int = 2
-    stall_timeout_s: float = DEFAULT_STALL_S
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     steps: int = 3
     out: str = "profiles"
     timeout_s: float = 600.0
     backend: str = "gloo"
+    console: str = "stdout"  # where a script's ranks' output is echoed: stdout, stderr, none
 
     def __post_init__(self) -> None:
         if (self.impl is None) == (not self.script):
@@ -126,7 +119,15 @@ def check_hang(options: HangOptions) -> HangResult:
     _write_json(os.path.join(report_dir, "metadata.json"), _metadata(options))
     start = time.monotonic()
     if options.script:
-        diagnosis, failure = _run_script(options, report_dir)
+        run = run_script(
+            options.script,
+            nproc=options.world_size,
+            report_dir=report_dir,
+            stall_timeout_s=options.stall_timeout_s,
+            timeout_s=options.timeout_s,
+            env=capture.backend_env(options.backend, report_dir),
+            console={"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console),
+        )
     else:
         run = launch(
             run_hang_on_rank,
@@ -138,8 +139,8 @@ def check_hang(options: HangOptions) -> HangResult:
             stall_timeout_s=options.stall_timeout_s,
             report_dir=report_dir,
         )
-        assert run.diagnosis is not None
-        diagnosis, failure = run.diagnosis, None if run.ok else run.summary()
+    assert run.diagnosis is not None
+    diagnosis, failure = run.diagnosis, None if run.ok else run.summary()
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.world_size)
     diagnosis = _with_files(diagnosis, files)
@@ -178,113 +179,6 @@ def run_hang_on_rank(ctx: RankContext, options: HangOptions) -> int:
     return steps
 
 
-# ------------------------------------------------------------ --nproc -- script.py
-
-
-def _run_script(options: HangOptions, report_dir: str) -> tuple[Diagnosis, str | None]:
-    """Spawn the script in N processes under `verify.hang_run`, watch, diagnose, end them."""
-    n = options.world_size
-    env = {
-        **os.environ,
-        **capture.backend_env(options.backend, report_dir),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", _loopback()),
-        "DDP_VERIFY_HANG_DIR": report_dir,
-        "DDP_VERIFY_HANG_PARENT": str(os.getpid()),
-        scenarios.STALL_ENV: repr(options.stall_timeout_s),
-        "PYTHONPATH": os.pathsep.join(p for p in (_root(), os.environ.get("PYTHONPATH", "")) if p),
-    }
-    env.pop("DDP_VERIFY_SPAWNED", None)
-    procs = []
-    try:
-        for r in range(n):
-            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-            out = open(os.path.join(report_dir, f"rank{r}.stdout"), "wb")  # noqa: SIM115
-            err = open(os.path.join(report_dir, f"rank{r}.stderr"), "wb")  # noqa: SIM115
-            cmd = [sys.executable, "-m", "verify.hang_run", *options.script]
-            # A session of its own: what the script starts (data loader workers) is ended with it.
-            procs.append(
-                subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err, start_new_session=True)
-            )
-            out.close()
-            err.close()
-        return _watch(procs, options, report_dir)
-    finally:
-        for p in procs:
-            _kill_session(p)
-        for p in procs:
-            p.wait()
-
-
-def _watch(procs, options: HangOptions, report_dir: str) -> tuple[Diagnosis, str | None]:
-    n = len(procs)
-    trace_paths = [os.path.join(report_dir, f"rank{r}.trace") for r in range(n)]
-    watchdog = capture.Watchdog(trace_paths, options.stall_timeout_s)
-    deadline = time.monotonic() + options.timeout_s
-    failed_at: float | None = None
-    order: list[int] = []
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        for r, code in enumerate(codes):
-            if code not in (None, 0) and r not in order:
-                order.append(r)
-                failed_at = failed_at or time.monotonic()
-        if all(c is not None for c in codes):
-            break
-        if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
-            break
-        if failed_at is None and watchdog.poll():
-            break
-        time.sleep(0.05)
-    live = [r for r, p in enumerate(procs) if p.poll() is None]
-    capture.request_flight_recorder(report_dir, live)
-    for r in live:  # hang_run registered faulthandler on SIGUSR1
-        try:
-            os.kill(procs[r].pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    time.sleep(0.5 if live else 0)
-    for p in procs:
-        _kill_session(p)
-    for p in procs:
-        p.wait()
-    stalled = watchdog.stalled_at is not None
-    states = []
-    for r, p in enumerate(procs):
-        stack = _read(os.path.join(report_dir, f"rank{r}.stack"))
-        tb = _read(os.path.join(report_dir, f"rank{r}.traceback"))
-        if r in live and failed_at is not None:
-            why = f"still running {_GRACE_S:g}s after rank {order[0]} failed"
-            states.append(RankState(r, "killed", why, None, stack, p.returncode))
-        elif r in live:
-            why = (
-                "no rank progressed (stall timeout)" if stalled else "still running at the deadline"
-            )
-            states.append(RankState(r, "timeout", why, None, stack, p.returncode))
-        elif p.returncode == 0:
-            states.append(RankState(r, "ok", exitcode=0))
-        elif tb:
-            last = tb.strip().splitlines()[-1]
-            states.append(RankState(r, "error", last, tb, stack, p.returncode))
-        else:
-            why = _describe_exit(p.returncode)
-            err = _read(os.path.join(report_dir, f"rank{r}.stderr"))
-            states.append(RankState(r, "crashed", why, None, stack, p.returncode, err))
-    traces = [tracer.read_trace(path) for path in trace_paths]
-    diag = diagnose(
-        traces,
-        states,
-        stalled=stalled or (bool(live) and failed_at is None),
-        stall_timeout_s=options.stall_timeout_s,
-        detection_s=watchdog.detection_s(),
-        failure_order=tuple(order),
-    )
-    return diag, None
-
-
 # ------------------------------------------------------------ the report folder
 
 
@@ -310,16 +204,10 @@ def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int
     files: dict[str, str] = {}
     pids: dict[int, int] = {}
     for r in range(world):
-        trace_path = os.path.join(report_dir, f"rank{r}.trace")
-        trace = tracer.read_trace(trace_path)
+        jsonl = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
+        trace = trace_file.export_jsonl(os.path.join(report_dir, f"rank{r}.trace"), jsonl)
         if trace is not None:
             pids[r] = trace.pid
-            path = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
-            with open(path, "w") as f:
-                for rec in trace.records:
-                    f.write(json.dumps(rec.to_dict()) + "\n")
-            for leftover in (trace_path, trace_path + ".strings"):
-                os.remove(leftover)
         for kind in ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json"):
             path = os.path.join(report_dir, f"rank{r}.{kind}")
             if os.path.exists(path) and os.path.getsize(path) > 0:
@@ -439,7 +327,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--stall-timeout",
         type=_positive_float("--stall-timeout"),
-        default=DEFAULT_STALL_S,
+        default=DEFAULT_STALL_TIMEOUT_S,
         help="seconds without progress on any rank that make a hang",
     )
     p.add_argument("--steps", type=_positive_int("--steps"), default=3)
@@ -481,6 +369,7 @@ def cmd_hang(args: argparse.Namespace) -> int:
     options = HangOptions(
         impl=args.impl,
         script=script,
+        console="stderr" if args.json else "stdout",
         world_size=args.nproc or args.world_size,
         stall_timeout_s=args.stall_timeout,
         steps=max(2, args.steps),
@@ -493,8 +382,8 @@ def cmd_hang(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_tracer(args: argparse.Namespace) -> int:
-    from verify.perf.bench_tracer import TracerBenchOptions, format_tracer_bench, run_tracer_bench
     from verify.cli import EXIT_FAULT, EXIT_PASS
+    from verify.perf.bench_tracer import TracerBenchOptions, format_tracer_bench, run_tracer_bench
 
     options = TracerBenchOptions(
         impl=args.impl,
@@ -511,28 +400,6 @@ def cmd_bench_tracer(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------ small helpers
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL the rank and everything in its session (it is the session leader)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _loopback() -> str:
-    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _read(path: str) -> str | None:
     try:
         with open(path, errors="replace") as f:
@@ -541,18 +408,9 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _describe_exit(code: int) -> str:
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
 def _write_json(path: str, doc: dict) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str)
 
 
-__all__ = ["HangOptions", "HangResult", "check_hang", "innermost_frames", "run_hang_on_rank"]
+__all__ = ["HangOptions", "HangResult", "check_hang", "run_hang_on_rank"]

@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from impls.registry import REGISTRY, resolve
-
 from verify.checks.cells import CHECKS, Behaviour, CheckResult, not_applicable, run_check_on_rank
 from verify.launching import RankContext, launch
 

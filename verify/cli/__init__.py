@@ -18,7 +18,6 @@ from tabulate import tabulate
 
 from impls.registry import DEFAULT_BUCKET_MB, REGISTRY
 from impls.registry import ImplError as ImplError
-
 from verify.training.workloads import WORKLOADS
 
 EXIT_PASS, EXIT_FAULT, EXIT_USAGE = 0, 1, 2

@@ -12,6 +12,13 @@ import math
 
 from tabulate import tabulate
 
+from verify.checks.equivalence import (
+    OPTIMIZERS,
+    EquivalenceOptions,
+    EquivalenceResult,
+    TensorError,
+    check_equivalence,
+)
 from verify.cli import (
     EXIT_FAULT,
     EXIT_PASS,
@@ -19,13 +26,6 @@ from verify.cli import (
     _positive_float,
     _positive_int,
     add_common,
-)
-from verify.checks.equivalence import (
-    OPTIMIZERS,
-    EquivalenceOptions,
-    EquivalenceResult,
-    TensorError,
-    check_equivalence,
 )
 
 

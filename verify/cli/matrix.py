@@ -9,7 +9,6 @@ import json
 
 from tabulate import tabulate
 
-from verify.cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, impl_help
 from verify.checks.matrix import (
     BEHAVIOUR,
     CERTIFIED,
@@ -20,6 +19,7 @@ from verify.checks.matrix import (
     run_detection,
     run_matrix,
 )
+from verify.cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, impl_help
 
 SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a"}
 COMPACT = {"pass": "✓", "fail": "✗", "not claimed": "–", "n/a": "·"}

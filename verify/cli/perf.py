@@ -122,7 +122,6 @@ def _impls(text: str) -> tuple[str, ...]:
 
 def register_measurements(sub) -> None:
     from impls.registry import DEFAULT_BUCKET_MB
-
     from verify.perf.bench import BenchOptions
     from verify.perf.comm import CommOptions
 

@@ -39,14 +39,10 @@ import torch.distributed as dist
 
 from impls.bucketed import BucketedDDP
 from impls.registry import DEFAULT_BUCKET_MB, resolve
-
-from verify.perf import charts
-
-from verify.perf import comm
-
 from verify import runs
-from verify.perf.comm import MiB, timed
 from verify.launching import RankContext, launch
+from verify.perf import charts, comm
+from verify.perf.comm import MiB, timed
 from verify.perf.profiling import all_variants
 from verify.training.workloads import get_workload
 

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from impls.registry import resolve
-
 from verify.checks.audit import Auditor
 from verify.launching import RankContext, launch
 from verify.training.workloads import get_workload

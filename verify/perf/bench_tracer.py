@@ -25,10 +25,9 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
-
-from verify.watching import tracer
 from verify.launching import RankContext, launch
 from verify.training.workloads import get_workload
+from verify.watching import tracer
 
 GOAL = 0.05
 

@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from verify.perf import charts
-
 from verify import runs
 from verify.launching import RankContext, launch
+from verify.perf import charts
 from verify.training.workloads import get_workload
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")

@@ -39,13 +39,9 @@ from torch.profiler import (
 )
 
 from impls.registry import REGISTRY, resolve
-
-from verify.perf import charts
-
 from verify import runs
-
-from verify.perf import traces
 from verify.launching import RankContext, launch
+from verify.perf import charts, traces
 from verify.training.workloads import get_workload
 
 DEFAULT_MODEL_M = 5.0

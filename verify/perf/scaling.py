@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.perf import charts
-
 from verify import runs
+from verify.launching import RankContext, launch
+from verify.perf import charts
 from verify.perf.bench import _Trainer
 from verify.perf.comm import timed
-from verify.launching import RankContext, launch
 from verify.training.workloads import get_workload
 
 

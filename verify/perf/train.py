@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from verify.perf import charts
-
 from verify import runs
 from verify.launching import RankContext, launch
+from verify.perf import charts
 from verify.training.workloads import GPT, GPTConfig
 
 BRANCHING = 4

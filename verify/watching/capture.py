@@ -1,19 +1,16 @@
-"""The watchdog's eyes and the backend's logs: what the launcher needs around a hang.
+"""What a report captures besides the traces: the backend's logs, and answers from the ranks.
 
-- `Watchdog` polls the header of every rank's trace file (`tracer.py`): a rank progresses when
-  it issues or completes a collective. A stall is *no rank* progressing for `stall_timeout_s`
-  while at least one waits in a collective: a rank that computes for a while and then issues
-  its next collective resets the clock for everyone, so a slow rank is never a hang, and ranks
-  that all compute (nothing pending) are not hung either.
 - `backend_env` turns on the backend's own debug output for a run whose report is kept:
   gloo's C++ logs and PyTorch's distributed debug logs (to each rank's stderr file) and the
   flight recorder; on NCCL also `NCCL_DEBUG=INFO` into a file per process and the flight
   recorder's dump on timeout. The NCCL variables are only set for the NCCL backend, so
   nothing here needs CUDA.
-- `start_rank_helper` runs a daemon thread in each rank that writes the flight recorder's dump
-  when the parent asks (`request_flight_recorder`): a thread, because a rank stuck in a
-  collective has released the GIL in C++, while its main thread would never run a Python
-  signal handler.
+- `start_rank_helper` runs a daemon thread in each rank that answers the parent through
+  files: where the main thread is now (`request_where` / `read_where`: the watchdog names the
+  line a computing rank is at), and the flight recorder's dump (`request_flight_recorder`).
+  A thread, because a rank stuck in a collective has released the GIL in C++, while its main
+  thread would never run a Python signal handler; and a file, because the rank may be gone
+  by the time the parent reads the answer.
 """
 
 from __future__ import annotations
@@ -24,49 +21,11 @@ import os
 import threading
 import time
 
-from verify.watching import tracer
+from verify.watching import stacks
 
 FR_BUFFER = "2000"  # flight-recorder entries kept per process group
 _FR_WAIT_S = 1.0
-
-
-class Watchdog:
-    """Declares a stall from the ranks' trace headers; see the module docstring."""
-
-    def __init__(self, trace_paths: list[str | None], stall_timeout_s: float) -> None:
-        self.paths = trace_paths
-        self.stall_timeout_s = stall_timeout_s
-        self.events: list[int | None] = [None] * len(trace_paths)
-        self.last_change: float | None = None  # monotonic
-        self.last_event_wall = 0.0  # wall clock of the last progress any rank made
-        self.stalled_at: float | None = None  # wall clock of the verdict
-
-    def poll(self) -> bool:
-        """Read every header once; True once the run is stalled."""
-        now = time.monotonic()
-        if self.last_change is None:  # the clock starts when everyone is up
-            self.last_change, self.last_event_wall = now, time.time()
-        waiting = False
-        for i, path in enumerate(self.paths):
-            header = tracer.read_header(path) if path else None
-            if header is None:
-                continue
-            events, pending, last = header
-            if events != self.events[i]:
-                self.events[i] = events
-                self.last_change = now
-                self.last_event_wall = max(self.last_event_wall, last)
-            waiting = waiting or pending > 0
-        if waiting and now - self.last_change >= self.stall_timeout_s:
-            self.stalled_at = time.time()
-            return True
-        return False
-
-    def detection_s(self) -> float | None:
-        """Seconds from the last progress any rank made (as last seen) to now, the verdict."""
-        if self.last_change is None:
-            return None
-        return time.time() - self.last_event_wall
+_HELPER_POLL_S = 0.2
 
 
 def backend_env(backend: str, report_dir: str) -> dict[str, str]:
@@ -90,30 +49,55 @@ def backend_env(backend: str, report_dir: str) -> dict[str, str]:
     return env
 
 
-def _request_path(report_dir: str, rank: int) -> str:
-    return os.path.join(report_dir, f"rank{rank}.fr.request")
+def _path(folder: str, rank: int, what: str) -> str:
+    return os.path.join(folder, f"rank{rank}.{what}")
 
 
 def fr_path(report_dir: str, rank: int) -> str:
-    return os.path.join(report_dir, f"rank{rank}.flight_recorder.json")
+    return _path(report_dir, rank, "flight_recorder.json")
 
 
-def start_rank_helper(report_dir: str, rank: int, backend: str) -> None:
-    """In a rank: dump the flight recorder into the report folder when the parent asks."""
+def start_rank_helper(folder: str, rank: int) -> None:
+    """In a rank: answer the parent's requests (see the module docstring) until exit."""
 
     def serve() -> None:
-        request = _request_path(report_dir, rank)
-        while not os.path.exists(request):
-            time.sleep(0.2)
-        try:
-            dump = _flight_recorder_json()
-        except Exception as exc:  # not built in, or not enabled: say so in the file
-            dump = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        with open(fr_path(report_dir, rank) + ".tmp", "w") as f:
-            f.write(dump)
-        os.replace(fr_path(report_dir, rank) + ".tmp", fr_path(report_dir, rank))
+        fr_done = False
+        while True:
+            time.sleep(_HELPER_POLL_S)
+            if os.path.exists(_path(folder, rank, "where.request")):
+                with contextlib.suppress(OSError):
+                    os.remove(_path(folder, rank, "where.request"))
+                _write(_path(folder, rank, "where"), stacks.main_thread_site() or "")
+            if not fr_done and os.path.exists(_path(folder, rank, "fr.request")):
+                fr_done = True
+                try:
+                    dump = _flight_recorder_json()
+                except Exception as exc:  # not built in, or not enabled: say so in the file
+                    dump = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+                _write(fr_path(folder, rank), dump)
 
-    threading.Thread(target=serve, name="ddp-verify-fr", daemon=True).start()
+    threading.Thread(target=serve, name="ddp-verify-helper", daemon=True).start()
+
+
+def _write(path: str, text: str) -> None:
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def request_where(folder: str, rank: int) -> None:
+    """Ask rank `rank` where its main thread is; `read_where` returns the answer once there."""
+    with contextlib.suppress(OSError):
+        os.remove(_path(folder, rank, "where"))
+    with contextlib.suppress(OSError), open(_path(folder, rank, "where.request"), "w"):
+        pass
+
+
+def read_where(folder: str, rank: int) -> str | None:
+    with contextlib.suppress(OSError), open(_path(folder, rank, "where")) as f:
+        return f.read().strip() or None
+    return None
 
 
 def _flight_recorder_json() -> str:
@@ -128,12 +112,12 @@ def _flight_recorder_json() -> str:
 def request_flight_recorder(report_dir: str, ranks: list[int]) -> list[str]:
     """Ask live ranks for their flight-recorder dump; the paths that appeared in time."""
     for rank in ranks:
-        with contextlib.suppress(OSError), open(_request_path(report_dir, rank), "w"):
+        with contextlib.suppress(OSError), open(_path(report_dir, rank, "fr.request"), "w"):
             pass
     end = time.monotonic() + _FR_WAIT_S
     while time.monotonic() < end and not all(os.path.exists(fr_path(report_dir, r)) for r in ranks):
         time.sleep(0.05)
     for rank in ranks:
         with contextlib.suppress(OSError):
-            os.remove(_request_path(report_dir, rank))
+            os.remove(_path(report_dir, rank, "fr.request"))
     return [fr_path(report_dir, r) for r in ranks if os.path.exists(fr_path(report_dir, r))]

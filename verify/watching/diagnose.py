@@ -24,93 +24,47 @@ last time); the rank that issued extra collectives (its later records match the 
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS, Record, Trace
+if TYPE_CHECKING:
+    from verify.launching.outcome import RankOutcome
+
+from verify.watching import stacks
+from verify.watching.findings import Diagnosis, Finding
+from verify.watching.trace_file import Record, Trace
+from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
 _BY_HISTORY = " (the others follow the earlier steps)"
 _BY_EXTRA = " (its later collectives match the others' from this one on)"
 STRUCTURAL = ("missing", "op mismatch", "count mismatch", "dtype mismatch")
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # "missing", "op mismatch", ..., "reduce-op mismatch", "crashed", "raised", ...
-    rank: int  # the culprit
-    message: str  # one line
-    collective: str | None = None  # e.g. "all_reduce #12 on world [float32 (64,) SUM]"
-    site: str | None = None  # where the collective was issued (the waiting ranks' call site)
-    culprit_site: str | None = None  # what the culprit was doing instead, where
-    hangs: bool = True  # False: a desync that completes with wrong results
-
-
-@dataclass(frozen=True)
-class RankState:
-    """What the parent knows about one rank besides its trace."""
-
-    rank: int
-    status: str  # "ok" | "error" | "crashed" | "timeout" | "killed"
-    error: str | None = None
-    traceback: str | None = None
-    stack: str | None = None
-    exitcode: int | None = None
-    stderr: str | None = None  # the tail of what the rank wrote to stderr
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    verdict: str  # "ok" | "hang" | "crash" | "desync"
-    headline: str
-    culprit: int | None = None
-    collective: str | None = None
-    site: str | None = None
-    findings: tuple[Finding, ...] = ()
-    ranks: tuple[str, ...] = ()  # one line per rank: where it is
-    stall_timeout_s: float | None = None
-    detection_s: float | None = None  # from the last progress of any rank to the verdict
-    files: dict = field(default_factory=dict)  # name -> path of captured logs (report folder)
-
-    @property
-    def faulty(self) -> bool:
-        return self.verdict != "ok"
-
-    def text(self) -> str:
-        lines = [f"{self.verdict.upper()}: {self.headline}"]
-        if self.detection_s is not None and self.stall_timeout_s is not None:
-            lines.append(
-                f"  detected {self.detection_s:.1f}s after the last progress of any rank "
-                f"(stall timeout {self.stall_timeout_s:g}s)"
-            )
-        more = [f for f in self.findings if f.message != self.headline]
-        if more:
-            lines.append("also:")
-            lines += [f"  - {f.message}" for f in more]
-        if self.ranks:
-            lines.append("ranks:")
-            lines += [f"  {line}" for line in self.ranks]
-        if self.files:
-            lines.append("captured:")
-            lines += [f"  {name}: {path}" for name, path in self.files.items()]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+_TIMED_OUT = (
+    "the run did not finish within its timeout, and no rank was hung (every rank that was not "
+    "waiting in a collective was working): no verdict"
+)
+_NONE_SEEN = (
+    "no collective was observed on any rank: nothing to check (does the script call "
+    "init_process_group and issue collectives?)"
+)
 
 
 def diagnose(
     traces: list[Trace | None],
-    ranks: list[RankState],
+    ranks: list[RankOutcome],
     *,
     stalled: bool = False,
     stall_timeout_s: float | None = None,
     detection_s: float | None = None,
     now: float | None = None,
     failure_order: tuple[int, ...] = (),
+    timed_out: bool = False,
 ) -> Diagnosis:
-    """Compare the ranks' records; see the module docstring for the rules."""
+    """Compare the ranks' records; see the module docstring for the rules.
+
+    `stalled`: the watchdog called a hang; `timed_out`: the deadline passed with no hang and
+    no failure (the verdict is then "timeout": the run could not be judged, not a fault)."""
     now = time.time() if now is None else now
     world = len(ranks)
     findings: list[Finding] = []
@@ -142,6 +96,10 @@ def diagnose(
         verdict = "crash"
     elif findings:
         verdict = "desync"
+    elif timed_out:
+        return Diagnosis("timeout", _TIMED_OUT, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
+    elif not any(t is not None and t.records for t in traces):
+        return Diagnosis("ok", _NONE_SEEN, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
     else:
         return Diagnosis("ok", "no hang, no desync: every collective matched on every rank",
                          ranks=tuple(lines), stall_timeout_s=stall_timeout_s)  # fmt: skip
@@ -367,7 +325,7 @@ def _missing(k, present, absent, traces, ranks, colls) -> Finding:
     return Finding("missing", culprit, message, ref.describe(), ref.site, instead[1])
 
 
-def _instead(state: RankState, trace: Trace | None, colls) -> tuple[str, str | None]:
+def _instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | None]:
     """What a rank that did not reach a collective is doing instead, and where."""
     last = trace.records[-1] if trace and trace.records else None
     pending = [r for r in (trace.records if trace else ()) if r.pending]
@@ -375,20 +333,20 @@ def _instead(state: RankState, trace: Trace | None, colls) -> tuple[str, str | N
         after = f" after {last.describe()} at {last.site}" if last else ""
         return f"{state.error or 'crashed'}{after}", last.site if last else None
     if state.status == "error":
-        where = _tb_site(state.traceback)
+        where = stacks.traceback_site(state.traceback)
         return f"raised {state.error}" + (f" at {where}" if where else ""), where
     if state.status == "ok":
         return "returned without issuing it (its work finished)", None
     if pending:
         p = pending[-1]
         return f"is waiting in {p.describe()} at {p.site}", p.site
-    frames = innermost_frames(state.stack) if state.stack else None
+    frames = stacks.innermost_frames(state.stack) or None
     if frames:
         return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
     return "is outside any collective (no stack was captured)", None
 
 
-def _failure_finding(root: RankState, traces, now) -> Finding:
+def _failure_finding(root: RankOutcome, traces, now) -> Finding:
     """A rank raised or died and no collective mismatch explains it."""
     trace = traces[root.rank] if root.rank < len(traces) else None
     waiting = []
@@ -440,7 +398,7 @@ def _stall_without_mismatch(ranks, traces) -> Finding:
     return Finding("stalled", 0, "no rank progressed, and none is inside a collective")
 
 
-def _where(state: RankState, trace: Trace | None, now: float) -> str:
+def _where(state: RankOutcome, trace: Trace | None, now: float) -> str:
     pending = [r for r in trace.records if r.pending] if trace else []
     last = trace.records[-1] if trace and trace.records else None
     n = len(trace.records) if trace else 0
@@ -453,14 +411,14 @@ def _where(state: RankState, trace: Trace | None, now: float) -> str:
             + (f"; its stderr ended with: {said}" if said else "")
         )
     if state.status == "error":
-        site = _tb_site(state.traceback)
+        site = stacks.traceback_site(state.traceback)
         return f"{head}: {state.error}" + (f" at {site}" if site else "")
     if pending:
         p = pending[-1]
         return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} at {p.site}"
     if state.status == "ok":
         return f"{head}: finished; {n} collective(s) traced"
-    frames = innermost_frames(state.stack) if state.stack else ""
+    frames = stacks.innermost_frames(state.stack)
     return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
 
 
@@ -471,44 +429,3 @@ def _last_words(stderr: str | None) -> str | None:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(("[I", "[W")) and "Warning" not in ln]
     return lines[-1][:300] if lines else None
-
-
-_PLUMBING = ("launch.py", "hang_run.py", "runpy.py", "<frozen runpy>", "tracer.py")
-_TB_FILE = re.compile(r'^  File "(.+)", line (\d+), in (\S+)', re.M)
-
-
-def _tb_site(tb: str | None) -> str | None:
-    if not tb:
-        return None
-    frames = [
-        f for f in _TB_FILE.findall(tb) if not f[0].endswith(_PLUMBING) and "/torch/" not in f[0]
-    ]
-    if not frames:
-        return None
-    path, line, name = frames[-1]
-    return f"{_rel(path)}:{line} ({name})"
-
-
-def innermost_frames(stack: str, depth: int = 3) -> str:
-    """'f (file:line) <- g (file:line)': the innermost user frames of the thread that runs the
-    rank's work (faulthandler format), skipping the launcher's and torch's."""
-    threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
-    main = next(
-        (t for t in threads if " in _rank_main" in t or " in run_script" in t),
-        threads[0] if threads else "",
-    )
-    frames = []
-    for path, line, name in re.findall(r'File "(.+)", line (\d+) in (\S+)', main):
-        if name in ("_call", "_rank_main", "run_script", "_run_module_code", "_run_code"):
-            break
-        if name != "wrapper" and "/torch/" not in path and not path.endswith("tracer.py"):
-            frames.append(f"{name} ({_rel(path)}:{line})")
-    return " <- ".join(frames[:depth])
-
-
-def _rel(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel

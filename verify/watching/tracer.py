@@ -32,32 +32,23 @@ from __future__ import annotations
 
 import functools
 import inspect
-import mmap
 import os
-import struct
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-MAGIC = b"DDPTRACE"
-VERSION = 1
-# header: magic, version, pid, rank, capacity, records written, events (issues + completions),
-# pending (issued, not completed), wall time of the last event
-_HEADER = struct.Struct("<8siqiqqqqd")
-_HEADER_SIZE = 64
-# record: index, seq, t_issue, t_done, numel, op, dtype, shape, group, site, reduce op, peer,
-# state, p2p flag
-_RECORD = struct.Struct("<qqddqIIIIIiiBB")
-_RECORD_SIZE = 72
-_DONE_OFFSET = 24  # where t_done sits in a record (after index, seq, t_issue)
-_STATE_OFFSET = _RECORD.size - 2
-ISSUED, COMPLETED, FAILED = 1, 2, 3
-STATES = {ISSUED: "issued", COMPLETED: "completed", FAILED: "failed"}
-DEFAULT_CAPACITY = 8192  # records kept per rank (ring); 72 B each
+from verify.watching.trace_file import (
+    COMPLETED,
+    DEFAULT_CAPACITY,
+    FAILED,
+    Record,
+    Trace,
+    Writer,
+    read_header,
+    read_trace,
+)
 
 # op -> (tensor argument whose shape is recorded, peer argument, is point-to-point)
 _OPS: dict[str, tuple[str | None, str | None, bool]] = {
@@ -96,128 +87,7 @@ ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not
 _SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__))
 
 
-@dataclass(frozen=True)
-class Record:
-    """One collective as one rank saw it."""
-
-    index: int  # position in this rank's trace (0, 1, ...)
-    seq: int  # per group (collectives) or per (group, peer) (point-to-point), from 1
-    op: str
-    group: str
-    reduce_op: str | None
-    dtype: str | None
-    numel: int | None
-    shape: str | None
-    peer: int | None  # src/dst (global rank)
-    p2p: bool
-    site: str  # file:line (function) of the user's call
-    state: str  # "issued" | "completed" | "failed"
-    t_issue: float  # wall clock (time.time())
-    t_done: float | None
-
-    @property
-    def pending(self) -> bool:
-        return self.state == "issued"
-
-    def signature(self) -> tuple:
-        """What must agree across ranks for the same collective."""
-        return (self.op, self.dtype, self.numel, self.shape, self.reduce_op, self.peer)
-
-    def describe(self) -> str:
-        """`all_reduce #12 on world [float32 (64, 16) SUM]`."""
-        parts = [p for p in (self.dtype, self.shape, self.reduce_op) if p]
-        if self.peer is not None:
-            key = (
-                "dst"
-                if self.op in ("reduce", "gather", "send", "isend", "gather_object")
-                else "src"
-            )
-            parts.append(f"{key}={self.peer}")
-        inner = f" [{' '.join(parts)}]" if parts else ""
-        return f"{self.op} #{self.seq} on {self.group}{inner}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A rank's trace file as read by the parent."""
-
-    rank: int
-    pid: int
-    records: tuple[Record, ...]  # the last `capacity` records, oldest first
-    events: int
-    pending: int
-    last_event: float  # wall clock of the last issue or completion (0: none yet)
-    dropped: int  # records overwritten by the ring
-
-    def collectives(self, group: str) -> dict[int, Record]:
-        return {r.seq: r for r in self.records if r.group == group and not r.p2p}
-
-
-# ------------------------------------------------------------ inside the rank
-
-
-class _Writer:
-    """Owns the mmap'ed file; every method is called with the GIL held."""
-
-    def __init__(self, path: str, rank: int, capacity: int) -> None:
-        self.capacity = capacity
-        size = _HEADER_SIZE + capacity * _RECORD_SIZE
-        fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.strings_fd = os.open(path + ".strings", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.ids: dict[str, int] = {}
-        self.written = self.events = self.pending = 0
-        self.rank, self.pid = rank, os.getpid()
-        self._header(0.0)
-        os.replace(path + ".tmp", path)  # the parent only ever sees a whole header
-
-    def _header(self, now: float) -> None:
-        _HEADER.pack_into(
-            self.map, 0, MAGIC, VERSION, self.pid, self.rank, self.capacity,
-            self.written, self.events, self.pending, now,
-        )  # fmt: skip
-
-    def intern(self, text: str) -> int:
-        sid = self.ids.get(text)
-        if sid is None:
-            sid = self.ids[text] = len(self.ids) + 1  # 0 means "none"
-            os.write(self.strings_fd, f"{sid}\t{text}\n".encode())
-        return sid
-
-    def issue(self, fields: tuple) -> int:
-        index = self.written
-        offset = _HEADER_SIZE + (index % self.capacity) * _RECORD_SIZE
-        now = time.time()
-        # fields: seq, numel, op, dtype, shape, group, site, reduce op, peer, p2p
-        _RECORD.pack_into(self.map, offset, index, fields[0], now, 0.0, *fields[1:-1], ISSUED,
-                          fields[-1])  # fmt: skip
-        self.written += 1
-        self.events += 1
-        self.pending += 1
-        self._header(now)
-        return index
-
-    def done(self, index: int, state: int = COMPLETED) -> None:
-        if index + self.capacity <= self.written:  # overwritten by the ring already
-            self.pending -= 1
-            return
-        offset = _HEADER_SIZE + (index % self.capacity) * _RECORD_SIZE
-        now = time.time()
-        struct.pack_into("<d", self.map, offset + _DONE_OFFSET, now)
-        self.map[offset + _STATE_OFFSET] = state
-        self.events += 1
-        self.pending -= 1
-        self._header(now)
-
-
-_writer: _Writer | None = None
+_writer: Writer | None = None
 _originals: dict[str, object] = {}
 _wrappers: dict[str, object] = {}
 # 1 inside a traced call: collectives that one issues (all_gather_object's all_gathers) are not
@@ -240,7 +110,7 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
         return
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    _writer = _Writer(path, rank, capacity)
+    _writer = Writer(path, rank, capacity)
     for name in _OPS:
         original = getattr(dist.distributed_c10d, name, None)
         if original is None:
@@ -408,7 +278,7 @@ def _site(writer) -> int:
     return sid
 
 
-def _complete_when_done(writer: _Writer, rec: int, out) -> None:
+def _complete_when_done(writer: Writer, rec: int, out) -> None:
     """Mark `rec` completed now (a blocking call returned), or when its Work is found done.
 
     No completion callback on the Work's future: it would run Python on the backend's worker
@@ -427,7 +297,7 @@ def _complete_when_done(writer: _Writer, rec: int, out) -> None:
         _in_flight[id(work)] = (work, entry)
 
 
-def _sweep(writer: _Writer) -> None:
+def _sweep(writer: Writer) -> None:
     """Complete the records of async works the backend has finished."""
     for key, (work, _) in list(_in_flight.items()):
         try:
@@ -438,7 +308,7 @@ def _sweep(writer: _Writer) -> None:
             _finish_work(writer, key)
 
 
-def _finish_work(writer: _Writer, key: int, state: int = COMPLETED) -> None:
+def _finish_work(writer: Writer, key: int, state: int = COMPLETED) -> None:
     item = _in_flight.pop(key, None)
     if item is None:
         return
@@ -464,71 +334,4 @@ def _traced_wait(original):
     return wait
 
 
-# ------------------------------------------------------------ in the parent
-
-
-def read_header(path: str) -> tuple[int, int, float] | None:
-    """(events, pending, last event time) of a trace file, cheaply; None if not there yet."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
-    except OSError:
-        return None
-    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
-        return None
-    _, _, _, _, _, _, events, pending, last = _HEADER.unpack(raw)
-    return events, pending, last
-
-
-def read_trace(path: str) -> Trace | None:
-    """The whole trace of one rank (None if the rank never started tracing)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    if len(raw) < _HEADER_SIZE or raw[:8] != MAGIC:
-        return None
-    _, _, pid, rank, capacity, written, events, pending, last = _HEADER.unpack_from(raw)
-    strings = _read_strings(path + ".strings")
-    records = []
-    for index in range(max(0, written - capacity), written):
-        offset = _HEADER_SIZE + (index % capacity) * _RECORD_SIZE
-        (idx, seq, t_issue, t_done, numel, op, dtype, shape, group, site, reduce_op, peer, state,
-         p2p) = _RECORD.unpack_from(raw, offset)  # fmt: skip
-        if idx != index or state == 0:  # torn write of the very last record
-            continue
-        records.append(
-            Record(
-                index=idx, seq=seq, op=strings.get(op, "?"), group=strings.get(group, "?"),
-                reduce_op=_reduce_name(reduce_op), dtype=strings.get(dtype),
-                numel=None if numel < 0 else numel, shape=strings.get(shape),
-                peer=None if peer < 0 else peer, p2p=bool(p2p),
-                site=strings.get(site, "<unknown>"), state=STATES.get(state, "?"),
-                t_issue=t_issue, t_done=t_done or None,
-            )
-        )  # fmt: skip
-    dropped = max(0, written - capacity)
-    return Trace(rank, pid, tuple(records), events, pending, last, dropped)
-
-
-def _read_strings(path: str) -> dict[int, str]:
-    out: dict[int, str] = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                sid, sep, text = line.rstrip("\n").partition("\t")
-                if sep and sid.isdigit():
-                    out[int(sid)] = text
-    except OSError:
-        pass
-    return out
-
-
-def _reduce_name(code: int) -> str | None:
-    if code < 0:
-        return None
-    try:
-        return dist.ReduceOp.RedOpType(code).name
-    except (ValueError, TypeError):
-        return f"op{code}"
+__all__ = ["Record", "Trace", "install", "read_header", "read_trace", "uninstall"]

@@ -1,0 +1,144 @@
+"""The one rank record and the result of a launch, as data.
+
+A launch never raises because a rank failed: every rank comes back as a `RankOutcome`, and the
+`LaunchResult` says how the run ended (all returned, a rank failed, the watchdog saw a hang,
+the deadline passed) with the collective-trace diagnosis beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from verify.watching import stacks
+
+if TYPE_CHECKING:
+    import torch
+
+    from verify.watching.findings import Diagnosis
+
+#: how a rank ended
+STATUSES = ("ok", "error", "crashed", "timeout", "killed")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank function receives, after the process group is initialized."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device  # cpu for gloo; cuda:{local_rank} for nccl
+    backend: str
+    spawned: bool  # False when this process joined an existing torchrun job
+    threads: int = 0  # intra-op threads this rank was given (0: not decided by the tool)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended. `error` is a one-line reason for every status but "ok".
+
+    status: "ok" (returned), "error" (raised: `traceback` says where), "crashed" (the process
+    died without reporting: `exitcode`, and the backend's last words in `stderr`), "timeout"
+    (still running at the deadline or the hang verdict: `stack` says where) or "killed" (still
+    running when another rank's failure ended the run).
+    """
+
+    rank: int
+    status: str
+    value: Any = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None  # negative: killed by that signal
+    stack: str | None = None  # faulthandler dump (timeout, killed, or a fatal signal)
+    stderr: str | None = None  # the tail of what the rank wrote (failed ranks only)
+    pid: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("error", "crashed")
+
+    def where(self) -> str:
+        """Where the rank was: its traceback's user frame, or its stack's innermost frames."""
+        if self.traceback:
+            return stacks.traceback_site(self.traceback) or ""
+        return stacks.innermost_frames(self.stack)
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """Every rank's outcome and how the run ended.
+
+    `timed_out`: the deadline passed with ranks still running and no rank failed (the check
+    could not decide); `stalled`: the watchdog declared a hang; `failure_order`: the ranks that
+    raised or crashed, root cause first; `notes`: ranks that kept the others waiting while they
+    worked (never a failure); `threads`: the thread budget the ranks were given.
+    """
+
+    world_size: int
+    outcomes: tuple[RankOutcome, ...]  # indexed by rank
+    elapsed_s: float
+    timed_out: bool = False
+    failure_order: tuple[int, ...] = ()
+    stalled: bool = False
+    diagnosis: Diagnosis | None = None  # from the collective traces (None: tracing was off)
+    notes: tuple[str, ...] = ()
+    threads: str = ""
+    report_dir: str | None = None
+    files: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "ok" for o in self.outcomes)
+
+    @property
+    def values(self) -> list:
+        if not self.ok:
+            raise RuntimeError(self.summary())
+        return [o.value for o in self.outcomes]
+
+    @property
+    def first_failure(self) -> RankOutcome | None:
+        """The root cause: the rank that failed first, not the ones killed after it."""
+        if self.failure_order:
+            return self.outcomes[self.failure_order[0]]
+        failed = [o for o in self.outcomes if o.status != "ok"]  # a timeout: lowest rank
+        return min(failed, key=lambda o: (o.status == "killed", o.rank), default=None)
+
+    def summary(self) -> str:
+        """A short diagnosis: which rank failed how and where."""
+        diag = self.diagnosis
+        if self.ok:
+            ok = f"ok: {self.world_size} rank(s) finished in {self.elapsed_s:.1f}s"
+            return ok + (f"\nbut {diag.text()}" if diag is not None and diag.faulty else "")
+        if self.stalled and diag is not None:
+            return diag.text()
+        base = self._failure_summary()
+        if diag is not None and diag.faulty and diag.collective is not None:
+            return f"{base}\n{TRACE_SAYS} {diag.text()}"
+        return base
+
+    def _failure_summary(self) -> str:
+        if self.timed_out:
+            lines = [f"timed out after {self.elapsed_s:.1f}s before a verdict; each rank was:"]
+            for o in self.outcomes:
+                where = stacks.innermost_frames(o.stack) or o.error or ""
+                lines.append(f"  rank {o.rank} [{o.status}]: {where}")
+            return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        root = self.first_failure
+        assert root is not None
+        lines = [f"rank {root.rank} failed ({root.status}): {root.error}"]
+        if root.traceback:
+            lines += stacks.traceback_lines(root.traceback)
+        elif root.stack:
+            lines.append(f"  at {stacks.innermost_frames(root.stack)}")
+        if root.stderr and not root.traceback:
+            # A rank killed by the backend (gloo's enforce failures abort the process) says why
+            # only on its stderr.
+            lines.append("  its stderr ended with:")
+            lines += [f"    {line}" for line in stacks.last_lines(root.stderr)]
+        others = [f"{o.rank} {o.status}" for o in self.outcomes if o.rank != root.rank]
+        return "\n".join(lines + (["other ranks: " + ", ".join(others)] if others else []))
+
+
+TRACE_SAYS = "collective trace says:"  # how summary() cites the diagnosis

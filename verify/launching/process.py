@@ -1,0 +1,201 @@
+"""One rank as the parent sees it: a fresh interpreter in a session of its own.
+
+Every rank the tool starts, for a function (`spawn.py`) or a user's script (`script.py`), is
+`python -c <boot> <job file> <fd>` started by `RankProcess.start()`:
+
+- a new session (`setsid` before exec): Ctrl-C in the terminal reaches the tool, never the
+  ranks (which would print a KeyboardInterrupt traceback each); the parent ends them, and
+  `killpg` ends whatever they started (DataLoader workers) with them;
+- a pipe for the rank's reports (`rank.py` writes length-prefixed pickles: "up" once it has
+  joined the process group, then its value or its traceback); EOF means the rank is gone;
+- stdout and stderr to a file per rank, or (`stream=`) through the parent, which copies every
+  line to the file and to its own console with a `[rank N]` prefix, as torchrun does;
+- the environment of the parent, plus the thread budget and the launch's variables, set
+  before the interpreter starts (OpenMP reads them once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from typing import TextIO
+
+_LEN = struct.Struct("<I")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The child finds this package where the parent found it, whatever the child's sys.path.
+_BOOT = (
+    f"import sys; sys.path.insert(0, {_ROOT!r}); "
+    "from verify.launching.rank import main; main(sys.argv[1], int(sys.argv[2]))"
+)
+
+
+class RankProcess:
+    """Start, read and end one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        job_path: str,
+        env: dict[str, str],
+        *,
+        log_path: str,
+        stream: TextIO | None = None,
+        err_path: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.job_path = job_path
+        self.env = env
+        self.log_path = log_path  # stdout and stderr (or stdout only, with err_path)
+        self.err_path = err_path
+        self.stream = stream
+        self.proc: subprocess.Popen | None = None
+        self.fd: int | None = None
+        self._buffer = b""
+        self.eof = False
+        self._pumps: list[threading.Thread] = []
+
+    def start(self) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            out = err = None
+            if self.stream is None:
+                out = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
+                err = open(self.err_path, "wb") if self.err_path else subprocess.STDOUT  # noqa: SIM115
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, self.job_path, str(write_end)],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out if out is not None else subprocess.PIPE,
+                stderr=err if err is not None else subprocess.PIPE,
+                pass_fds=(write_end,),
+                start_new_session=True,
+            )
+        finally:
+            os.close(write_end)  # only the child holds it now: EOF means the rank is gone
+            for f in (out, err):
+                if hasattr(f, "close"):
+                    f.close()
+        os.set_blocking(read_end, False)
+        self.fd = read_end
+        if self.stream is not None:
+            self._pumps = [
+                _pump(self.proc.stdout, self.log_path, self.stream, self.rank),
+                _pump(self.proc.stderr, self.err_path or self.log_path, self.stream, self.rank),
+            ]
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def messages(self) -> list[tuple]:
+        """Every complete report the rank has sent since the last call."""
+        if self.fd is None or self.eof:
+            return []
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                break
+            self._buffer += chunk
+        out = []
+        while len(self._buffer) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buffer)
+            if len(self._buffer) < _LEN.size + size:
+                break
+            body = self._buffer[_LEN.size : _LEN.size + size]
+            self._buffer = self._buffer[_LEN.size + size :]
+            out.append(pickle.loads(body))
+        return out
+
+    def signal(self, sig: int) -> bool:
+        """Send `sig` to the rank itself; False if it is gone."""
+        if not self.running():
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+            return True
+        return False
+
+    def _reap(self) -> None:
+        # The rank leads its own session: end what it started (and itself, if still there).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for pump in self._pumps:
+            pump.join(timeout=2)
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+def end_all(ranks: list[RankProcess], grace_s: float = 0.5) -> None:
+    """SIGTERM every rank at once (none outlives a peer long enough to report its death as
+    its own failure), a short wait, then SIGKILL their sessions and reap them all."""
+    started = [r for r in ranks if r.proc is not None]
+    for r in started:
+        r.signal(signal.SIGTERM)
+    for r in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.proc.wait(grace_s)
+    for r in started:
+        r._reap()
+
+
+def send(fd: int | None, message: tuple) -> None:
+    """In a rank: one report to the parent (a no-op without one, or once it is gone)."""
+    if fd is None:
+        return
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with contextlib.suppress(OSError):
+        os.write(fd, _LEN.pack(len(body)) + body)
+
+
+def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
+    """Copy a rank's output to its file and, line by line with a rank prefix, to `console`."""
+
+    def run() -> None:
+        with open(path, "ab") as log:
+            pending = b""
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                log.write(chunk)
+                log.flush()
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                _echo(console, rank, lines)
+            if pending:
+                _echo(console, rank, [pending])
+
+    thread = threading.Thread(target=run, name=f"rank{rank}-output", daemon=True)
+    thread.start()
+    return thread
+
+
+_ECHO_LOCK = threading.Lock()
+
+
+def _echo(console: TextIO, rank: int, lines: list[bytes]) -> None:
+    if not lines:
+        return
+    text = "".join(f"[rank {rank}] {line.decode('utf-8', 'replace')}\n" for line in lines)
+    with _ECHO_LOCK, contextlib.suppress(OSError, ValueError):
+        console.write(text)
+        console.flush()

@@ -1,0 +1,212 @@
+"""Inside a rank: what runs between the interpreter's start and the rank's exit.
+
+`main(job_path, fd)` is the entry point of every rank the tool starts (`process.py` execs it).
+The job file says what to run:
+
+- a function (`kind="fn"`): join the process group through the launch's `file://` store,
+  report "up", call `fn(ctx, *args)`, report its value or its traceback;
+- a user's script (`kind="script"`): run it as `__main__` with its own argv, as `python
+  script.py` would; the script calls `init_process_group` itself (its "up" is reported when
+  that returns) and its exception or non-zero exit is its failure.
+
+Either way, before any user code runs, the rank: dies with its parent (PR_SET_PDEATHSIG, so
+a SIGKILLed tool leaves no rank behind), takes its thread budget, registers faulthandler on
+SIGUSR1 and on fatal signals into its stack file (the parent asks for a dump at a hang),
+traces its collectives into its trace file (`watching/tracer.py`) and starts the helper thread
+that answers the parent's questions (where is the main thread now; the flight recorder's
+dump), since a rank stuck in C++ cannot run a Python signal handler on its main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import os
+import pickle
+import runpy
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from verify.launching import process, threads
+from verify.launching.outcome import RankContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """Everything a rank needs, written by the parent into a job file before the exec."""
+
+    kind: str  # "fn" | "script"
+    rank: int
+    world_size: int
+    local_rank: int
+    ppid: int
+    threads: int
+    stack_path: str
+    trace_path: str | None = None  # None: collectives are not traced
+    helper_dir: str | None = None  # where the parent's requests and the answers go
+    backend: str = "gloo"
+    # kind "fn"
+    payload: bytes = b""  # pickle of (fn, args)
+    sys_path: tuple[str, ...] = ()
+    main_file: str | None = None  # fn lives in the parent's __main__: this file
+    init_method: str = ""
+    pg_timeout_s: float = 1800.0
+    # kind "script"
+    argv: tuple[str, ...] = field(default_factory=tuple)
+
+
+def main(job_path: str, fd: int) -> None:
+    with open(job_path, "rb") as f:
+        job: RankJob = pickle.load(f)
+    run_job(job, fd)
+
+
+def run_job(job: RankJob, fd: int | None) -> None:
+    """Set the rank up and run its job; reports go to `fd` (None: nobody listens)."""
+    _die_with_parent(job.ppid)
+    _enable_faulthandler(job.stack_path)
+    threads.apply(job.threads)
+    if job.kind == "fn":
+        _run_fn(job, fd)
+    else:
+        _run_script(job, fd)
+
+
+# ------------------------------------------------------------ a function
+
+
+def _run_fn(job: RankJob, fd: int | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        sys.path[:] = list(dict.fromkeys([*job.sys_path, *sys.path]))
+        if job.main_file:  # as multiprocessing does for functions defined in __main__
+            main_module = runpy.run_path(job.main_file, run_name="__mp_main__")
+            module = type(sys)("__mp_main__")
+            module.__dict__.update(main_module)
+            sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+        fn, args = pickle.loads(job.payload)
+        device = torch.device("cpu")
+        if job.backend == "nccl":
+            device = torch.device("cuda", job.local_rank)
+            torch.cuda.set_device(device)
+        _start_helper(job)
+        timeout = datetime.timedelta(seconds=job.pg_timeout_s)
+        dist.init_process_group(
+            job.backend,
+            init_method=job.init_method,
+            rank=job.rank,
+            world_size=job.world_size,
+            timeout=timeout,
+        )
+        if job.trace_path is not None:
+            from verify.watching import tracer
+
+            tracer.install(job.trace_path, rank=job.rank)
+        process.send(fd, ("up",))  # starts the parent's clock for fn
+        ctx = RankContext(
+            job.rank, job.world_size, job.local_rank, device, job.backend, True, job.threads
+        )
+        report = call(fn, ctx, args)
+    except BaseException as exc:  # fn's module failed to import here, the group to form
+        report = error_report(exc)
+    process.send(fd, report)  # before leaving: a failure reaches the parent before peers see us go
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def call(fn, ctx: RankContext, args: tuple) -> tuple:
+    """Run fn: ("ok", pickled value), or an error report (unpicklable values included)."""
+    try:
+        return ("ok", pickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures of fn too
+        return error_report(exc)
+
+
+def error_report(exc: BaseException) -> tuple:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return ("error", one_line(exc), tb, time.time())
+
+
+def one_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
+
+
+# ------------------------------------------------------------ a user's script
+
+
+def _run_script(job: RankJob, fd: int | None) -> None:
+    import torch.distributed as dist
+
+    path, *args = job.argv
+    sys.argv = [path, *args]
+    # As `python script.py` does: the script's directory first, not this tool's.
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    if job.trace_path is not None:  # before the script imports anything from torch.distributed
+        from verify.watching import tracer
+
+        tracer.install(job.trace_path, rank=job.rank)
+    _report_up_after_init(dist, fd)
+    _start_helper(job)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            process.send(fd, ("ok", pickle.dumps(None)))
+        else:
+            why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
+            process.send(fd, ("error", why, None, time.time()))
+        raise
+    except BaseException as exc:
+        process.send(fd, error_report(exc))
+        traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
+        sys.stderr.flush()
+        os._exit(1)
+    process.send(fd, ("ok", pickle.dumps(None)))
+
+
+def _report_up_after_init(dist, fd: int | None) -> None:
+    """Report "up" once the script's `init_process_group` returns (the rank has met its
+    peers): until then it is starting, not hung."""
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        out = original(*args, **kwargs)
+        process.send(fd, ("up",))
+        return out
+
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
+
+
+# ------------------------------------------------------------ common set-up
+
+
+def _die_with_parent(ppid: int) -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != ppid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _enable_faulthandler(stack_path: str) -> None:
+    stack_file = open(stack_path + ".tmp", "w")  # noqa: SIM115 - faulthandler keeps it open
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    faulthandler.enable(file=stack_file, all_threads=True)  # fatal signals dump there too
+    os.replace(stack_path + ".tmp", stack_path)  # from now on the parent may send SIGUSR1
+
+
+def _start_helper(job: RankJob) -> None:
+    if job.helper_dir is not None:
+        from verify.watching import capture
+
+        capture.start_rank_helper(job.helper_dir, job.rank)

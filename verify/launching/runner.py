@@ -1,0 +1,155 @@
+"""Start ranks from their jobs, supervise them, and turn what they left into a LaunchResult.
+
+The path every spawned run takes, for a function (`spawn.launch`) and a user's script
+(`script.run_script`) alike: write each rank's job file, start the ranks (`process.py`),
+supervise them (`supervisor.py`), end and reap every one, then read what they left behind
+(exit codes, the tails of their output, their collective traces) into one `RankOutcome` per
+rank and the collective-trace diagnosis (`watching/diagnose.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import time
+from dataclasses import replace
+from typing import TextIO
+
+from verify.launching.outcome import LaunchResult
+from verify.launching.process import RankProcess, end_all
+from verify.launching.rank import RankJob
+from verify.launching.supervisor import STARTUP_CAP_S, check_interrupted, supervise
+from verify.watching import capture, trace_file
+from verify.watching.diagnose import diagnose
+from verify.watching.watchdog import Watchdog
+
+__all__ = ["STARTUP_CAP_S", "run"]
+_TAIL_BYTES = 8192
+
+
+def run(
+    jobs: list[RankJob],
+    *,
+    folder: str,
+    env: dict[str, str],
+    timeout_s: float,
+    clock_from_up: bool,
+    stall_timeout_s: float | None,
+    report_dir: str | None,
+    threads: str,
+    start: float,
+    stream: TextIO | None = None,
+) -> LaunchResult:
+    """Run `jobs` (one per rank) to the end; see the module docstring.
+
+    `folder` holds the job files, the ranks' output, stacks and traces (the report folder
+    when one is kept); `env` is added to this process's environment for every rank; `stream`
+    sends the ranks' output, prefixed, to that console as well as to their files (scripts).
+    """
+    check_interrupted()
+    n = len(jobs)
+    base = {**os.environ, **env}
+    if "GLOO_SOCKET_IFNAME" not in base:
+        # Gloo binds to whatever the hostname resolves to; our ranks are all local.
+        base["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    ranks = []
+    for job in jobs:
+        job_path = os.path.join(folder, f"rank{job.rank}.job")
+        with open(job_path, "wb") as f:
+            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        rank_env = {
+            **base,
+            "RANK": str(job.rank),
+            "LOCAL_RANK": str(job.local_rank),
+            "WORLD_SIZE": str(job.world_size),
+        }
+        split = job.kind == "script"  # a script's stdout and stderr are kept apart
+        ranks.append(
+            RankProcess(
+                job.rank,
+                job_path,
+                rank_env,
+                log_path=os.path.join(folder, f"rank{job.rank}.{'stdout' if split else 'stderr'}"),
+                err_path=os.path.join(folder, f"rank{job.rank}.stderr") if split else None,
+                stream=stream,
+            )
+        )
+    stack_paths = [job.stack_path for job in jobs]
+    trace_paths = [job.trace_path for job in jobs]
+    watchdog = None
+    if stall_timeout_s is not None:
+        watchdog = Watchdog(trace_paths, stall_timeout_s, where=_asker(folder))
+    traces = None
+    try:
+        for rank in ranks:
+            check_interrupted()
+            rank.start()
+        sup = supervise(
+            ranks,
+            timeout_s=timeout_s,
+            clock_from_up=clock_from_up,
+            stack_paths=stack_paths,
+            watchdog=watchdog,
+            report_dir=report_dir,
+        )
+        # Read before the ranks are ended: a rank that sees its peer die would record its
+        # pending collective as failed, and the diagnosis is of the run as it stood.
+        traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
+    finally:
+        end_all(ranks)
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                os.remove(rank.job_path)
+    outcomes = []
+    for o, rank in zip(sup.outcomes, ranks, strict=True):
+        tail = None if o.status == "ok" else _tail(rank.err_path or rank.log_path)
+        outcomes.append(replace(o, exitcode=rank.exitcode, stderr=tail, pid=rank.pid))
+    diagnosis = None
+    if watchdog is not None:
+        diagnosis = diagnose(
+            traces,
+            outcomes,
+            stalled=sup.stalled,
+            stall_timeout_s=stall_timeout_s,
+            detection_s=watchdog.detection_s() if (sup.failure_order or sup.stalled) else None,
+            failure_order=sup.failure_order,
+            timed_out=sup.timed_out,
+        )
+    return LaunchResult(
+        world_size=n,
+        outcomes=tuple(outcomes),
+        elapsed_s=time.monotonic() - start,
+        timed_out=sup.timed_out,
+        failure_order=sup.failure_order,
+        stalled=sup.stalled,
+        diagnosis=diagnosis,
+        notes=sup.notes,
+        threads=threads,
+        report_dir=report_dir,
+    )
+
+
+def _asker(folder: str):
+    def where(rank: int, ask: bool) -> str | None:
+        if ask:
+            capture.request_where(folder, rank)
+        return capture.read_where(folder, rank)
+
+    return where
+
+
+def _tail(path: str) -> str | None:
+    """The last few KB a rank wrote (None if nothing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - _TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return text or None
+
+
+def _loopback_ifname() -> str:
+    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")

@@ -1,0 +1,104 @@
+"""`run_script`: a user's training script in N ranks, the way torchrun would start it.
+
+Each rank runs `python train.py ARGS` in a process of its own (`rank.py`, kind "script") with
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so the
+script's own `init_process_group()` (env://) works unchanged. The rendezvous cannot collide
+with another run: this process hosts the key-value store on a port the OS picked and keeps it
+open for the run, and the ranks connect to it as clients (torchrun's agent store,
+TORCHELASTIC_USE_AGENT_STORE), where picking a free port and letting rank 0 bind it later
+could lose the port to a concurrent run.
+
+The supervisor, the watchdog and the diagnosis are the ones every launch uses; the ranks'
+output goes to `rank<r>.stdout` / `rank<r>.stderr` in the report folder and, line by line with
+a `[rank r]` prefix, to `console` as the training runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import TextIO
+
+import torch.distributed as dist
+
+from verify.launching import runner
+from verify.launching.outcome import LaunchResult
+from verify.launching.rank import RankJob
+from verify.launching.spawn import STALL_ENV
+from verify.launching.threads import thread_budget
+
+
+def run_script(
+    argv: tuple[str, ...],
+    *,
+    nproc: int,
+    report_dir: str,
+    stall_timeout_s: float,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    threads_per_rank: int | None = None,
+    console: TextIO | None = None,
+) -> LaunchResult:
+    """Run `python argv[0] argv[1:]` as `nproc` ranks under the watchdog; see the docstring.
+
+    Args:
+        argv: the script and its arguments.
+        nproc: number of ranks.
+        report_dir: an existing folder for the ranks' output, stacks and traces.
+        stall_timeout_s: the watchdog's stall timeout.
+        timeout_s: the whole run's deadline, from the start.
+        env: extra environment variables for the ranks.
+        threads_per_rank: intra-op threads per rank; None: the machine's share.
+        console: where the ranks' output is echoed with a rank prefix (None: files only).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if not os.path.isfile(argv[0]):
+        raise ValueError(f"script {argv[0]} does not exist")
+    budget = thread_budget(nproc, threads_per_rank)
+    start = time.monotonic()
+    # Held open for the whole run: the port can only be ours.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s + 60),
+    )  # fmt: skip
+    try:
+        rank_env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "LOCAL_WORLD_SIZE": str(nproc),
+            STALL_ENV: repr(stall_timeout_s),
+            **budget.env(),
+            **(env or {}),
+        }
+        jobs = [
+            RankJob(
+                kind="script",
+                rank=r,
+                world_size=nproc,
+                local_rank=r,
+                ppid=os.getpid(),
+                threads=budget.per_rank,
+                stack_path=os.path.join(report_dir, f"rank{r}.stack"),
+                trace_path=os.path.join(report_dir, f"rank{r}.trace"),
+                helper_dir=report_dir,
+                argv=tuple(argv),
+            )
+            for r in range(nproc)
+        ]
+        return runner.run(
+            jobs,
+            folder=report_dir,
+            env=rank_env,
+            timeout_s=timeout_s,
+            clock_from_up=False,
+            stall_timeout_s=stall_timeout_s,
+            report_dir=report_dir,
+            threads=budget.describe(),
+            start=start,
+            stream=console,
+        )
+    finally:
+        del store

@@ -1,0 +1,229 @@
+"""The one supervisor: watches a set of ranks until they are done, one failed, the run hung,
+or the time ran out, then ends every one of them.
+
+`supervise(ranks, ...)` polls the ranks' report pipes and exits (every 50 ms) and, when a
+watchdog is given, their trace headers and CPU time (`watching/watchdog.py`):
+
+- a rank that reports its value, or its traceback, is done; one that exits without a report
+  has crashed. After the first failure the others get `GRACE_S` to fail or finish too (their
+  sockets close, gloo errors out within milliseconds), then are ended;
+- the deadline: for a function, `timeout_s` from the moment every rank has joined the
+  process group (starting interpreters on a crowded machine is not the function's time; the
+  start has `startup_s`, extended while a rank that is not up yet still uses CPU); for a
+  script, `timeout_s` from the start;
+- the watchdog's hang verdict ends the run at once, rather than at the deadline;
+- `interrupt()` (the CLI's Ctrl-C or SIGTERM) ends every supervised run in every thread
+  within one poll, and refuses new ones: `Interrupted` is raised in each.
+
+At the end, ranks still running are asked for a faulthandler dump of every thread (SIGUSR1;
+and for the flight recorder's dump when a report is kept), then ended: SIGTERM, SIGKILL, and
+their sessions killed, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from verify.launching.outcome import RankOutcome
+from verify.launching.process import RankProcess
+from verify.watching import capture, stacks
+from verify.watching.procstat import CpuMeter
+from verify.watching.watchdog import Watchdog
+
+GRACE_S = 1.5  # after a failure, peers usually error out within ms (their sockets close)
+POLL_S = 0.05
+STARTUP_S = 60.0  # to start every interpreter and meet; 2 ranks take ~1.5 s on 2 idle cores
+STARTUP_CAP_S = 600.0  # however much CPU a starting rank keeps using
+EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
+_STACK_WAIT_S = 0.5
+_INTERRUPTED = threading.Event()
+
+
+class Interrupted(KeyboardInterrupt):
+    """The tool was interrupted (Ctrl-C, SIGTERM): every rank has been ended."""
+
+
+def interrupt() -> None:
+    """End every supervised run in this process, in every thread, and refuse new ones."""
+    _INTERRUPTED.set()
+
+
+def check_interrupted() -> None:
+    if _INTERRUPTED.is_set():
+        raise Interrupted()
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How the supervised run ended; `outcomes` lack exit codes and stderr (filled by the
+    caller once the ranks are reaped)."""
+
+    outcomes: tuple[RankOutcome, ...]
+    failure_order: tuple[int, ...]
+    timed_out: bool
+    stalled: bool
+    notes: tuple[str, ...]
+
+
+def supervise(
+    ranks: list[RankProcess],
+    *,
+    timeout_s: float,
+    clock_from_up: bool,
+    stack_paths: list[str],
+    watchdog: Watchdog | None = None,
+    report_dir: str | None = None,
+) -> Supervision:
+    """Watch `ranks` (already started) to the end; see the module docstring. Every rank is
+    still to be ended by the caller (`RankProcess.end`), also when this raises."""
+    n = len(ranks)
+    outcomes: list[RankOutcome | None] = [None] * n
+    failures: list[tuple[float, int]] = []  # (wall time, rank)
+    up: set[int] = set()
+    start = time.monotonic()
+    deadline = start + (STARTUP_S if clock_from_up else timeout_s)
+    grace_end = float("inf")
+    meters = {r.rank: CpuMeter(r.pid) for r in ranks if r.pid is not None}
+    sampled = 0.0
+    stalled = False
+    while None in outcomes:
+        check_interrupted()
+        now = time.monotonic()
+        if now >= grace_end:
+            break
+        if now >= deadline:
+            starting = [r for r in range(n) if r not in up and outcomes[r] is None]
+            if clock_from_up and starting and now - start < STARTUP_CAP_S:
+                if any(meters[r].busy() for r in starting if r in meters):
+                    deadline = now + 1.0  # still importing or meeting: give it time
+                    continue
+            break
+        if now - sampled >= 0.25:
+            sampled = now
+            for meter in meters.values():
+                meter.sample(now)
+        if watchdog is not None and not failures:
+            pids = [r.pid if outcomes[r.rank] is None and r.running() else None for r in ranks]
+            if watchdog.poll(pids, now, up):
+                stalled = True
+                break
+        pending = [r for r in ranks if outcomes[r.rank] is None]
+        fds = [r.fd for r in pending if r.fd is not None and not r.eof]
+        if fds:
+            select.select(fds, [], [], POLL_S)
+        else:
+            time.sleep(POLL_S)
+        # A crash is only known to have happened after the previous poll; dating it there
+        # keeps it ahead of the "connection closed by peer" errors it causes in the others.
+        alive_at = time.time()
+        for r in pending:
+            # Sampled before draining: a rank that had exited by now has all it sent in the
+            # pipe, so only one that really never reported is declared crashed below.
+            exited = not r.running()
+            for msg in r.messages():
+                if msg[0] == "up":
+                    up.add(r.rank)
+                    if clock_from_up and len(up) == n:  # fn's clock starts now
+                        deadline = time.monotonic() + timeout_s
+                    continue
+                outcomes[r.rank], failed_at = _outcome(r, msg)
+                if failed_at is not None:
+                    failures.append((failed_at, r.rank))
+                break
+            if outcomes[r.rank] is None and exited:
+                why = stacks.describe_exit(r.exitcode) + " before reporting"
+                stack = _read(stack_paths[r.rank])  # faulthandler wrote there on a fatal signal
+                outcomes[r.rank] = RankOutcome(r.rank, "crashed", error=why, stack=stack)
+                failures.append((alive_at, r.rank))
+        if failures:
+            grace_end = min(grace_end, time.monotonic() + GRACE_S)
+    order = root_cause_order(failures, outcomes)
+    leftover = [r for r in range(n) if outcomes[r] is None]
+    live = [r for r in leftover if ranks[r].running()]
+    if report_dir is not None and live:
+        capture.request_flight_recorder(report_dir, live)
+    dumps = _dump_stacks([ranks[r] for r in live], stack_paths)
+    timed_out = bool(leftover) and not failures and not stalled
+    for r in leftover:
+        if stalled:
+            why = f"no rank progressed for {watchdog.stall_timeout_s:g}s (stall timeout)"
+        elif failures:
+            why = f"still running {GRACE_S:g}s after rank {order[0]} failed"
+        elif clock_from_up and len(up) < n:
+            why = f"the ranks were not all up after {time.monotonic() - start:.0f}s"
+        else:
+            why = f"still running {timeout_s:g}s after {'all ranks were up' if clock_from_up else 'the start'}"
+        status = "killed" if failures else "timeout"
+        stack = dumps.get(r) or _read(stack_paths[r])
+        outcomes[r] = RankOutcome(r, status, error=why, stack=stack)
+    if not leftover:  # every rank reported: let them tear down and exit on their own
+        until = time.monotonic() + EXIT_WAIT_S
+        for rank in ranks:
+            while rank.running() and time.monotonic() < until:
+                time.sleep(POLL_S)
+    notes = ()
+    if watchdog is not None:
+        watchdog.finish()
+        notes = tuple(watchdog.notes())
+    return Supervision(tuple(outcomes), order, timed_out, stalled, notes)
+
+
+def _outcome(rank: RankProcess, report: tuple) -> tuple[RankOutcome, float | None]:
+    """A rank's report as (outcome, failure time or None)."""
+    import pickle
+
+    if report[0] == "ok":
+        try:
+            return RankOutcome(rank.rank, "ok", value=pickle.loads(report[1]), pid=rank.pid), None
+        except Exception as exc:
+            why = f"the return value could not be unpickled here: {type(exc).__name__}: {exc}"
+            report = ("error", why, None, time.time())
+    status, error, tb, failed_at = report  # "error", or "crashed" for a rank lost in a join
+    return RankOutcome(rank.rank, status, error=error, traceback=tb, pid=rank.pid), failed_at
+
+
+_ECHO = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|did not take part")
+
+
+def root_cause_order(failures: list[tuple[float, int]], outcomes) -> tuple[int, ...]:
+    """Failed ranks, root cause first: by time, except that a collective which failed because
+    a peer vanished is an echo of that peer's failure, so it goes last whatever its time."""
+    key = {r: (bool(_ECHO.search(outcomes[r].error or "")), t) for t, r in failures}
+    return tuple(sorted(key, key=key.__getitem__))
+
+
+def _dump_stacks(ranks: list[RankProcess], stack_paths: list[str]) -> dict[int, str | None]:
+    """Ask each live rank for a faulthandler dump of all its threads, then read them."""
+    asked = []
+    for r in ranks:
+        # The file appears only once the handler is registered: before that, SIGUSR1 kills.
+        if os.path.exists(stack_paths[r.rank]) and r.signal(signal.SIGUSR1):
+            asked.append(r.rank)
+    end, sizes = time.monotonic() + _STACK_WAIT_S, None
+    while asked and time.monotonic() < end:
+        time.sleep(0.05)
+        sizes, before = [_size(stack_paths[r]) for r in asked], sizes
+        if all(sizes) and sizes == before:  # written and no longer growing
+            break
+    return {r.rank: _read(stack_paths[r.rank]) for r in ranks}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read() or None
+    except OSError:
+        return None

@@ -1,0 +1,232 @@
+"""Under torchrun: this process is one rank of a job the tool did not start.
+
+Two ways in:
+
+- `launch(fn, ...)` in a process torchrun started (RANK, WORLD_SIZE and MASTER_ADDR set):
+  nothing is spawned; `join` runs fn here, and every rank receives the full result through the
+  job's key-value store (not a collective, which a rank still inside fn's collectives could
+  mis-pair with). A rank that failed waits a short grace for the others, then closes its
+  process group so peers blocked on it fail and report too.
+- `python -m verify.hang_run train.py ARGS` under torchrun: `script_main` runs the user's
+  script as a traced rank (the same set-up as a rank the tool spawns, `rank.py`), and the
+  process with LOCAL_RANK 0 also runs a node watchdog: when this node's ranks meet the
+  watchdog's hang conditions it dumps their stacks, writes the report into
+  `profiles/hang_torchrun_<run id>_<host>/` (or DDP_VERIFY_HANG_DIR), prints the diagnosis to
+  stderr and ends the node's ranks, so torchrun tears the job down within seconds, not at the
+  collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from verify.launching import rank as rank_side
+from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
+from verify.launching.supervisor import GRACE_S, root_cause_order
+from verify.launching.threads import apply, thread_budget
+
+SPAWNED_ENV = "DDP_VERIFY_SPAWNED"
+HANG_DIR_ENV = "DDP_VERIFY_HANG_DIR"
+STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"
+_joins = 0
+
+
+def joining() -> bool:
+    """True in a process torchrun started (and not in a rank this tool spawned)."""
+    torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    return torchrun and SPAWNED_ENV not in os.environ
+
+
+def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -> LaunchResult:
+    """Run fn as this torchrun rank; every rank returns every rank's outcome."""
+    if world_size != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(
+            f"world_size={world_size} but torchrun has WORLD_SIZE={os.environ['WORLD_SIZE']}"
+        )
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    budget = thread_budget(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), threads_per_rank)
+    apply(budget.per_rank)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not (torch.cuda.is_available() and local_rank < torch.cuda.device_count()):
+            raise ValueError(f"backend 'nccl' needs a CUDA device for LOCAL_RANK={local_rank}")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    os.environ.update(env)  # best effort: this interpreter started long ago
+    start = time.monotonic()
+    created = not dist.is_initialized()
+    if created:
+        timeout = datetime.timedelta(seconds=timeout_s)  # the only hang guard without a parent
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    global _joins
+    _joins += 1  # every rank calls launch() in the same order: the n-th launch's keys
+    prefix = f"ddp-verify/launch{_joins}/"
+    ctx = RankContext(rank, world_size, local_rank, device, backend, False, budget.per_rank)
+    try:
+        report = rank_side.call(fn, ctx, args)
+        reports = _exchange(prefix, rank, world_size, report, timeout_s, created)
+    finally:
+        if created:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    outcomes, failures = [], []
+    for r, rep in enumerate(reports):
+        if rep[0] == "ok":
+            outcomes.append(RankOutcome(r, "ok", value=pickle.loads(rep[1])))
+        else:
+            status, error, tb, failed_at = rep
+            outcomes.append(RankOutcome(r, status, error=error, traceback=tb))
+            failures.append((failed_at, r))
+    order = root_cause_order(failures, outcomes)
+    elapsed = time.monotonic() - start
+    return LaunchResult(
+        world_size, tuple(outcomes), elapsed, False, order, threads=budget.describe()
+    )
+
+
+def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
+    """Every rank's report, through the job's key-value store rather than a collective: a
+    rank still inside fn's collectives cannot be mis-paired with the exchange, and a rank that
+    failed does not wait for the process-group timeout. It waits a grace for its peers, then
+    (if it created the group) destroys it, which makes peers blocked on it fail at once and
+    report, and waits for their reports for at most `timeout_s`."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{prefix}{rank}", pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    waits = [timeout_s] if report[0] == "ok" else [GRACE_S, timeout_s]
+    for i, wait_s in enumerate(waits):
+        try:
+            store.wait(keys, datetime.timedelta(seconds=wait_s))
+            break
+        except Exception:
+            if i == 0 and len(waits) > 1 and created:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+    reports = []
+    for r, key in enumerate(keys):
+        if r == rank:
+            reports.append(report)
+            continue
+        try:
+            # check() first: get() on a missing key would block for the store's own timeout.
+            reports.append(pickle.loads(store.get(key)) if store.check([key]) else None)
+        except Exception:
+            reports.append(None)
+    lost = ("crashed", f"did not report within {timeout_s:g}s", None, time.time())
+    return [rep if rep is not None else lost for rep in reports]
+
+
+# ------------------------------------------------------------ python -m verify.hang_run
+
+
+def script_main(argv: list[str]) -> None:
+    """One traced rank of a torchrun job running the user's script (module docstring)."""
+    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
+
+    rank = int(os.environ.get("RANK", "0"))
+    report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
+        "profiles",
+        f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}",
+    )
+    os.makedirs(report_dir, exist_ok=True)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    job = rank_side.RankJob(
+        kind="script",
+        rank=rank,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        ppid=os.getppid(),
+        threads=thread_budget(local).per_rank,
+        stack_path=os.path.join(report_dir, f"rank{rank}.stack"),
+        trace_path=os.path.join(report_dir, f"rank{rank}.trace"),
+        helper_dir=report_dir,
+        argv=tuple(argv),
+    )
+    if job.local_rank == 0:
+        stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
+        threading.Thread(
+            target=_node_watchdog, args=(report_dir, stall), name="ddp-verify-watchdog",
+            daemon=True,
+        ).start()  # fmt: skip
+    rank_side.run_job(job, None)
+
+
+def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
+    """Watch this node's ranks; at a hang write the report and end them (module docstring)."""
+    from verify.watching import capture, trace_file
+    from verify.watching.diagnose import diagnose
+    from verify.watching.watchdog import Watchdog
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = list(range(first, first + local))
+    paths = [os.path.join(report_dir, f"rank{r}.trace") for r in ranks]
+
+    def where(index: int, ask: bool) -> str | None:
+        if ask:
+            capture.request_where(report_dir, ranks[index])
+        return capture.read_where(report_dir, ranks[index])
+
+    watchdog = Watchdog(paths, stall_timeout_s, where=where)
+    while True:
+        headers = [trace_file.read_header(p) for p in paths]
+        pids = [h.pid if h is not None and _alive(h.pid) else None for h in headers]
+        if watchdog.poll(pids):
+            break
+        time.sleep(0.1)
+    pids = [h.pid for h in headers if h is not None]
+    for pid in pids:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+    capture.request_flight_recorder(report_dir, ranks)
+    time.sleep(0.5)
+    outcomes = []
+    for r in ranks:
+        stack = None
+        with contextlib.suppress(OSError), open(os.path.join(report_dir, f"rank{r}.stack")) as f:
+            stack = f.read()
+        why = "no rank on this node progressed"
+        outcomes.append(RankOutcome(r, "timeout", error=why, stack=stack))
+    # Ranks are numbered from 0 in the diagnosis; on node k of a multi-node job the other
+    # nodes' ranks are unknown here and shown as missing traces.
+    traces = [trace_file.read_trace(p) for p in paths]
+    all_traces = [None] * first + traces
+    all_outcomes = [RankOutcome(r, "timeout") for r in range(first)] + outcomes
+    diag = diagnose(all_traces, all_outcomes, stalled=True, stall_timeout_s=stall_timeout_s,
+                    detection_s=watchdog.detection_s())  # fmt: skip
+    for r, path in zip(ranks, paths):
+        trace_file.export_jsonl(path, os.path.join(report_dir, f"rank{r}.collectives.jsonl"))
+    with open(os.path.join(report_dir, "report.json"), "w") as f:
+        json.dump(diag.to_dict(), f, indent=2, default=str)
+    text = f"verify.hang_run (node watchdog): {diag.text()}\nreport: {report_dir}"
+    with open(os.path.join(report_dir, "report.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text, file=sys.stderr, flush=True)
+    for pid in pids:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

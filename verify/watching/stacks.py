@@ -1,0 +1,131 @@
+"""Where a rank was: the user's frame in a traceback, a stack dump or a live frame.
+
+"The user's code" is every frame outside torch, the standard library and this package
+(`verify/`): a built-in of `impls/` or a class under test is user code, the launcher and the
+trainer that call it are plumbing. Every report names a place the same way,
+`path:line (function)`, with the path relative to the working directory when it lies below it.
+One module, so a traceback, a faulthandler dump and a live frame are read by the same rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import types
+
+import torch
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_PLUMBING = (_PACKAGE, _TORCH, _STDLIB)
+_TB_FRAME = re.compile(r'^  File "(.+)", line (\d+), in (.+)$')
+_DUMP_FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
+
+
+def is_plumbing(path: str) -> bool:
+    """True for frames of torch, the standard library and this tool."""
+    # "<string>": the `python -c` line that starts every rank (launching/process.py).
+    return path.startswith(_PLUMBING) or path.startswith("<frozen") or path == "<string>"
+
+
+def relpath(path: str) -> str:
+    """`path` relative to the working directory when it lies below it, else as given."""
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
+def site(path: str, line: int | str, function: str) -> str:
+    return f"{relpath(path)}:{line} ({function})"
+
+
+def traceback_site(tb: str | None) -> str | None:
+    """The innermost user frame of a formatted traceback, as `path:line (function)`."""
+    frames = _traceback_frames(tb)
+    users = [f for f in frames if not is_plumbing(f[0])]
+    if not users:
+        return None
+    return site(*users[-1][:3])
+
+
+def traceback_lines(tb: str | None) -> list[str]:
+    """The innermost user frame of a traceback as it was printed (the `File ...` line and its
+    source line), or the innermost frame at all when none is the user's."""
+    frames = _traceback_frames(tb)
+    if not frames:
+        return []
+    users = [f for f in frames if not is_plumbing(f[0])]
+    path, line, function, source = (users or frames)[-1]
+    out = [f'  File "{path}", line {line}, in {function}']
+    return out + ([f"    {source}"] if source else [])
+
+
+def _traceback_frames(tb: str | None) -> list[tuple[str, str, str, str]]:
+    if not tb:
+        return []
+    lines = tb.splitlines() + [""]
+    frames = []
+    for i, line in enumerate(lines):
+        m = _TB_FRAME.match(line)
+        if m:
+            following = lines[i + 1]
+            source = following.strip() if following.startswith("    ") else ""
+            frames.append((m.group(1), m.group(2), m.group(3), source))
+    return frames
+
+
+def innermost_frames(stack: str | None, depth: int = 3) -> str:
+    """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
+    rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
+    the last dump when the file holds several)."""
+    if not stack:
+        return ""
+    threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
+    mains = [t for t in threads if f'"{_PACKAGE}launching' in t or 'File "<string>"' in t]
+    main = (mains or threads or [""])[-1]
+    frames = []
+    for path, line, name in _DUMP_FRAME.findall(main):
+        if not is_plumbing(path):
+            frames.append(f"{name} ({relpath(path)}:{line})")
+    return " <- ".join(frames[:depth])
+
+
+def frame_site(frame: types.FrameType | None) -> str | None:
+    """The innermost user frame at or above `frame` (a live frame), as `path:line (function)`."""
+    while frame is not None and is_plumbing(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+
+
+def main_thread_site() -> str | None:
+    """Where the main thread of this process is now (callable from any thread)."""
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return frame_site(frame)
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 3`, `killed by SIGKILL`."""
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exited with code {code}"
+    with contextlib.suppress(ValueError):
+        return f"killed by {signal.Signals(-code).name}"
+    return f"killed by signal {-code}"
+
+
+def last_lines(text: str | None, count: int = 3) -> list[str]:
+    """The last `count` non-blank lines, without torch's import-time warnings."""
+    lines = [line.rstrip() for line in (text or "").splitlines() if line.strip()]
+    lines = [line for line in lines if "_conversion_method_template" not in line]
+    return lines[-count:]
