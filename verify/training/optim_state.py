@@ -69,7 +69,7 @@ class StateBytes:
             of it was keyed by a parameter (the layout does not say whose it is).
         note: why the count may be incomplete (a tensor that could not be measured, an object
             that could not be read, the walk's limits); empty when nothing was skipped.
-        paths: where a few of the state tensors were found, e.g. `.inner.state[param 3]['exp_avg']`.
+        paths: where a few state tensors were found, e.g. `.inner.state[param 3]['exp_avg']`.
     """
 
     bytes: int
@@ -108,7 +108,10 @@ def local_state_bytes(
     excluded += [p.grad for p in excluded if p.grad is not None]
     excluded += [g for g in grads or () if g is not None]
     walk.exclude(excluded, {id(p): i for i, p in enumerate(params)})
-    walk.run(optimizer)
+    try:
+        walk.run(optimizer)
+    except Exception as exc:  # not expected (the walk guards each read); keep what was found
+        walk.notes.insert(0, f"walk stopped early ({_one_line(exc)})")
     return walk.result()
 
 
