@@ -66,8 +66,18 @@ def main(job_path: str, fd: int) -> None:
     run_job(job, fd)
 
 
+_report_fd: int | None = None
+
+
+def say(text: str) -> None:
+    """In a rank: a progress line for the parent to print (see `verify/progress.py`)."""
+    process.send(_report_fd, ("say", text))
+
+
 def run_job(job: RankJob, fd: int | None) -> None:
     """Set the rank up and run its job; reports go to `fd` (None: nobody listens)."""
+    global _report_fd
+    _report_fd = fd
     _die_with_parent(job.ppid)
     _enable_faulthandler(job.stack_path)
     threads.apply(job.threads)

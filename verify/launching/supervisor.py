@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from verify import progress
 from verify.launching.outcome import RankOutcome
 from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
@@ -127,6 +128,9 @@ def supervise(
             # pipe, so only one that really never reported is declared crashed below.
             exited = not r.running()
             for msg in r.messages():
+                if msg[0] == "say":
+                    progress.say(msg[1])
+                    continue
                 if msg[0] == "up":
                     up.add(r.rank)
                     if clock_from_up and len(up) == n:  # fn's clock starts now

@@ -1,0 +1,336 @@
+"""The one training loop: every check and every measurement trains through `Trainer`.
+
+One step, as a user's training script takes it with a data-parallel wrapper::
+
+    on_train_batch_start()                    # if the wrapper has it
+    optimizer.zero_grad(set_to_none=...)
+    for each micro-batch:                     # all but the last under wrapper.no_sync()
+        loss(wrapper, this rank's shard) / accumulate .backward()
+    finish_gradient_synchronization()         # if the wrapper has it
+    optimizer.step(); scheduler.step()
+    [state_dict round trip]                   # at `round_trip_step` (checkpoint.py)
+
+Checks attach through `Hooks` (after construction, after each backward with the global batch,
+after the synchronization, after the step, after a reload), never by copying the loop.
+
+How replicas are built: the model is seeded differently on every rank (`seed * 1000 + rank`),
+so replicas agree only if the wrapper broadcasts from rank 0 at construction; `same_init`
+seeds every rank alike, for designs that rely on identical seeding instead (picotron).
+
+Every call into the code under test is made inside `self.calling(what)`, which says, when it
+raises, what the tool was doing: "optimizer.step() at step 2, the first step after loading
+the optimizer's state_dict". An exception raised by the constructor of the class under test,
+or a call that does not match the contract (a `TypeError` about the call's arguments), is an
+`InterfaceError`: the tool could not drive the class, a usage error rather than a fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import traceback
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
+from verify.launching.outcome import RankContext
+from verify.training import checkpoint
+from verify.training.workloads import Batch, Workload, get_workload
+from verify.watching import stacks
+
+OPTIMIZERS = ("adamw", "sgd")
+SGD_MOMENTUM = 0.9
+SCHEDULER_GAMMA = 0.5  # StepLR(step_size=1): the learning rate halves after every step
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """What one run trains. Every knob has one default, here.
+
+    Attributes:
+        impl: a registered name or a class spec; None trains the plain model (no wrapper, no
+            communication: the compute-only reference of the benchmarks).
+        workload, model_size_m, local_batch: see `workloads.py` (None: the workload's own).
+        bucket_mb: passed as the wrapper's bucket size (MB).
+        steps: optimizer steps.
+        accumulate: micro-batches per step; all but the last under `no_sync()`.
+        set_to_none: passed to `zero_grad()`.
+        optimizer: "adamw" (decoupled weight decay) or "sgd" (momentum 0.9), over the
+            workload's two parameter groups (the second at half the learning rate).
+        lr, weight_decay: of the first group.
+        scheduler: step a StepLR (halving the learning rate) after every optimizer step.
+        round_trip_step: after this step, save the optimizer's state, build a fresh one, load.
+        add_param_group: build the optimizer over the first group, add the others after.
+        same_init: seed every rank alike (no broadcast needed for replicas to agree).
+        seed: data and initialization seed.
+    """
+
+    impl: str | None
+    workload: str = "mlp"
+    model_size_m: float | None = None
+    local_batch: int | None = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    steps: int = 3
+    accumulate: int = 1
+    set_to_none: bool = True
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    scheduler: bool = False
+    round_trip_step: int | None = None
+    add_param_group: bool = False
+    same_init: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "accumulate"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.round_trip_step is not None and not 1 <= self.round_trip_step <= self.steps:
+            raise ValueError(f"round_trip_step must be in 1..{self.steps}")
+
+    def build_workload(self) -> Workload:
+        options = {"seed": self.seed, "size_m": self.model_size_m}
+        if self.local_batch is not None:
+            options["local_batch"] = self.local_batch
+        return get_workload(self.workload, **options)
+
+
+class InterfaceError(Exception):
+    """The class under test cannot be constructed or driven as the contract says (DESIGN.md):
+    the check cannot run, a usage error (exit 2), not a fault of the class."""
+
+
+class Hooks:
+    """What a check attaches to the loop; every method is a no-op here. Hooks run on every
+    rank in the same order, so they may call collectives."""
+
+    def after_build(self, run: Trainer) -> None:
+        """The wrapper and the optimizer are constructed."""
+
+    def before_step(self, run: Trainer, step: int) -> None:
+        """Step `step` (from 1) is about to start."""
+
+    def after_backward(self, run: Trainer, step: int, micro: int, batch: Batch) -> None:
+        """One micro-batch's backward ran; `batch` is the global batch (every rank's shard)."""
+
+    def after_sync(self, run: Trainer, step: int) -> None:
+        """Gradients are synchronized (`finish_gradient_synchronization()` returned)."""
+
+    def after_step(self, run: Trainer, step: int) -> None:
+        """The optimizer (and the scheduler) stepped."""
+
+    def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
+        """The optimizer state was saved and reloaded after `step` (`run.round_trip` says
+        how), or the round trip failed with `error` and training goes on from a fresh
+        optimizer."""
+
+
+class Trainer:
+    """A replica of `spec` on this rank, trained step by step (module docstring).
+
+    Attributes: `model` (the unwrapped module; names come from it), `wrapped`, `optimizer`,
+    `scheduler`, `workload`, `impl`, `round_trip` (the last `checkpoint.RoundTrip`).
+    """
+
+    def __init__(self, ctx: RankContext, spec: TrainSpec, hooks: tuple[Hooks, ...] = ()) -> None:
+        self.ctx, self.spec, self.hooks = ctx, spec, tuple(hooks)
+        self.impl: Implementation | None = resolve(spec.impl) if spec.impl else None
+        self.workload = spec.build_workload()
+        self.step_no = 0
+        self.loaded_after: int | None = None  # the step after which state was reloaded
+        self.round_trip: checkpoint.RoundTrip | None = None
+        self._doing = "construction"
+        torch.manual_seed(spec.seed * 1000 + (0 if spec.same_init else ctx.rank))
+        self.model = self.workload.build().to(ctx.device)
+        self.wrapped = self._wrap()
+        self.optimizer, self.scheduler = self._make_optimizer()
+        for hook in self.hooks:
+            hook.after_build(self)
+
+    # --- construction ---------------------------------------------------------------------
+
+    def _wrap(self) -> nn.Module:
+        if self.impl is None:
+            return self.model
+        with self._constructing("the wrapper"):
+            return self.impl.wrap(
+                self.model,
+                bucket_size_mb=self.spec.bucket_mb,
+                find_unused_parameters=self.workload.has_unused_parameters,
+            )
+
+    def _make_optimizer(self):
+        s = self.spec
+        groups = self.workload.param_groups(self.model, lr=s.lr, weight_decay=s.weight_decay)
+        cls, extra = torch.optim.AdamW, {}
+        if s.optimizer == "sgd":
+            cls, extra = torch.optim.SGD, {"momentum": SGD_MOMENTUM}
+        make = self.impl.make_optimizer if self.impl is not None else _plain
+        with self._constructing("the optimizer"):
+            if s.add_param_group:
+                optimizer = make(groups[:1], cls, **extra)
+                for group in groups[1:]:
+                    optimizer.add_param_group(group)
+            else:
+                optimizer = make(groups, cls, **extra)
+        scheduler = None
+        if s.scheduler:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=SCHEDULER_GAMMA)
+        return optimizer, scheduler
+
+    @contextlib.contextmanager
+    def _constructing(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            if _distributed(exc):
+                exc.add_note(f"while ddp-verify constructed {what}")
+                raise
+            raise InterfaceError(_constructor_message(self.spec.impl, what, exc)) from exc
+
+    # --- one step -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        for step in range(1, self.spec.steps + 1):
+            self.step(step)
+
+    def step(self, step: int) -> None:
+        """One training step (module docstring), with the hooks called in between."""
+        s, ctx, ws = self.spec, self.ctx, self.ctx.world_size
+        self.step_no = step
+        for hook in self.hooks:
+            hook.before_step(self, step)
+        start_batch = getattr(self.wrapped, "on_train_batch_start", None)
+        if start_batch is not None:
+            with self.calling("on_train_batch_start()"):
+                start_batch()
+        with self.calling("optimizer.zero_grad()"):
+            self.optimizer.zero_grad(set_to_none=s.set_to_none)
+        for micro in range(s.accumulate):
+            batch = self.workload.batch((step - 1) * s.accumulate + micro + 1, ws)
+            last = micro == s.accumulate - 1
+            with nullcontext() if last else self.wrapped.no_sync():
+                shard = batch.shard(ctx.rank, ws).to(ctx.device)
+                with self.calling("the forward"), record_function("forward"):
+                    loss = self.workload.loss(self.wrapped, shard) / s.accumulate
+                with self.calling("the backward"), record_function("backward"):
+                    loss.backward()
+            for hook in self.hooks:
+                hook.after_backward(self, step, micro, batch)
+        finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
+        if finish is not None:
+            with self.calling("finish_gradient_synchronization()"), record_function("grad_sync"):
+                finish()
+        for hook in self.hooks:
+            hook.after_sync(self, step)
+        with self.calling("optimizer.step()"), record_function("optimizer_step"):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        for hook in self.hooks:
+            hook.after_step(self, step)
+        if step == s.round_trip_step:
+            self.reload(step)
+
+    def reload(self, step: int) -> None:
+        """The optimizer state_dict round trip (`checkpoint.round_trip`), scheduler included.
+        A failure is reported to the hooks and training goes on from a fresh optimizer."""
+        sched_state = self.scheduler.state_dict() if self.scheduler is not None else None
+        error = None
+        try:
+            self.round_trip = checkpoint.round_trip(
+                self.optimizer,
+                lambda: self._make_optimizer()[0],
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                device=self.ctx.device,
+                num_params=sum(len(g["params"]) for g in self.optimizer.param_groups),
+            )
+            optimizer = self.round_trip.optimizer
+        except checkpoint.CheckpointError as exc:
+            error = exc
+            optimizer = self._make_optimizer()[0]  # state lost: both sides restart
+        self.optimizer, self.scheduler = optimizer, None
+        if sched_state is not None:
+            # After the optimizer: loading it restores each group's lr, which a new
+            # scheduler's construction would otherwise have reset.
+            self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=SCHEDULER_GAMMA)
+            self.scheduler.load_state_dict(sched_state)
+        self.loaded_after = step
+        for hook in self.hooks:
+            hook.after_load(self, step, error)
+
+    @contextlib.contextmanager
+    def calling(self, what: str) -> Iterator[None]:
+        """Say what the tool was doing if the code under test raises inside (module doc)."""
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, InterfaceError):
+                raise
+            if _call_mismatch(exc):
+                raise InterfaceError(_call_message(self.spec.impl, what, exc)) from exc
+            exc.add_note(f"while ddp-verify ran {self.describe(what)}")
+            raise
+
+    def describe(self, what: str) -> str:
+        """`optimizer.step() at step 2, the first step after loading the optimizer's state`."""
+        when = f" at step {self.step_no}" if self.step_no else ""
+        if self.loaded_after is not None and self.step_no == self.loaded_after + 1:
+            when += ", the first step after the optimizer state_dict round trip"
+        return what + when
+
+
+def _plain(params, optimizer_cls, **defaults) -> torch.optim.Optimizer:
+    return optimizer_cls(params, **defaults)
+
+
+def _distributed(exc: BaseException) -> bool:
+    """Raised by a collective (a mismatch, a peer that died): a fault, not an interface."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+
+
+_SIGNATURE = re.compile(
+    r"(got an unexpected keyword argument|takes \d+ positional argument|takes from \d+ to \d+ "
+    r"positional|missing \d+ required (positional|keyword-only) argument|got multiple values "
+    r"for argument)"
+)
+
+
+def _call_mismatch(exc: BaseException) -> bool:
+    """A TypeError raised by the call itself (its arguments do not fit the signature), not by
+    code inside it: the innermost frame is the caller's, never the class under test's."""
+    if not isinstance(exc, TypeError) or not _SIGNATURE.search(str(exc)):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and stacks.is_plumbing(frames[-1].filename)
+
+
+def _constructor_message(spec: str | None, what: str, exc: BaseException) -> str:
+    where = stacks.traceback_site("".join(traceback.format_exception(exc))) or ""
+    return (
+        f"--impl {spec}: constructing {what} raised {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}" + (f" at {where}" if where else "")
+        + "; the tool constructs a DDP wrapper as Cls(module) (plus bucket_size_mb= or "
+        "bucket_cap_mb= when it takes one) and a sharded optimizer as "
+        "Cls(params, optimizer_cls, **defaults) (docs/verify-your-own-ddp.md)"
+    )
+
+
+def _call_message(spec: str | None, what: str, exc: BaseException) -> str:
+    return (
+        f"--impl {spec}: the tool could not call {what}: {type(exc).__name__}: {exc}; the "
+        "contract: forward(*inputs, **kwargs) runs the wrapped module, and "
+        "finish_gradient_synchronization() and on_train_batch_start() take no arguments "
+        "(docs/verify-your-own-ddp.md)"
+    )
