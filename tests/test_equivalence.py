@@ -46,7 +46,7 @@ from verify.training.workloads import HARD_CASES
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = str(ROOT / "tests/fixtures/equivalence_broken.py")
-CORRECT = tuple(n for n, impl in REGISTRY.items() if impl.source in ("builtin", "reference"))
+CORRECT = tuple(n for n, impl in REGISTRY.items() if impl.kind in ("builtin", "reference"))
 SMALL_BUCKET_MB = 0.001  # several multi-parameter buckets even in the small models
 
 

@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 import torch
 from tabulate import tabulate
 
+from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
 
 from verify.watching import capture
-
-from verify.checks import scenarios
 
 from verify.watching import tracer
 from verify.watching.diagnose import Diagnosis, RankState, diagnose, innermost_frames
