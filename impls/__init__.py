@@ -3,7 +3,9 @@
     naive -> flat -> overlap -> bucketed      (DDP wrappers, `impls.<name>`)
     zero1                                     (sharded optimizer, `impls.zero`)
 
-`impls.registry.REGISTRY` maps `--impl` names to recipes. Nothing here depends on `verify`.
+`impls.registry.REGISTRY` maps `--impl` names to recipes (`impls.recipes`): the ones above,
+PyTorch's references, and the deliberately broken ones of `impls.faulty`. Nothing here
+depends on `verify`.
 """
 
 from .bucketed import BucketedDDP

@@ -47,6 +47,7 @@ class BucketedDDP(OverlapDDP):
         module: the model replica on this rank.
         bucket_size_mb: the most gradient bytes a bucket holds, in MiB (a parameter larger
             than this gets a bucket of its own). Same meaning as DDP's `bucket_cap_mb`.
+            None: no cap, one bucket per (device, dtype), as the course's interface allows.
         process_group: the group gradients are averaged over (default: the world group).
         broadcast_buffers: broadcast buffers from rank 0 before every forward.
     """
@@ -55,11 +56,11 @@ class BucketedDDP(OverlapDDP):
         self,
         module: nn.Module,
         *,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float | None = 25.0,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = True,
     ) -> None:
-        if not bucket_size_mb > 0:
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.bucket_size_mb = bucket_size_mb  # read by _plan_units during super().__init__
         super().__init__(module, process_group=process_group, broadcast_buffers=broadcast_buffers)

@@ -6,6 +6,7 @@ given the same parameters, computes the same plan without communicating.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ class ParamInfo:
     group: Hashable  # parameters only share a bucket within a group: (device, dtype)
 
 
-def plan_buckets(params: Sequence[ParamInfo], bucket_size_mb: float) -> list[list[int]]:
+def plan_buckets(params: Sequence[ParamInfo], bucket_size_mb: float | None) -> list[list[int]]:
     """Group parameter indices into buckets of at most `bucket_size_mb`, in launch order.
 
     Parameters are taken in reverse registration order (the order backward usually produces
@@ -29,12 +30,14 @@ def plan_buckets(params: Sequence[ParamInfo], bucket_size_mb: float) -> list[lis
     gets a bucket of its own. Buckets are ordered by when their *last* gradient is expected, so
     launching them in list order follows backward.
 
+    `bucket_size_mb=None` means no cap: one bucket per group.
+
     Returns a list of buckets, each a list of indices into `params` (in reverse registration
     order within the bucket). Every index appears exactly once.
     """
-    if bucket_size_mb <= 0:
-        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
-    cap = bucket_size_mb * MB
+    if bucket_size_mb is not None and not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be > 0 or None, got {bucket_size_mb}")
+    cap = math.inf if bucket_size_mb is None else bucket_size_mb * MB
     # A bucket is ready when its last member's gradient is: order buckets by that position.
     closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
     open_buckets: dict[Hashable, tuple[list[int], int, int]] = {}  # group -> (members, bytes, last)

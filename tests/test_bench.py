@@ -15,9 +15,9 @@ import random
 
 import pytest
 
+from verify.cli import main
 from verify.perf import comm
 from verify.perf.bench import LOCAL, BenchOptions, format_bench, run_bench
-from verify.cli import main
 from verify.perf.scaling import ScalingOptions, format_scaling, run_scaling
 from verify.perf.train import REFERENCE, TrainOptions, format_training, run_training
 

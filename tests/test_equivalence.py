@@ -39,14 +39,14 @@ import pytest
 from filelock import FileLock
 
 from impls.registry import REGISTRY
-from verify.cli import main
 from verify.checks.equivalence import EquivalenceOptions, EquivalenceReport, run_equivalence_on_rank
+from verify.cli import main
 from verify.launching import launch
 from verify.training.workloads import HARD_CASES
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = str(ROOT / "tests/fixtures/equivalence_broken.py")
-CORRECT = tuple(n for n, impl in REGISTRY.items() if impl.source in ("builtin", "reference"))
+CORRECT = tuple(n for n, impl in REGISTRY.items() if impl.kind in ("builtin", "reference"))
 SMALL_BUCKET_MB = 0.001  # several multi-parameter buckets even in the small models
 
 

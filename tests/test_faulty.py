@@ -19,9 +19,7 @@ import pytest
 from verify.checks.matrix import BEHAVIOUR, CERTIFIED, run_detection
 from verify.cli.matrix import format_detection
 
-# Modules of impls.faulty. The package is imported inside the tests, not here: importing it
-# registers the faulty implementations, and tests that parametrize over the registry at
-# collection (test_gpu.py) must not see them.
+# Modules of impls.faulty.
 FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults")
 
 

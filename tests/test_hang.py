@@ -25,12 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verify.watching import tracer
-from verify.launching import RankOutcome
-from verify.watching.diagnose import diagnose
 from verify.checks.hang import HangOptions, check_hang
-from verify.launching import RankContext, launch
+from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
+from verify.watching import tracer
+from verify.watching.diagnose import diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
@@ -42,23 +41,25 @@ STALL_S = 3.0
 # the collective and the call site are named.
 EXPECTED = {
     "hang:skip-collective": (
-        {"hang", "crash"}, {"skipped collective"}, 1, "scenarios.py:", "check_finite"
+        {"hang", "crash"}, {"skipped collective"}, 1, "hang_scenarios.py:", "check_finite"
     ),
     # Three ranks: with two, a rank-dependent order is symmetric (neither rank is a majority)
     # and which one looks like the culprit depends on timing; with three the odd one is named.
     "hang:bucket-order": (
         {"hang", "crash"}, {"count mismatch", "extra collective"}, 2, "overlap.py:", "all_reduce"
     ),
-    "hang:shape-mismatch": ({"hang", "crash"}, {"count mismatch"}, 1, "scenarios.py:", "(513,)"),
+    "hang:shape-mismatch": (
+        {"hang", "crash"}, {"count mismatch"}, 1, "hang_scenarios.py:", "(513,)"
+    ),
     "hang:broadcast-source": (
-        {"hang", "desync", "crash"}, {"broadcast source mismatch"}, 1, "scenarios.py:",
+        {"hang", "desync", "crash"}, {"broadcast source mismatch"}, 1, "hang_scenarios.py:",
         "broadcast",
     ),
-    "hang:reduce-op": ({"desync"}, {"reduce-op mismatch"}, 1, "scenarios.py:", "MAX"),
-    "hang:raise": ({"crash"}, {"missing", "raised"}, 1, "scenarios.py:", "hit a data error"),
-    "hang:sigkill": ({"crash"}, {"missing", "crashed"}, 1, "scenarios.py:", "SIGKILL"),
+    "hang:reduce-op": ({"desync"}, {"reduce-op mismatch"}, 1, "hang_scenarios.py:", "MAX"),
+    "hang:raise": ({"crash"}, {"missing", "raised"}, 1, "hang_scenarios.py:", "hit a data error"),
+    "hang:sigkill": ({"crash"}, {"missing", "crashed"}, 1, "hang_scenarios.py:", "SIGKILL"),
     "hang:deadlock": (
-        {"hang"}, {"missing", "stuck outside collectives"}, 1, "scenarios.py:", "before_sync"
+        {"hang"}, {"missing", "stuck outside collectives"}, 1, "hang_scenarios.py:", "before_sync"
     ),
 }  # fmt: skip
 

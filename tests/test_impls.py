@@ -35,7 +35,7 @@ from verify.launching import launch
 from verify.training.workloads import HARD_CASES, Batch, get_workload
 
 # The built-in DDP wrappers, read from the registry (as the CLI's --impl list is).
-DDP_VARIANTS = tuple(n for n, i in REGISTRY.items() if i.source == "builtin" and not i.sharded)
+DDP_VARIANTS = tuple(n for n, i in REGISTRY.items() if i.kind == "builtin" and not i.sharded)
 SMALL_BUCKET_MB = 0.001  # ~1 KB: several multi-parameter buckets even in the small models
 STEPS = 3
 

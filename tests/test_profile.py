@@ -26,7 +26,6 @@ import pytest
 from filelock import FileLock
 
 from verify import runs
-
 from verify.perf import traces
 from verify.perf.profiling import ProfileOptions, all_variants, run_profile
 

@@ -7,12 +7,14 @@ the check (`consistency`, `equivalence` or `shard`) and the certification-matrix
 on which it shows; `python -m verify faults` runs them and prints the detection matrix, and
 `tests/test_faulty.py` asserts it.
 
-Importing this package registers them (`impls.registry.resolve("faulty:<name>")` imports it
-on demand), so the correct implementations' listings stay free of them otherwise.
+Importing this package only fills `FAULTS`; `impls.registry` imports it and builds the
+`faulty:<name>` implementations from it (this package never imports the registry).
 
     ddp_faults      the average, the construction broadcast, what the hooks launch
     bucket_faults   when a bucket counts as ready, and which buckets are sent
     zero_faults     what a ZeRO-1 optimizer steps, syncs, zeroes, saves and adds
+    hang_scenarios  DDPs that hang or desync on purpose, for the hang check (`hang:<name>`;
+                    not imported here: `impls.registry` reads its `SCENARIOS`)
 """
 
 # Imported in the catalogue's order (it is the order of the detection matrix).

@@ -8,6 +8,8 @@ multi-parameter buckets on the workload with unused parameters.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -77,7 +79,7 @@ class NeverSendsFinalBucket(BucketedDDP):
 
     def _all_reduce_async(self, tensor: torch.Tensor) -> dist.Work | None:
         final = self.buckets[-1].buffer
-        cap = self.bucket_size_mb * 1024 * 1024
+        cap = (self.bucket_size_mb or math.inf) * 1024 * 1024  # None: no cap
         if tensor is final and final.numel() * final.element_size() < cap:
             return None  # BUG: a bucket that is not full is never sent
         return super()._all_reduce_async(tensor)

@@ -1,9 +1,10 @@
 """The record every faulty implementation carries: which check must catch it, and where.
 
 A faulty implementation is a class decorated with `@fault(name, caught_by=..., shows_on=...)`.
-The decorator registers it as `faulty:<name>` (through `impls.registry.from_class`, so it is
-built exactly as a user's class would be) and records a `Fault` in `FAULTS`, which the
-detection matrix (`python -m verify faults`) and its test read.
+The decorator only records a `Fault` in `FAULTS`, which the detection matrix
+(`python -m verify faults`) and its test read; `impls.registry` builds `faulty:<name>` from
+each record (through `impls.recipes.from_class`, so it is built exactly as a user's class
+would be). This module imports nothing of the registry's: the import runs one way.
 
 The class docstring is the documentation: its first paragraph says what is wrong, a paragraph that
 starts with "Symptom:" says what goes wrong in training, and the text says why the named check
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-
-from impls.registry import from_class, register
 
 #: the checks a fault can name: the two columns of the certification matrix, and the shard
 #: check (each rank's optimizer state against 1/N of the unsharded state)
@@ -56,18 +55,21 @@ FAULTS: dict[str, Fault] = {}
 
 
 def fault(name: str, *, caught_by: str, shows_on: tuple[str, ...]):
-    """Register the decorated class as `faulty:<name>` (see the module docstring)."""
+    """Record the decorated class in `FAULTS` as `faulty:<name>` (see the module docstring).
+    Returns the class unchanged."""
     if caught_by not in CHECKS:
         raise ValueError(f"caught_by must be one of {CHECKS}, got {caught_by!r}")
+    full_name = f"faulty:{name}"
 
-    def register_class(cls: type) -> type:
+    def record(cls: type) -> type:
         if not _doc(cls).count("Symptom:"):
             raise ValueError(f"{cls.__name__}: the docstring must have a 'Symptom:' paragraph")
-        impl = register(from_class(cls, name=f"faulty:{name}", source="faulty"))
-        FAULTS[impl.name] = Fault(impl.name, cls, caught_by, tuple(shows_on))
+        if full_name in FAULTS:
+            raise ValueError(f"{full_name} is already in the catalogue")
+        FAULTS[full_name] = Fault(full_name, cls, caught_by, tuple(shows_on))
         return cls
 
-    return register_class
+    return record
 
 
 def _doc(cls: type) -> str:

@@ -24,7 +24,6 @@ it uses, seeds explicitly and restores torch's random state on return.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -33,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from impls.registry import DEFAULT_BUCKET_MB, REGISTRY, Implementation, register, resolve
+from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
+from impls.registry import takes_bucket_size as _bucket_keyword
 from verify.checks.audit import Auditor
 from verify.checks.equivalence import (
     SCHEDULER_GAMMA,
@@ -120,14 +120,13 @@ _TRACE_SAYS = "collective trace says:"  # how LaunchResult.summary() cites the d
 # --- the implementation a behaviour runs ---------------------------------------------------
 
 
-def implementation_for(impl_name: str, behaviour: Behaviour) -> str:
-    """The registered name the checks run for this behaviour (registering it if needed)."""
+def implementation_for(impl_name: str, behaviour: Behaviour) -> str | Implementation:
+    """What the checks run for this behaviour: the registered name, or for add_param_group the
+    implementation derived from it (named `<name>+add_param_group`; `resolve` returns an
+    Implementation as is, so it flows wherever the name did)."""
     if not behaviour.add_param_group:
         return impl_name
-    name = impl_name + ADDED_LATER
-    if name not in REGISTRY:
-        register(with_group_added_later(resolve(impl_name), name))
-    return name
+    return with_group_added_later(resolve(impl_name), impl_name + ADDED_LATER)
 
 
 def with_group_added_later(impl: Implementation, name: str) -> Implementation:
@@ -169,11 +168,9 @@ def not_claimed(wrapped: nn.Module, behaviour: Behaviour) -> str | None:
 
 
 def takes_bucket_size(cls: type) -> bool:
-    """PyTorch DDP (`bucket_cap_mb`), or a constructor with `bucket_size_mb` (the assignment
-    interface, as `impls.registry.from_class` decides)."""
-    if issubclass(cls, nn.parallel.DistributedDataParallel):
-        return True
-    return "bucket_size_mb" in inspect.signature(cls.__init__).parameters
+    """A constructor with `bucket_size_mb` (the assignment interface) or `bucket_cap_mb`
+    (PyTorch DDP's), as `impls.recipes.from_class` decides."""
+    return _bucket_keyword(cls) is not None
 
 
 # --- the checks ----------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from tabulate import tabulate
 
+from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
-from verify.checks import scenarios
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script
 from verify.training.workloads import get_workload
 from verify.watching import capture, trace_file

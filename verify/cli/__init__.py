@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from tabulate import tabulate
 
-from impls.registry import DEFAULT_BUCKET_MB, REGISTRY
+from impls.registry import DEFAULT_BUCKET_MB, REGISTRY, names
 from impls.registry import ImplError as ImplError
 from verify.training.workloads import WORKLOADS
 
@@ -69,8 +69,8 @@ def _positive_float(name: str) -> Callable[[str], float]:
 
 
 def impl_help() -> str:
-    names = ", ".join(REGISTRY)
-    return f"a registered name ({names}), package.module:Class, or path/to/file.py:Class"
+    correct = ", ".join(names({"builtin", "reference"}))
+    return f"a registered name ({correct}), package.module:Class, or path/to/file.py:Class"
 
 
 def default_world_size() -> int:

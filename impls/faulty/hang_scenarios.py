@@ -1,12 +1,13 @@
 """Hang and desync scenarios: DDP wrappers that go wrong on purpose, one way each.
 
-Registered as `hang:<name>` implementations (source "hang"), so
-`python -m verify hang --impl hang:skip-collective` shows what a diagnosis looks like and the
-tests prove each is caught. Every scenario is the same small DDP (broadcast at construction;
-in `finish_gradient_synchronization()` one blocking all-reduce per gradient, then an
-all-reduce of a "gradients are finite" flag, as training loops do before stepping), with one
-fault injected on the last rank at the second synchronized step, so the first step's
-collectives give the diagnosis a history to compare against:
+Deliberately broken, like the faulty catalogue next door, but for the hang check: each is
+listed in `SCENARIOS`, from which `impls.registry` builds the `hang:<name>` implementations
+(kind "hang"), so `python -m verify hang --impl hang:skip-collective` shows what a diagnosis
+looks like and the tests prove each is caught. Every scenario is the same small DDP
+(broadcast at construction; in `finish_gradient_synchronization()` one blocking all-reduce per
+gradient, then an all-reduce of a "gradients are finite" flag, as training loops do before
+stepping), with one fault injected on the last rank at the second synchronized step, so the
+first step's collectives give the diagnosis a history to compare against:
 
 | scenario | the last rank, at step 2 | what happens on gloo |
 |---|---|---|
@@ -34,10 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.bucketed import BucketedDDP
-from impls.registry import REGISTRY, Implementation, register
 
 FAULT_STEP = 2
-STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # set by the launcher in every rank
+STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # set by the launcher (and the hang check) in every rank
 _fault_model: int | None = None  # id of the wrapper whose step 2 is faulty in this process
 
 
@@ -163,9 +163,10 @@ class ReversedBuckets(BucketedDDP):
     wrapper does that re-plans buckets from each rank's own gradient arrival order (PyTorch DDP
     rebuilds its buckets after the first iteration, from an order it agrees on first)."""
 
-    def __init__(self, module, *, bucket_size_mb: float = 25.0, **kwargs) -> None:
-        # Small buckets, so that there are several of different sizes.
-        super().__init__(module, bucket_size_mb=min(bucket_size_mb, 0.002), **kwargs)
+    def __init__(self, module, *, bucket_size_mb: float | None = 25.0, **kwargs) -> None:
+        # Small buckets, so that there are several of different sizes (even when asked for one).
+        small = 0.002 if bucket_size_mb is None else min(bucket_size_mb, 0.002)
+        super().__init__(module, bucket_size_mb=small, **kwargs)
         self.steps = 0
 
     def finish_gradient_synchronization(self) -> None:
@@ -187,15 +188,6 @@ class ReversedBuckets(BucketedDDP):
         return dist.get_rank(self.process_group)
 
 
-def _wrap(cls):
-    def wrap(module, *, bucket_size_mb=25.0, process_group=None, **_hints):
-        if cls is ReversedBuckets:
-            return cls(module, bucket_size_mb=bucket_size_mb, process_group=process_group)
-        return cls(module, process_group=process_group)
-
-    return wrap
-
-
 #: name -> (class, summary, what the hang check must conclude: "hang" | "crash" | "desync" | "ok")
 SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:skip-collective": (SkipCollective, "last rank skips a collective at step 2", "hang"),
@@ -209,7 +201,3 @@ SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:deadlock": (Deadlock, "last rank blocks outside any collective", "hang"),
     "hang:slow-rank": (SlowRank, "last rank stalls half the stall timeout (not a hang)", "ok"),
 }
-
-for _name, (_cls, _summary, _) in SCENARIOS.items():
-    if _name not in REGISTRY:
-        register(Implementation(_name, _summary, _wrap(_cls), source="hang"))

@@ -1,0 +1,113 @@
+"""Loading a user's class named on the command line: `package.module:Class` or
+`path/to/file.py:Class`.
+
+Every failure is an `ImplError` with one line (exit code 2): the module or file not found, an
+exception while importing it (its type and message, not a traceback), no such class.
+
+A file inside a package (its directory has `__init__.py`) is imported as a member of that
+package, by its dotted name, with the package root's parent on `sys.path`: its absolute
+(`from mypkg.util import x`) and relative (`from .util import x`) imports then work as they do
+when the user runs their own code. A file outside any package is executed under a private
+module name, with its own directory on `sys.path` so that its sibling imports work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+import zlib
+from pathlib import Path
+from types import ModuleType
+
+from .recipes import ImplError
+
+
+def load_class(spec: str) -> type:
+    """Import `package.module:Class` or `path/to/file.py:Class` and return the class."""
+    module_part, _, class_name = spec.rpartition(":")
+    if not module_part or not class_name:
+        raise ImplError(f"--impl {spec!r}: expected package.module:Class or path/to/file.py:Class")
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise ImplError(f"--impl {spec!r}: file {module_part} does not exist")
+        module = _import_file(path)
+    else:
+        module = _import_module(spec, module_part)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        available = sorted(n for n, v in vars(module).items() if inspect.isclass(v))
+        raise ImplError(
+            f"--impl {spec!r}: module {module_part!r} has no class {class_name!r}"
+            + (f" (classes there: {', '.join(available)})" if available else "")
+        )
+    if not inspect.isclass(cls):
+        raise ImplError(f"--impl {spec!r}: {class_name!r} is not a class")
+    return cls
+
+
+def _import_module(spec: str, dotted: str) -> ModuleType:
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError as e:
+        if e.name and dotted.startswith(e.name):  # the module named, not one it imports
+            raise ImplError(f"--impl {spec!r}: module {e.name!r} not found") from None
+        raise ImplError(f"--impl {spec!r}: importing {dotted} failed: {e}") from None
+    except Exception as e:  # SyntaxError, ImportError, anything raised at import time
+        raise ImplError(
+            f"--impl {spec!r}: importing {dotted} failed: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _import_file(path: Path) -> ModuleType:
+    path = path.resolve()
+    if (path.parent / "__init__.py").is_file():
+        return _import_package_member(path)
+    # Keyed by the resolved path: two submissions both called ddp.py must not share a module.
+    name = f"ddp_verify_user_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # so the file's sibling imports work
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ImplError(
+            f"--impl {path}: importing the file failed: {type(e).__name__}: {e}"
+        ) from None
+    return module
+
+
+def _import_package_member(path: Path) -> ModuleType:
+    """Import a file that lives in a package by its dotted name (see the module docstring)."""
+    top = path.parent
+    while (top.parent / "__init__.py").is_file() and top.parent != top:
+        top = top.parent
+    root = top.parent
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    dotted = ".".join(parts)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(dotted)
+    except Exception as e:
+        raise ImplError(
+            f"--impl {path}: importing it as {dotted} (from {root}) failed: {type(e).__name__}: {e}"
+        ) from None
+    found = Path(module.__file__).resolve() if getattr(module, "__file__", None) else None
+    if found != path:
+        # A package of the same name was importable first (already imported, or earlier on
+        # sys.path): importing by name would silently run someone else's code.
+        raise ImplError(
+            f"--impl {path}: {dotted} imports {found or 'a namespace package'}, not this file: "
+            f"another package named {parts[0]!r} comes first; rename yours, or name the class "
+            "as package.module:Class"
+        )
+    return module
