@@ -121,8 +121,18 @@ def writable_folder(path: str, flag: str = "--out") -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunOptions(Options):
-    """The knobs of every command that starts ranks."""
+class ThreadOptions(Options):
+    """Every command that starts ranks takes a thread budget."""
+
+    threads_per_rank: int | None = knob(
+        None, "intra-op threads per rank (default: the machine's cores shared among the ranks "
+        "running at once; OMP_NUM_THREADS, when set, decides)", minimum=1,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(ThreadOptions):
+    """The knobs of every command that starts one job of ranks."""
 
     world_size: int = knob(
         help="ranks to start (under torchrun: its WORLD_SIZE)", minimum=1,
@@ -131,10 +141,6 @@ class RunOptions(Options):
     timeout_s: float = knob(
         120.0, "how long the ranks may run once all have started", flag="--timeout", unit="s",
         positive=True,
-    )  # fmt: skip
-    threads_per_rank: int | None = knob(
-        None, "intra-op threads per rank (default: the machine's cores shared among the ranks "
-        "running at once; OMP_NUM_THREADS, when set, decides)", minimum=1,
     )  # fmt: skip
 
 

@@ -70,7 +70,7 @@ def _cpu_model() -> str | None:
 
 def new_run_dir(out: str | os.PathLike, name: str, world_size: int, device: str) -> Path:
     """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder."""
-    safe = re.sub(r"[^A-Za-z0-9.+-]+", "-", name).strip("-") or "run"
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "-", name).strip("-") or "run"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(out) / f"{safe}_{world_size}x{device}_{stamp}"
     Path(out).mkdir(parents=True, exist_ok=True)

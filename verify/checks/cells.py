@@ -1,105 +1,58 @@
 """One cell of the certification matrix, as one rank runs it: an implementation trained under
-one behaviour, judged by one check.
+one behaviour (`behaviours.py`), judged by one check.
 
-A *behaviour* (`Behaviour`) is a training situation an implementation must get right: a world
-size, a workload, a bucket size, gradient accumulation under `no_sync()`,
-`zero_grad(set_to_none=False)`, an LR scheduler, an optimizer `state_dict()` round trip, a
-parameter group added after construction. Its training loop is the equivalence check's
-(`equivalence.py`), knob for knob, so the two checks judge the same run:
+The checks are the standalone ones, attached to the same trainer (`training/trainer.py`):
 
-- *equivalence*: `run_equivalence_on_rank` with the behaviour's options;
-- *consistency*: the same loop, audited as `consistency.py` audits (`audit.Auditor`: bitwise
-  equal on every rank after construction, after every gradient synchronization and after
-  every optimizer step), here with the knobs `consistency.py` does not take;
+- *consistency*: `consistency.AuditHooks` (bitwise equal on every rank at every checkpoint);
+- *equivalence*: `reference.Reference` (against one process on the global batch);
 - *shard* (sharded optimizers): after training, each rank's optimizer-state bytes against
-  the unsharded optimizer's (see `check_shard_sizes`).
+  the unsharded optimizer's (`check_shard_sizes`).
 
-`add_param_group` is played through the implementation itself (`with_group_added_later`): its
-optimizer is built over the first parameter group and gets the others through
-`add_param_group()` right after construction, so both checks run it unchanged.
-
-Cells follow each other in one process (`matrix.py` runs many per launch): each builds what
-it uses, seeds explicitly and restores torch's random state on return.
+A behaviour the wrapper does not offer (no `no_sync()` for accumulation, no bucket size for
+the bucket rows) is "not claimed", decided on the constructed wrapper by `ClaimHooks` on every
+rank alike; one that does not apply at all (a sharded-optimizer row for a DDP wrapper) is
+"n/a". Cells follow each other in one process (`matrix.py` runs many per launch): each builds
+what it uses, seeds explicitly and restores torch's random state on return.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
-from impls.registry import takes_bucket_size as _bucket_keyword
-from verify.checks.audit import Auditor
-from verify.checks.equivalence import (
-    SCHEDULER_GAMMA,
-    EquivalenceOptions,
-    full_state_dict,
-    run_equivalence_on_rank,
-)
+from impls.registry import Implementation, resolve, takes_bucket_size
+from verify.checks.behaviours import Behaviour
+from verify.checks.consistency import AuditHooks
+from verify.checks.equivalence import _local, _merge
+from verify.checks.reference import Reference
 from verify.launching import RankContext
-from verify.training.workloads import get_workload
+from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
+from verify.training.trainer import Hooks, InterfaceError, Trainer
 
 CHECKS = ("consistency", "equivalence", "shard")
-ADDED_LATER = "+add_param_group"  # suffix of an implementation played through add_param_group
-
-
-@dataclass(frozen=True, kw_only=True)
-class Behaviour:
-    """A row of the certification matrix: one training situation.
-
-    Attributes:
-        key: short name (`--rows`, and `shows_on` of the faulty catalogue).
-        title: what the row says in the table.
-        world_size, workload, steps: as in the checks' options.
-        bucket_mb: None runs the default bucket size and claims nothing about buckets; a
-            value makes the row a bucket-size behaviour, claimed only by wrappers that take
-            `bucket_size_mb` (and PyTorch DDP's `bucket_cap_mb`).
-        accumulate: micro-batches per step, all but the last under `no_sync()` (claimed only
-            by wrappers that have `no_sync()`).
-        set_to_none, scheduler, round_trip: as in `EquivalenceOptions`.
-        add_param_group: build the optimizer over the first group and add the others.
-        sharded_only: a behaviour of the sharded optimizer: n/a for DDP wrappers.
-    """
-
-    key: str
-    title: str
-    world_size: int = 2
-    workload: str = "mlp"
-    steps: int = 3
-    bucket_mb: float | None = None
-    accumulate: int = 1
-    set_to_none: bool = True
-    scheduler: bool = False
-    round_trip: bool = False
-    add_param_group: bool = False
-    sharded_only: bool = False
-
-    def __post_init__(self) -> None:
-        if self.round_trip and self.steps < 2:
-            raise ValueError(f"{self.key}: a state_dict round trip needs steps >= 2")
-        get_workload(self.workload)
+STATUSES = ("pass", "fail", "not claimed", "n/a", "refused")
 
 
 @dataclass(frozen=True)
-class CheckResult:
+class CellResult:
     """How one check went on one cell.
 
     `status` is "pass", "fail" (the check found a fault: wrong result, desync, a rank that
     raised, crashed or hung), "not claimed" (the implementation does not offer what the
-    behaviour needs: no `no_sync()`, no `bucket_size_mb`) or "n/a" (the check or the behaviour
-    does not apply: a shard check for a DDP wrapper, a sharded-optimizer row for one).
-    `detail` says why: the first divergence, the launcher's diagnosis of a failed run (several
-    lines), or what is not claimed; `headline` is its one-line form.
+    behaviour needs: no `no_sync()`, no bucket size), "n/a" (the check or the behaviour does
+    not apply, or the tool could not measure), or "refused" (the class cannot be driven as
+    the contract says: a usage error for the whole run). `detail` says why (the finding, the
+    launcher's diagnosis of a failed run, or what is not claimed); `headline` is one line;
+    `where` is the user's file:line when an exception was raised.
     """
 
     status: str
     detail: str = ""
     seconds: float = 0.0
+    where: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -108,43 +61,15 @@ class CheckResult:
     @property
     def headline(self) -> str:
         """The most telling line of `detail`: for a launch that failed, the collective trace's
-        diagnosis when it has one (it names the mismatch), else the first line."""
+        diagnosis when it has one (it names the mismatch), else the first line; with the
+        place in the user's code where an exception was raised."""
         lines = self.detail.splitlines() or [""]
         traced = [line for line in lines if line.startswith(_TRACE_SAYS)]
-        return traced[0].removeprefix(_TRACE_SAYS).strip() if traced else lines[0]
+        head = traced[0].removeprefix(_TRACE_SAYS).strip() if traced else lines[0]
+        return f"{head} (at {self.where})" if self.where and self.where not in head else head
 
 
 _TRACE_SAYS = "collective trace says:"  # how LaunchResult.summary() cites the diagnosis
-
-
-# --- the implementation a behaviour runs ---------------------------------------------------
-
-
-def implementation_for(impl_name: str, behaviour: Behaviour) -> str | Implementation:
-    """What the checks run for this behaviour: the registered name, or for add_param_group the
-    implementation derived from it (named `<name>+add_param_group`; `resolve` returns an
-    Implementation as is, so it flows wherever the name did)."""
-    if not behaviour.add_param_group:
-        return impl_name
-    return with_group_added_later(resolve(impl_name), impl_name + ADDED_LATER)
-
-
-def with_group_added_later(impl: Implementation, name: str) -> Implementation:
-    """`impl` whose optimizer is built over the first parameter group only, the others added
-    with `add_param_group()` right after construction (a collective for sharded ones)."""
-    if not impl.sharded:
-        raise ValueError(f"{impl.name}: add_param_group is a sharded-optimizer behaviour")
-
-    def sharded(params, optimizer_cls, *, process_group=None, **defaults):
-        first, *rest = list(params)
-        optimizer = impl.make_optimizer(
-            [first], optimizer_cls, process_group=process_group, **defaults
-        )
-        for group in rest:
-            optimizer.add_param_group(group)
-        return optimizer
-
-    return replace(impl, name=name, sharded_optimizer=sharded)
 
 
 def not_applicable(impl: Implementation, behaviour: Behaviour, check: str) -> str | None:
@@ -162,115 +87,85 @@ def not_claimed(wrapped: nn.Module, behaviour: Behaviour) -> str | None:
     """Why the wrapper does not claim this behaviour, or None if it does."""
     if behaviour.accumulate > 1 and not hasattr(wrapped, "no_sync"):
         return "gradient accumulation: the wrapper has no no_sync()"
-    if behaviour.bucket_mb is not None and not takes_bucket_size(type(wrapped)):
-        return "bucket sizes: the wrapper takes no bucket_size_mb"
+    if behaviour.bucket_mb is not None:
+        cls = type(wrapped)
+        if not issubclass(cls, nn.parallel.DistributedDataParallel) and not takes_bucket_size(cls):
+            return "bucket sizes: the wrapper takes no bucket_size_mb (or bucket_cap_mb)"
     return None
 
 
-def takes_bucket_size(cls: type) -> bool:
-    """A constructor with `bucket_size_mb` (the assignment interface) or `bucket_cap_mb`
-    (PyTorch DDP's), as `impls.recipes.from_class` decides."""
-    return _bucket_keyword(cls) is not None
+class _NotClaimed(Exception):
+    """Raised the same way on every rank (the wrapper's type is the same everywhere)."""
 
 
-# --- the checks ----------------------------------------------------------------------------
+class ClaimHooks(Hooks):
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+
+    def after_build(self, run: Trainer) -> None:
+        why = not_claimed(run.wrapped, self.behaviour)
+        if why:
+            raise _NotClaimed(why)
 
 
-def run_check_on_rank(
-    ctx: RankContext, impl_name: str, behaviour: Behaviour, check: str
-) -> CheckResult:
+def run_cell_on_rank(
+    ctx: RankContext, impl_name: str, behaviour: Behaviour, check: str, same_init: bool = False
+) -> CellResult:
     """Run one check of one cell on this rank (a collective: every rank, same arguments).
     Every rank returns the same result."""
-    why = not_applicable(resolve(impl_name), behaviour, check)
+    impl = resolve(impl_name)
+    why = not_applicable(impl, behaviour, check)
     if why:
-        return CheckResult("n/a", why)
-    run = {"consistency": _consistency, "equivalence": _equivalence, "shard": _shard}[check]
+        return CellResult("n/a", why)
+    spec = behaviour.spec(impl_name, same_init=same_init)
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    judge = AuditHooks() if check == "consistency" else Reference() if check == "equivalence" else None
+    hooks = (ClaimHooks(behaviour),) + ((judge,) if judge is not None else ())
     with torch.random.fork_rng(devices=devices):
-        return run(ctx, implementation_for(impl_name, behaviour), behaviour)
+        try:
+            trainer = Trainer(ctx, spec, hooks)
+            trainer.run()
+        except _NotClaimed as exc:
+            return CellResult("not claimed", str(exc))
+        except InterfaceError as exc:
+            return CellResult("refused", str(exc))
+        if check == "consistency":
+            report = judge.report()
+            if report.findings:
+                return CellResult("fail", _findings_text(report.findings))
+            n = len(report.checkpoints)
+            return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints")
+        if check == "equivalence":
+            local = _local(judge, hooks, spec)
+            gathered: list = [local]
+            if ctx.world_size > 1:
+                gathered = [None] * ctx.world_size
+                dist.all_gather_object(gathered, local)
+            report = _merge(gathered)
+            if report.findings:
+                return CellResult("fail", _findings_text(report.findings))
+            return CellResult("pass", report.describe())
+        return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 
 
-def _equivalence(ctx: RankContext, impl_name: str, b: Behaviour) -> CheckResult:
-    # The claim is the wrapper's, decided on the built wrapper as the other checks decide it.
-    reason = not_claimed(_Training(ctx, impl_name, b).wrapped, b)
-    if reason:
-        return CheckResult("not claimed", reason)
-    report = run_equivalence_on_rank(ctx, equivalence_options(impl_name, b))
-    if report.unsupported:
-        return CheckResult("not claimed", report.unsupported)
-    return CheckResult("pass" if report.passed else "fail", report.describe())
-
-
-def equivalence_options(impl_name: str, b: Behaviour) -> EquivalenceOptions:
-    return EquivalenceOptions(
-        impl=impl_name,
-        world_size=b.world_size,
-        steps=b.steps,
-        workload=b.workload,
-        bucket_mb=b.bucket_mb or DEFAULT_BUCKET_MB,
-        accumulate=b.accumulate,
-        set_to_none=b.set_to_none,
-        scheduler=b.scheduler,
-        round_trip=b.round_trip,
-    )
-
-
-def _consistency(ctx: RankContext, impl_name: str, b: Behaviour) -> CheckResult:
-    training = _Training(ctx, impl_name, b)
-    reason = not_claimed(training.wrapped, b)
-    if reason:
-        return CheckResult("not claimed", reason)
-    auditor = Auditor(training.model, None if training.impl.sharded else training.optimizer)
-    audits = 0
-
-    def audit(label: str, named) -> None:
-        nonlocal audits
-        _, found = auditor.audit(label, named)
-        audits += 1
-        if found:
-            more = f" (and {len(found) - 1} more tensors)" if len(found) > 1 else ""
-            raise _Mismatch(found[0].describe() + more)
-
-    def after_step(step: int) -> None:
-        if not training.impl.sharded:  # a state_dict round trip replaces the optimizer
-            auditor.optimizer = training.optimizer
-        audit(f"step {step}", auditor.state_tensors())
-
-    try:
-        audit("construction", auditor.state_tensors())
-        training.run(
-            after_sync=lambda step: audit(f"step {step} gradients", auditor.grad_tensors()),
-            after_step=after_step,
-        )
-    except _Mismatch as mismatch:
-        return CheckResult("fail", str(mismatch))
-    return CheckResult("pass", f"replicas bitwise identical at all {audits} checkpoints")
-
-
-class _Mismatch(Exception):
-    """Raised the same way on every rank (audits agree), so it ends the loop on all of them."""
-
-
-def _shard(ctx: RankContext, impl_name: str, b: Behaviour) -> CheckResult:
-    training = _Training(ctx, impl_name, b)
-    reason = not_claimed(training.wrapped, b)
-    if reason:
-        return CheckResult("not claimed", reason)
-    training.run()
-    return check_shard_sizes(training.model, training.optimizer, ctx.world_size)
+def _findings_text(findings) -> str:
+    lines = [f.describe() for f in findings]
+    if len(lines) > 1:
+        lines[0] += f" (and {len(lines) - 1} more distinct findings)"
+    return "\n".join(lines)
 
 
 # --- the shard check -----------------------------------------------------------------------
 
 
-def check_shard_sizes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int
-) -> CheckResult:
+def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResult:
     """Is each rank's optimizer state about 1/N of the unsharded optimizer's? A collective.
 
-    The unsharded size is measured, not assumed: a plain `torch.optim.AdamW` stepped once on
-    copies of the parameters that hold state on some rank gives each one's state bytes. Two
-    conditions, both sound for any correct whole-parameter partition:
+    Each rank's state is measured without guessing where the optimizer keeps it: every tensor
+    reachable from the optimizer object that is neither a parameter nor a gradient
+    (`training/optim_state.py`). The unsharded size is measured too: a plain AdamW stepped
+    once on copies of the parameters that hold state on some rank. Two conditions, both sound
+    for any correct whole-parameter partition:
 
     - the ranks' states add up to at most the unsharded state: no parameter's state is kept on
       two ranks (a ZeRO that does not shard holds N times it);
@@ -278,116 +173,34 @@ def check_shard_sizes(
       state) is a lower bound on any whole-parameter partition. Greedy list scheduling (each
       parameter to the least-loaded rank, in any order: PyTorch's ZeroRedundancyOptimizer)
       never exceeds it (Graham, 1966); LPT (the built-in ZeRO-1) stays within 4/3 of optimal.
+
+    When the tool cannot measure (a note from the probe on some rank), the cell is "n/a" with
+    the reason: a failure of the tool's own probe never reads as the optimizer's.
     """
-    state = local_optimizer_state(optimizer)
-    params = list(model.parameters())
-    index = {id(p): i for i, p in enumerate(params)}
-    mine = sorted(index[id(p)] for p in state if id(p) in index)
+    params = [p for p in model.parameters() if p.requires_grad]
+    measured = local_state_bytes(optimizer, params)
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (sum(_state_bytes(s) for s in state.values()), mine))
-    held = sorted({i for _, indices in gathered for i in indices})  # state somewhere
+    dist.all_gather_object(gathered, (measured.bytes, measured.owners, measured.note))
+    notes = [note for _, _, note in gathered if note]
+    if notes and not any(b for b, _, _ in gathered):
+        return CellResult("n/a", f"the tool could not measure the optimizer state: {notes[0]}")
+    owned = [o for _, o, _ in gathered]
+    if any(o is None for o in owned):  # state not keyed by parameter: count every parameter
+        held = list(range(len(params)))
+    else:
+        held = sorted({i for o in owned for i in o})
     sizes = unsharded_state_bytes([params[i] for i in held])
     total, largest = sum(sizes), max(sizes, default=0)
     bound = max(-(-total // world_size), largest)
     limit = (2 - 1 / world_size) * bound
-    locals_ = [g[0] for g in gathered]
+    per_rank = [b for b, _, _ in gathered]
     detail = (
-        f"state bytes per rank {locals_} vs unsharded {total} "
+        f"state bytes per rank {per_rank} vs unsharded {total} "
         f"(1/N bound {bound}, limit {limit:.0f})"
     )
-    if sum(locals_) > total:
-        return CheckResult("fail", f"state kept on several ranks: {detail}")
-    if max(locals_) > limit:
-        return CheckResult("fail", f"unbalanced: {detail}")
-    return CheckResult("pass", f"max {max(locals_) / bound:.2f} x the 1/N bound: {detail}")
-
-
-def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The state this rank holds: PyTorch's ZeroRedundancyOptimizer keeps its shard's in the
-    local optimizer `.optim` (its own `.state` is only filled by `load_state_dict`); the
-    built-in ZeRO-1 and most others expose it as `.state`."""
-    inner = getattr(optimizer, "optim", None)
-    return (inner if isinstance(inner, torch.optim.Optimizer) else optimizer).state
-
-
-def unsharded_state_bytes(params: list[torch.Tensor]) -> list[int]:
-    """State bytes of each parameter under a plain AdamW, the optimizer every cell trains
-    with (its state does not depend on the hyper-parameters)."""
-    copies = [p.detach().clone().requires_grad_() for p in params]
-    for c in copies:
-        c.grad = torch.zeros_like(c)
-    probe = torch.optim.AdamW(copies)
-    probe.step()
-    return [_state_bytes(probe.state[c]) for c in copies]
-
-
-def _state_bytes(state: dict) -> int:
-    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-
-
-# --- the training loop both checks share ---------------------------------------------------
-
-
-class _Training:
-    """A replica trained under one behaviour, as `equivalence.py` trains it (without the
-    reference): the same seeds, batches, optimizer, scheduler and round trip."""
-
-    def __init__(self, ctx: RankContext, impl_name: str, b: Behaviour, *, seed: int = 0) -> None:
-        self.ctx = ctx
-        self.options = equivalence_options(impl_name, b)
-        self.impl = resolve(impl_name)
-        self.workload = get_workload(b.workload, seed=seed)
-        torch.manual_seed(seed * 1000 + ctx.rank)  # replicas agree only if the wrapper broadcasts
-        self.model = self.workload.build().to(ctx.device)
-        self.wrapped = self.impl.wrap(
-            self.model,
-            bucket_size_mb=self.options.bucket_mb,
-            find_unused_parameters=self.workload.has_unused_parameters,
-        )
-        self.optimizer, self.scheduler = self._optimizer()
-
-    def _optimizer(self):
-        o = self.options
-        groups = self.workload.param_groups(self.model, lr=o.lr, weight_decay=o.weight_decay)
-        optimizer = self.impl.make_optimizer(groups, torch.optim.AdamW)
-        scheduler = None
-        if o.scheduler:
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=SCHEDULER_GAMMA)
-        return optimizer, scheduler
-
-    def run(
-        self,
-        after_sync: Callable[[int], object] = lambda step: None,
-        after_step: Callable[[int], object] = lambda step: None,
-    ) -> None:
-        o, ctx, ws = self.options, self.ctx, self.ctx.world_size
-        start_batch = getattr(self.wrapped, "on_train_batch_start", None)
-        finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
-        for step in range(1, o.steps + 1):
-            if start_batch is not None:
-                start_batch()
-            self.optimizer.zero_grad(set_to_none=o.set_to_none)
-            for micro in range(o.accumulate):
-                batch = self.workload.batch((step - 1) * o.accumulate + micro + 1, ws)
-                last = micro == o.accumulate - 1
-                with nullcontext() if last else self.wrapped.no_sync():
-                    shard = batch.shard(ctx.rank, ws).to(ctx.device)
-                    (self.workload.loss(self.wrapped, shard) / o.accumulate).backward()
-            if finish is not None:
-                finish()
-            after_sync(step)
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            after_step(step)
-            if step == o.round_trip_step:
-                self._round_trip()
-
-    def _round_trip(self) -> None:
-        saved = full_state_dict(self.optimizer, self.ctx)
-        sched_saved = self.scheduler.state_dict() if self.scheduler is not None else None
-        self.optimizer = self.scheduler = None
-        self.optimizer, self.scheduler = self._optimizer()
-        self.optimizer.load_state_dict(saved)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(sched_saved)
+    if sum(per_rank) > total:
+        return CellResult("fail", f"state kept on several ranks: {detail}")
+    if max(per_rank) > limit:
+        return CellResult("fail", f"unbalanced: {detail}")
+    share = max(per_rank) / bound if bound else 0.0
+    return CellResult("pass", f"max {share:.2f} x the 1/N bound: {detail}")

@@ -1,18 +1,21 @@
 """The consistency check: do all replicas hold bitwise identical state at every step?
 
-Trains an implementation for a few steps on a workload and audits (`audit.py`) right after
-construction, after every gradient synchronization, and after every optimizer step:
+Trains the implementation (`training/trainer.py`) and audits (`audit.py`) right after
+construction, after every gradient synchronization, after every optimizer step, and right
+after an optimizer state_dict round trip:
 
 - parameters and buffers: always;
 - gradients: after `finish_gradient_synchronization()` (or the backward of wrappers that
   synchronize inside backward), where every rank must hold the same averaged gradient;
-- optimizer state: for replicated optimizers only (a sharded optimizer keeps different state
-  per rank by design).
+- optimizer state: for replicated optimizers only (a sharded one keeps different state per
+  rank by design).
 
 Replicas that apply the same ops to the same averaged gradients are bitwise equal, so any
-difference at all is a fault, and the first checkpoint where one appears says where to look.
-Each rank is seeded differently before the model is built, so a wrapper that does not
-broadcast parameters and buffers at construction fails the first audit.
+difference at all is a fault. Each rank is seeded differently before the model is built
+(unless `same_init`), so a wrapper that does not broadcast at construction fails the first
+audit. The run goes on past a finding: the tensors that differ are resynchronized from rank 0,
+so the next audit shows the next bug rather than the echo of the first, and every distinct
+finding is reported with its phase, tensor and first step.
 
 Consistency proves agreement, not correctness: a wrapper that sums without dividing keeps every
 rank identical and wrong. Equivalence against a single process is the check for that.
@@ -24,140 +27,205 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from impls.registry import DEFAULT_BUCKET_MB, resolve
 from verify.checks.audit import Auditor, Checkpoint, Mismatch
-from verify.launching import RankContext, launch
-from verify.training.workloads import get_workload
+from verify.checks.options import CheckOptions
+from verify.checks.verdict import (
+    FAULT,
+    PASS,
+    Finding,
+    Refusal,
+    collapse,
+    failure_text,
+    run_check,
+    verdict_of,
+)
+from verify.launching import RankContext
+from verify.training.trainer import Hooks, InterfaceError, Trainer, TrainSpec
+
+NO_BROADCAST = (
+    "construction: replicas differ after construction on every parameter: no broadcast from "
+    "rank 0 (if the design seeds every rank alike instead, run with --same-init)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsistencyOptions:
-    """What to run; validated on construction so bad input fails before any rank starts."""
+class ConsistencyOptions(CheckOptions):
+    command: str = "consistency"
 
-    impl: str
-    world_size: int = 2
-    steps: int = 3
-    workload: str = "mlp"
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    model_size_m: float | None = None  # transformer only: millions of parameters
-    lr: float = 1e-3
-    seed: int = 0
-    timeout_s: float = 120.0
-    backend: str = "gloo"  # "nccl": one GPU per rank
 
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket size must be > 0 MB, got {self.bucket_mb}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
-        if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(
-                f"backend nccl needs one GPU per rank: world size {self.world_size}, "
-                f"{torch.cuda.device_count()} GPU(s) visible"
-            )
-        resolve(self.impl)  # raises ImplError (a ValueError) naming the problem
-        get_workload(self.workload)
+@dataclass(frozen=True)
+class ConsistencyReport:
+    """What one rank found (every rank finds the same: audits are collectives)."""
+
+    checkpoints: tuple[Checkpoint, ...] = ()
+    mismatches: tuple[Mismatch, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class ConsistencyResult:
-    """The verdict, every checkpoint audited, and the mismatches found (empty on a pass)."""
+    """The verdict, every checkpoint audited, and every distinct finding."""
 
     options: ConsistencyOptions
-    passed: bool
+    verdict: str
     checkpoints: tuple[Checkpoint, ...] = ()
     mismatches: tuple[Mismatch, ...] = ()
-    failure: str | None = None  # a rank raised, crashed or timed out: the launcher's summary
+    findings: tuple[Finding, ...] = ()
+    failure: str | None = None  # a rank raised, crashed, hung or timed out: the launcher's words
     elapsed_s: float = 0.0
     notes: tuple[str, ...] = field(default=())
+    threads: str = ""
 
     @property
-    def verdict(self) -> str:
+    def passed(self) -> bool:
+        return self.verdict == PASS
+
+    @property
+    def headline(self) -> str:
         if self.passed:
             n = len(self.checkpoints)
             return (
                 f"PASS: replicas bitwise identical on all {self.options.world_size} ranks at "
                 f"all {n} checkpoints"
             )
-        if self.failure:
+        if self.findings:
+            more = f" (and {len(self.findings) - 1} more findings)" if len(self.findings) > 1 else ""
+            return f"FAULT: {self.findings[0].describe()}{more}"
+        if self.verdict == FAULT:
             return f"FAULT: {self.failure.splitlines()[0]}"
-        return f"FAULT: {self.mismatches[0].describe()}"
+        return f"TIMEOUT: {self.failure.splitlines()[0]}"
 
     def to_dict(self) -> dict:
-        return {"check": "consistency", "verdict": self.verdict, **asdict(self)}
+        return {"check": "consistency", **asdict(self), "passed": self.passed,
+                "headline": self.headline}  # fmt: skip
 
 
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run = launch(
+    run, reports = run_check(
         run_consistency_on_rank,
         world_size=options.world_size,
-        args=(options,),
+        args=(options.train_spec(), options.sanitize),
         timeout_s=options.timeout_s,
         backend=options.backend,
+        threads_per_rank=options.threads_per_rank,
     )
-    elapsed = time.perf_counter() - start
-    if not run.ok:
-        return ConsistencyResult(options, False, failure=run.summary(), elapsed_s=elapsed)
-    checkpoints, mismatches, notes = run.values[0]
+    report = reports[0] if reports else ConsistencyReport()
+    findings = collapse([f for r in reports for f in r.findings])
+    notes = tuple(dict.fromkeys(n for r in reports for n in r.notes)) + run.notes
     return ConsistencyResult(
-        options, not mismatches, tuple(checkpoints), tuple(mismatches), None, elapsed, tuple(notes)
+        options,
+        verdict_of(findings, run),
+        report.checkpoints,
+        report.mismatches,
+        findings,
+        failure_text(run),
+        time.perf_counter() - start,
+        notes,
+        run.threads,
     )
 
 
 def run_consistency_on_rank(
-    ctx: RankContext, options: ConsistencyOptions
-) -> tuple[list[Checkpoint], list[Mismatch], list[str]]:
+    ctx: RankContext, spec: TrainSpec, sanitize: bool = False
+) -> ConsistencyReport | Refusal:
     """The check as one rank runs it, inside an already launched job (the certification
     matrix runs many of these in one launch). Every rank returns the same answer."""
-    impl = resolve(options.impl)
-    workload = get_workload(options.workload, seed=options.seed, size_m=options.model_size_m)
-    # Different on purpose: replicas only agree if the wrapper broadcasts at construction.
-    torch.manual_seed(options.seed * 1000 + ctx.rank)
-    model = workload.build().to(ctx.device)
-    wrapped = impl.wrap(
-        model,
-        bucket_size_mb=options.bucket_mb,
-        find_unused_parameters=workload.has_unused_parameters,
-    )
-    optimizer = impl.make_optimizer(workload.param_groups(model, lr=options.lr), torch.optim.AdamW)
-    auditor = Auditor(model, None if impl.sharded else optimizer)
-    checkpoints: list[Checkpoint] = []
-    mismatches: list[Mismatch] = []
+    audit = AuditHooks()
+    hooks: list[Hooks] = [audit]
+    if sanitize:
+        from verify.checks.sanitizing import SanitizeHooks
 
-    def audit(label, named):
-        checkpoint, found = auditor.audit(label, named)
-        checkpoints.append(checkpoint)
-        mismatches.extend(found)
-        return not found
+        hooks.append(SanitizeHooks())
+    try:
+        Trainer(ctx, spec, tuple(hooks)).run()
+    except InterfaceError as exc:
+        return Refusal(str(exc))
+    except Exception as exc:  # the launcher reports it; keep what was found before it
+        exc.partial = audit.report(hooks)
+        raise
+    return audit.report(hooks)
 
-    notes = []
-    if impl.sharded:
-        notes.append("optimizer state is sharded: audited parameters, buffers and gradients")
-    finish = getattr(wrapped, "finish_gradient_synchronization", None)
-    start_batch = getattr(wrapped, "on_train_batch_start", None)
-    ok = audit("construction", auditor.state_tensors())
-    for step in range(1, options.steps + 1):
-        if not ok:
-            break
-        if start_batch is not None:
-            start_batch()
-        optimizer.zero_grad()
-        batch = workload.batch(step, ctx.world_size).shard(ctx.rank, ctx.world_size)
-        workload.loss(wrapped, batch.to(ctx.device)).backward()
-        if finish is not None:
-            finish()
-        ok = audit(f"step {step} gradients", auditor.grad_tensors())
-        if not ok:
-            break
-        optimizer.step()
-        ok = audit(f"step {step}", auditor.state_tensors())
-    return checkpoints, mismatches, notes
+
+class AuditHooks(Hooks):
+    """Audits at every checkpoint and resynchronizes what differs (module docstring)."""
+
+    def __init__(self) -> None:
+        self.checkpoints: list[Checkpoint] = []
+        self.mismatches: list[Mismatch] = []
+        self.findings: list[Finding] = []
+        self.notes: list[str] = []
+
+    def after_build(self, run: Trainer) -> None:
+        sharded = run.impl is not None and run.impl.sharded
+        self.auditor = Auditor(run.model, None if sharded else run.optimizer)
+        if sharded:
+            self.notes.append("optimizer state is sharded: audited parameters, buffers and gradients")
+        found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
+        params = {f"param:{n}" for n, _ in run.model.named_parameters()}
+        if found and params <= {m.tensor for m in found} and run.ctx.world_size > 1:
+            self.findings[-1] = Finding(
+                "consistency", "construction", 0, NO_BROADCAST, None, _ranks(found)
+            )
+
+    def after_sync(self, run: Trainer, step: int) -> None:
+        self._audit(f"step {step} gradients", step, "gradients", self.auditor.grad_tensors())
+
+    def after_step(self, run: Trainer, step: int) -> None:
+        if self.auditor.optimizer is not None:
+            self.auditor.optimizer = run.optimizer
+        self._audit(f"step {step}", step, "step", self.auditor.state_tensors())
+
+    def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
+        if error is not None:
+            message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
+            self.findings.append(Finding("consistency", "checkpoint", step, message))
+        elif run.round_trip is not None and run.round_trip.note:
+            self.notes.append(f"optimizer state_dict round trip after step {step}: {run.round_trip.note}")
+        if self.auditor.optimizer is not None:
+            self.auditor.optimizer = run.optimizer
+        label = f"step {step} after the state_dict round trip"
+        self._audit(label, step, "checkpoint", self.auditor.state_tensors())
+
+    def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
+        checkpoint, found = self.auditor.audit(label, named)
+        self.checkpoints.append(checkpoint)
+        self.mismatches.extend(found)
+        if found:  # one finding per checkpoint: the first tensor, and how many more
+            more = f" (and {len(found) - 1} more tensors there)" if len(found) > 1 else ""
+            tensor = found[0].tensor.split(":", 1)[-1]
+            message = found[0].describe() + more
+            self.findings.append(Finding("consistency", phase, step, message, tensor, _ranks(found)))
+            _resync(dict(named), found, self.auditor.process_group)
+        return found
+
+    def report(self, hooks=()) -> ConsistencyReport:
+        findings = list(self.findings)
+        for hook in hooks:
+            findings += getattr(hook, "findings", []) if hook is not self else []
+        return ConsistencyReport(
+            tuple(self.checkpoints), tuple(self.mismatches), tuple(findings), tuple(self.notes)
+        )
+
+
+def _resync(named: dict, found: list[Mismatch], group) -> None:
+    """Broadcast, in place, every differing tensor from rank 0, so later audits find new
+    faults rather than this one again. Missing tensors (a None gradient) and tensors whose
+    shape or dtype differ cannot be broadcast; every rank skips the same ones."""
+    for m in found:
+        tensor = named.get(m.tensor)
+        if tensor is None or m.detail:
+            continue
+        with torch.no_grad():
+            dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def _ranks(found: list[Mismatch]) -> tuple[int, ...]:
+    return tuple(sorted({r for m in found for r in m.ranks}))
+
+
+__all__ = ["ConsistencyOptions", "ConsistencyResult", "check_consistency"]

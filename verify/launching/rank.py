@@ -141,8 +141,14 @@ def call(fn, ctx: RankContext, args: tuple) -> tuple:
 
 
 def error_report(exc: BaseException) -> tuple:
+    """("error", one line, traceback, when, partial): `partial` is what fn had found before
+    it failed, when it attached it to the exception (`exc.partial`), pickled."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return ("error", one_line(exc), tb, time.time())
+    partial = None
+    if getattr(exc, "partial", None) is not None:
+        with contextlib.suppress(Exception):
+            partial = pickle.dumps(exc.partial, protocol=pickle.HIGHEST_PROTOCOL)
+    return ("error", one_line(exc), tb, time.time(), partial)
 
 
 def one_line(exc: BaseException) -> str:

@@ -22,7 +22,9 @@ their sessions killed, so nothing is left running.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import re
 import select
 import signal
@@ -180,16 +182,19 @@ def supervise(
 
 def _outcome(rank: RankProcess, report: tuple) -> tuple[RankOutcome, float | None]:
     """A rank's report as (outcome, failure time or None)."""
-    import pickle
-
     if report[0] == "ok":
         try:
             return RankOutcome(rank.rank, "ok", value=pickle.loads(report[1]), pid=rank.pid), None
         except Exception as exc:
             why = f"the return value could not be unpickled here: {type(exc).__name__}: {exc}"
             report = ("error", why, None, time.time())
-    status, error, tb, failed_at = report  # "error", or "crashed" for a rank lost in a join
-    return RankOutcome(rank.rank, status, error=error, traceback=tb, pid=rank.pid), failed_at
+    status, error, tb, failed_at, *rest = report  # "error", or "crashed" (lost in a join)
+    partial = None
+    if rest and rest[0] is not None:
+        with contextlib.suppress(Exception):
+            partial = pickle.loads(rest[0])
+    outcome = RankOutcome(rank.rank, status, value=partial, error=error, traceback=tb, pid=rank.pid)
+    return outcome, failed_at
 
 
 _ECHO = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|did not take part")

@@ -86,8 +86,9 @@ def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -
         if rep[0] == "ok":
             outcomes.append(RankOutcome(r, "ok", value=pickle.loads(rep[1])))
         else:
-            status, error, tb, failed_at = rep
-            outcomes.append(RankOutcome(r, status, error=error, traceback=tb))
+            status, error, tb, failed_at, *rest = rep
+            partial = pickle.loads(rest[0]) if rest and rest[0] is not None else None
+            outcomes.append(RankOutcome(r, status, value=partial, error=error, traceback=tb))
             failures.append((failed_at, r))
     order = root_cause_order(failures, outcomes)
     elapsed = time.monotonic() - start
@@ -124,7 +125,7 @@ def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
             reports.append(pickle.loads(store.get(key)) if store.check([key]) else None)
         except Exception:
             reports.append(None)
-    lost = ("crashed", f"did not report within {timeout_s:g}s", None, time.time())
+    lost = ("crashed", f"did not report within {timeout_s:g}s", None, time.time(), None)
     return [rep if rep is not None else lost for rep in reports]
 
 

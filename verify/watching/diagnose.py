@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from verify.launching.outcome import RankOutcome
 
 from verify.watching import stacks
-from verify.watching.findings import Diagnosis, Finding
+from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
@@ -67,7 +67,7 @@ def diagnose(
     no failure (the verdict is then "timeout": the run could not be judged, not a fault)."""
     now = time.time() if now is None else now
     world = len(ranks)
-    findings: list[Finding] = []
+    findings: list[TraceFinding] = []
     for group in _groups(traces):
         members = _members(group, world)
         findings += _walk_group(group, members, traces, ranks, stalled)
@@ -78,7 +78,7 @@ def diagnose(
         key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
     )
     lines = [_where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
-    head: Finding | None = None
+    head: TraceFinding | None = None
     if structural:
         head = structural[0]
     elif failed:
@@ -135,7 +135,7 @@ def _members(group: str, world: int) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", group)]
 
 
-def _walk_group(group, members, traces, ranks, stalled) -> list[Finding]:
+def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
     colls = {r: traces[r].collectives(group) for r in members if r < len(traces) and traces[r]}
     if len(colls) < 2:
         return []
@@ -176,7 +176,7 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[Finding]:
     return _collapse(findings)
 
 
-def _collapse(findings: list[Finding], most: int = 10) -> list[Finding]:
+def _collapse(findings: list[TraceFinding], most: int = 10) -> list[TraceFinding]:
     """One finding per (kind, culprit, call site), saying how often it recurred."""
     seen: dict[tuple, list] = {}
     for f in findings:
@@ -196,7 +196,7 @@ def _root_kind(op: str) -> str:
     )
 
 
-def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -> Finding:
+def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -> TraceFinding:
     if hangs is None:
         hangs = kind in STRUCTURAL or kind == "call-site mismatch"
     culprits, why = _culprits(attr, k, present, colls)
@@ -216,20 +216,20 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
             f"{_ranks(others)} issued{' and wait in' if ref.pending else ''} (every earlier "
             f"step issued it there); rank {culprit} issued {bad.describe()} at {bad.site} instead"
         )
-        return Finding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
+        return TraceFinding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
     if why == _BY_EXTRA and hangs:
         what = (
             f"rank {culprit} issued an extra {bad.describe()} at {bad.site} that rank(s) "
             f"{_ranks(others)} never issued (they issued {ref.describe()} at {ref.site}; rank "
             f"{culprit}'s later collectives line up with theirs from #{k} on)"
         )
-        return Finding("extra collective", culprit, what, ref.describe(), bad.site, bad.site)
+        return TraceFinding("extra collective", culprit, what, ref.describe(), bad.site, bad.site)
     what = (
         f"{kind} at collective #{k} on {bad.group}: rank {culprit} issued {bad.describe()} "
         f"at {bad.site}; rank(s) {_ranks(others)} issued {ref.describe()} at {ref.site}"
     )
     tail = "" if hangs else " (completes, with wrong results: a desync)"
-    return Finding(kind, culprit, what + tail + why, ref.describe(), ref.site, bad.site, hangs)
+    return TraceFinding(kind, culprit, what + tail + why, ref.describe(), ref.site, bad.site, hangs)
 
 
 def _ranks(ranks) -> str:
@@ -312,7 +312,7 @@ def _extra_ops(k, present, colls, most: int = 8) -> list[int]:
     return found if 0 < len(found) < len(present) else []
 
 
-def _missing(k, present, absent, traces, ranks, colls) -> Finding:
+def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
     culprit = absent[0]
     ref = present[min(present)]
     instead = _instead(ranks[culprit], traces[culprit], colls[culprit])
@@ -322,7 +322,7 @@ def _missing(k, present, absent, traces, ranks, colls) -> Finding:
         f"rank {_ranks(absent)} never issued {ref.describe()}; {who} at {ref.site}; "
         f"rank {culprit} {instead[0]}"
     )
-    return Finding("missing", culprit, message, ref.describe(), ref.site, instead[1])
+    return TraceFinding("missing", culprit, message, ref.describe(), ref.site, instead[1])
 
 
 def _instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | None]:
@@ -346,7 +346,7 @@ def _instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str |
     return "is outside any collective (no stack was captured)", None
 
 
-def _failure_finding(root: RankOutcome, traces, now) -> Finding:
+def _failure_finding(root: RankOutcome, traces, now) -> TraceFinding:
     """A rank raised or died and no collective mismatch explains it."""
     trace = traces[root.rank] if root.rank < len(traces) else None
     waiting = []
@@ -362,11 +362,11 @@ def _failure_finding(root: RankOutcome, traces, now) -> Finding:
     else:
         wait, collective, site = "", None, instead[1]
     kind = "raised" if root.status == "error" else "crashed"
-    return Finding(kind, root.rank, f"rank {root.rank} {instead[0]}{wait}", collective, site,
+    return TraceFinding(kind, root.rank, f"rank {root.rank} {instead[0]}{wait}", collective, site,
                    instead[1])  # fmt: skip
 
 
-def _stall_without_mismatch(ranks, traces) -> Finding:
+def _stall_without_mismatch(ranks, traces) -> TraceFinding:
     """No rank progressed, yet the records agree: name who waits where and who is elsewhere."""
     waiting = {}
     for t in traces:
@@ -382,7 +382,7 @@ def _stall_without_mismatch(ranks, traces) -> Finding:
             f"rank {culprit.rank} {instead[0]}, while rank(s) {_ranks(waiting)} wait in "
             f"{w.describe()} at {w.site}"
         )
-        return Finding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
+        return TraceFinding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
                        instead[1])  # fmt: skip
     if waiting:
         rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
@@ -394,8 +394,8 @@ def _stall_without_mismatch(ranks, traces) -> Finding:
             message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
                 f"{w.describe()} at {w.site}"
             )
-        return Finding("stalled", rank, message, w.describe(), w.site, w.site)
-    return Finding("stalled", 0, "no rank progressed, and none is inside a collective")
+        return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
+    return TraceFinding("stalled", 0, "no rank progressed, and none is inside a collective")
 
 
 def _where(state: RankOutcome, trace: Trace | None, now: float) -> str:

@@ -1,6 +1,6 @@
 """What a diagnosis says: the findings about a run's collectives, and the verdict.
 
-Data only (`diagnose.py` reaches them): a `Finding` names a culprit rank, what it did wrong and
+Data only (`diagnose.py` reaches them): a `TraceFinding` names a culprit rank, what it did wrong and
 where; a `Diagnosis` is the verdict ("ok", "hang", "crash", "desync") with its headline, every
 finding, and one line per rank saying where it was.
 """
@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
-class Finding:
+class TraceFinding:
     kind: str  # "missing", "op mismatch", ..., "reduce-op mismatch", "crashed", "raised", ...
     rank: int  # the culprit
     message: str  # one line
@@ -28,7 +28,7 @@ class Diagnosis:
     culprit: int | None = None
     collective: str | None = None
     site: str | None = None
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[TraceFinding, ...] = ()
     ranks: tuple[str, ...] = ()  # one line per rank: where it is
     stall_timeout_s: float | None = None
     detection_s: float | None = None  # from the last progress of any rank to the verdict

@@ -1,95 +1,25 @@
-"""`python -m verify matrix` (the certification run) and `python -m verify faults` (the
-detection matrix). Parse, run `matrix.py`, print, set the exit code; nothing is decided here.
-"""
+"""The reports of `matrix`, `faults` and `list`, as text (formatting only)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-
 from tabulate import tabulate
 
-from verify.checks.matrix import (
-    BEHAVIOUR,
-    CERTIFIED,
-    CHECKS,
-    DetectionResult,
-    MatrixOptions,
-    MatrixResult,
-    run_detection,
-    run_matrix,
-)
-from verify.cli import EXIT_FAULT, EXIT_PASS, _is_reporting_rank, _positive_float, impl_help
+from impls.registry import REGISTRY
+from verify.checks.behaviours import BEHAVIOUR
+from verify.checks.cells import CHECKS
+from verify.checks.detection import DetectionResult
+from verify.checks.matrix import MatrixResult
+from verify.training.workloads import WORKLOADS
 
 SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a"}
 COMPACT = {"pass": "✓", "fail": "✗", "not claimed": "–", "n/a": "·"}
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "matrix", help="certify: every check on every behaviour, one pass/fail table"
-    )
-    p.add_argument(
-        "--impl",
-        action="append",
-        required=True,
-        help=impl_help() + "; repeat it, or 'all' for the built-ins and the PyTorch references",
-    )
-    p.add_argument(
-        "--rows",
-        default="",
-        help=f"comma-separated behaviours (default: all): {', '.join(BEHAVIOUR)}",
-    )
-    p.add_argument(
-        "--checks", default=",".join(CHECKS), help=f"comma-separated, among {', '.join(CHECKS)}"
-    )
-    p.add_argument(
-        "--timeout", type=_positive_float("--timeout"), default=600.0, help="seconds per launch"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(run=cmd_matrix)
-
-    p = subparsers.add_parser(
-        "faults", help="the detection matrix: is every faulty:<name> caught by its check?"
-    )
-    p.add_argument(
-        "--fault", action="append", default=[], help="faulty:<name> (repeatable; default: all)"
-    )
-    p.add_argument(
-        "--no-controls",
-        action="store_true",
-        help="skip running the built-ins and references on the same behaviours",
-    )
-    p.add_argument(
-        "--timeout", type=_positive_float("--timeout"), default=600.0, help="seconds per launch"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(run=cmd_faults)
-
-
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-def cmd_matrix(args: argparse.Namespace) -> int:
-    impls = tuple(n for name in args.impl for n in (CERTIFIED if name == "all" else (name,)))
-    options = MatrixOptions(
-        impls=tuple(dict.fromkeys(impls)),
-        rows=_split(args.rows),
-        checks=_split(args.checks),
-        timeout_s=args.timeout,
-    )
-    result = run_matrix(options)
-    if _is_reporting_rank():
-        print(json.dumps(result.to_dict(), indent=2) if args.json else format_matrix(result))
-    return EXIT_PASS if result.passed else EXIT_FAULT
-
-
-def format_matrix(result: MatrixResult) -> str:
+def matrix(result: MatrixResult) -> str:
     o = result.options
     behaviours = o.behaviours
-    if len(o.impls) == 1:
-        (impl,) = o.impls
+    if len(o.impl_names) == 1:
+        (impl,) = o.impl_names
         checks = result.checks_for(impl)
         rows = [
             [b.title, *(SYMBOL[result.result(impl, b.key, c).status] for c in checks)]
@@ -106,7 +36,7 @@ def format_matrix(result: MatrixResult) -> str:
                     "".join(
                         COMPACT[result.result(i, b.key, c).status] for c in result.checks_for(i)
                     )
-                    for i in o.impls
+                    for i in o.impl_names
                 ),
             ]
             for b in behaviours
@@ -114,21 +44,21 @@ def format_matrix(result: MatrixResult) -> str:
         legend = (
             "✓ pass  ✗ fail  – not claimed  · n/a   (the shard check for sharded optimizers only)"
         )
-        table = tabulate(rows, headers=["behaviour", *o.impls])
+        table = tabulate(rows, headers=["behaviour", *o.impl_names])
         lines = [f"certification matrix ({header})", "", table, "", legend]
     failures = [(k, r) for k, r in result.results.items() if r.failed]
     if failures:
         lines += ["", "failures:"]
         for (impl, key, check), r in failures:
             where = f"{BEHAVIOUR[key].title} / {check}"
-            where = where if len(o.impls) == 1 else f"{impl} / {where}"
+            where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
     claims = sorted(
         {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
     )
     if claims:
         lines += ["", "not claimed:"]
-        lines += [f"  {why}" if len(o.impls) == 1 else f"  {i}: {why}" for i, why in claims]
+        lines += [f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in claims]
     counts = _counts(result)
     verdict = "FAULT" if failures else "PASS"
     lines += [
@@ -146,15 +76,8 @@ def _counts(result: MatrixResult) -> str:
     return ", ".join(p for p in parts if not p.startswith("0 "))
 
 
-def cmd_faults(args: argparse.Namespace) -> int:
-    controls = () if args.no_controls else CERTIFIED
-    result = run_detection(tuple(args.fault), controls=controls, timeout_s=args.timeout)
-    if _is_reporting_rank():
-        print(json.dumps(result.to_dict(), indent=2) if args.json else format_detection(result))
-    return EXIT_PASS if result.passed else EXIT_FAULT
 
-
-def format_detection(result: DetectionResult) -> str:
+def detection(result: DetectionResult) -> str:
     rows = []
     for d in result.detections:
         cells = [_detected(d.checks[c]) if c in d.checks else "-" for c in CHECKS]
@@ -193,3 +116,18 @@ def format_detection(result: DetectionResult) -> str:
 
 def _detected(r) -> str:
     return {"fail": "FAULT", "pass": "pass"}.get(r.status, r.status)
+
+
+def listing(_options=None) -> str:
+    """Every implementation the tool knows (and which commands run it), and the workloads."""
+    kinds = {"builtin": "checks, hang, perf", "reference": "checks, hang, perf",
+             "faulty": "checks (faults)", "hang": "hang"}  # fmt: skip
+    rows = [
+        [i.name, i.kind, "yes" if i.sharded else "", kinds.get(i.kind, ""), i.summary]
+        for i in REGISTRY.values()
+    ]
+    headers = ["implementation", "kind", "sharded", "commands", "what it does"]
+    lines = [tabulate(rows, headers=headers), ""]
+    rows = [[name, cls.summary] for name, cls in WORKLOADS.items()]
+    lines.append(tabulate(rows, headers=["workload", "what it exercises"]))
+    return "\n".join(lines)

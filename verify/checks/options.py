@@ -1,0 +1,67 @@
+"""The knobs the checks share (consistency and equivalence; the matrix plays the same through
+`TrainSpec`), and the registered kinds each command accepts."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass
+
+import torch
+
+from impls.registry import DEFAULT_BUCKET_MB, resolve
+from verify.options import RunOptions, knob
+from verify.training.trainer import TrainSpec
+from verify.training.workloads import WORKLOADS
+
+#: registered kinds a check can run (user classes by path are always accepted)
+CHECK_KINDS = frozenset({"builtin", "reference", "faulty"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckOptions(RunOptions):
+    """What a check trains and how (see `TrainSpec` for the training knobs)."""
+
+    impl: str = knob(
+        MISSING, "a registered name, package.module:Class, or path/to/file.py:Class (see "
+        "`python -m verify list`)",
+    )  # fmt: skip
+    steps: int = knob(3, "optimizer steps", minimum=1)
+    workload: str = knob("mlp", "the model and data to train", choices=tuple(WORKLOADS))
+    model_size_m: float | None = knob(
+        None, "transformer workload: millions of parameters (default: a tiny GPT)",
+        flag="--model-size", positive=True,
+    )  # fmt: skip
+    bucket_mb: float = knob(
+        DEFAULT_BUCKET_MB, "bucket size given to wrappers that take one", unit="MB",
+        positive=True,
+    )  # fmt: skip
+    backend: str = knob("gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"))
+    same_init: bool = knob(
+        False, "every rank builds the model from the same seed (for designs that rely on "
+        "identical seeding instead of a broadcast from rank 0)",
+    )  # fmt: skip
+    sanitize: bool = knob(
+        False, "check async collectives for races: report every access to a tensor while a "
+        "collective on it is in flight, and complete collectives adversarially (docs/races.md)",
+    )  # fmt: skip
+    command: str = knob("check", cli=False)  # how errors name the command
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(
+                f"backend nccl needs one GPU per rank: world size {self.world_size}, "
+                f"{torch.cuda.device_count()} GPU(s) visible"
+            )
+        resolve(self.impl, kinds=CHECK_KINDS, command=self.command)
+
+    def train_spec(self, **overrides) -> TrainSpec:
+        """What the ranks train: this check's knobs, plus `overrides`."""
+        return TrainSpec(
+            impl=self.impl,
+            workload=self.workload,
+            model_size_m=self.model_size_m,
+            bucket_mb=self.bucket_mb,
+            steps=self.steps,
+            same_init=self.same_init,
+            **overrides,
+        )

@@ -1,0 +1,129 @@
+"""What every check returns: a verdict, every distinct finding, and how the run went.
+
+- `verdict`: "pass" (the check ran to the end and found nothing), "fault" (a finding, or a
+  rank that raised, crashed or hung), or "timeout" (the time ran out before the check could
+  decide: not a fault). The CLI's exit code follows it: 0, 1 and 2.
+- `Finding`: one distinct thing wrong, with the check and phase that saw it, the tensor, the
+  first step, every later step it showed at again, and where in the user's code when known.
+  A run goes on past a finding where it can (replicas are resynchronized from rank 0), so one
+  bug does not hide the next; the same finding at later steps is folded into one.
+- `run_check`: the launch every check makes, and what becomes of a failed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from verify.launching import LaunchResult, launch
+
+PASS, FAULT, TIMEOUT = "pass", "fault", "timeout"
+VERDICTS = (PASS, FAULT, TIMEOUT)
+EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2}
+#: the phases a finding can belong to, in the order a step meets them
+PHASES = ("construction", "gradients", "step", "checkpoint", "race", "run")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One distinct fault (module docstring).
+
+    Attributes:
+        check: "consistency", "equivalence", "shard", "sanitize" or "run" (a rank that raised).
+        phase: one of PHASES: where in the step it showed.
+        step: the first step it showed at (0: construction).
+        message: one line, self-contained ("step 1 gradients: grad:fc1.weight differs ...").
+        tensor: the tensor's name, when it is about one.
+        ranks: the ranks that differ or failed.
+        steps: every step it showed at (the first included).
+        where: `path:line (function)` in the user's code, when known.
+    """
+
+    check: str
+    phase: str
+    step: int
+    message: str
+    tensor: str | None = None
+    ranks: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    where: str | None = None
+
+    def describe(self) -> str:
+        later = [s for s in self.steps if s != self.step]
+        if not later:
+            return self.message
+        shown = ", ".join(map(str, later[:6])) + (", ..." if len(later) > 6 else "")
+        return f"{self.message} [again at step{'s' if len(later) > 1 else ''} {shown}]"
+
+
+def collapse(findings: list[Finding]) -> tuple[Finding, ...]:
+    """One finding per (check, phase, tensor, kind of message): the first, with every step
+    it showed at. Order: by first step, then phase order."""
+    merged: dict[tuple, Finding] = {}
+    for f in findings:
+        key = (f.check, f.phase, f.tensor, _kind(f.message))
+        if key in merged:
+            first = merged[key]
+            steps = tuple(sorted(set(first.steps or (first.step,)) | set(f.steps or (f.step,))))
+            merged[key] = replace(first, steps=steps)
+        else:
+            merged[key] = replace(f, steps=f.steps or (f.step,))
+    return tuple(sorted(merged.values(), key=lambda f: (f.step, PHASES.index(f.phase))))
+
+
+def _kind(message: str) -> str:
+    # "step 3 gradients: grad:x differs on rank 1 (vs rank 0): max |diff| 0.1" and the same at
+    # step 4 are one finding: compare what follows the tensor's name up to the numbers.
+    head = message.split(": ", 1)[-1]
+    return "".join(c for c in head if not c.isdigit() and c != ".")[:60]
+
+
+def verdict_of(findings, run: LaunchResult) -> str:
+    if findings or (not run.ok and not run.timed_out):
+        return FAULT
+    if run.timed_out:
+        return TIMEOUT
+    return PASS
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a rank returns when the class under test cannot be driven as the contract says
+    (`trainer.InterfaceError`): the check cannot run, a usage error."""
+
+    message: str
+
+
+def run_check(
+    rank_fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple,
+    timeout_s: float,
+    backend: str = "gloo",
+    threads_per_rank: int | None = None,
+) -> tuple[LaunchResult, list[Any]]:
+    """Launch `rank_fn(ctx, *args)` and return the run with every report a rank left: its
+    return value, or the partial report a failing rank attached to its exception.
+
+    Raises ValueError (one line, exit 2) when a rank refused (`Refusal`)."""
+    run = launch(
+        rank_fn,
+        world_size=world_size,
+        args=args,
+        timeout_s=timeout_s,
+        backend=backend,
+        threads_per_rank=threads_per_rank,
+    )
+    reports = [o.value for o in run.outcomes if o.value is not None]
+    refusals = [r for r in reports if isinstance(r, Refusal)]
+    if refusals:
+        raise ValueError(refusals[0].message)
+    return run, reports
+
+
+def failure_text(run: LaunchResult) -> str | None:
+    """The launcher's summary of a run that did not end with every rank returning."""
+    return None if run.ok else run.summary()
+
