@@ -48,6 +48,10 @@ class Sanitizer:
     Install after `init_process_group` and after any other tracer of `torch.distributed`
     (it wraps whatever is installed); use one per process, on the thread that issues the
     collectives. Call `end_step()` after each optimizer step. Also a context manager.
+
+    On CUDA (untested here: no GPU) clones and copy-backs run on the current stream, which
+    `wait()` orders after the collective and on which a future's callbacks run synchronized
+    with its value; private clones keep the user's dtype and device.
     """
 
     def __init__(self, *, rank: int, adversarial: bool = True) -> None:
@@ -178,11 +182,13 @@ class Sanitizer:
                 for held in self._held.conflicts(part.user, part.written):
                     self._report(call.name, part.user, part.written, held, site)
         if not (tracked and call.is_async):
-            return self._quietly(call.invoke, previous)  # blocking: untouched
+            with self._switch.bypassed():
+                return self._quietly(call.invoke, previous)  # blocking: untouched
         issued_at = user_site()
         if self.adversarial:
             self._quietly(call.substitute, parts, timed=True)
-        out = self._quietly(call.invoke, previous)
+        with self._switch.bypassed():
+            out = self._quietly(call.invoke, previous)
         works = [w for w in (out if isinstance(out, list) else [out]) if w is not None]
         if works:
             self._track(ref, issued_at, parts, works)

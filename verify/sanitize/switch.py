@@ -17,12 +17,18 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode,
+    _push_mode,
+)
 
 
 def in_backward() -> bool:
@@ -73,6 +79,20 @@ class CheckSwitch:
             # (Under a mode pushed after ours we cannot pop: it stays on, forwarding, until then.)
             self.mode.__exit__(None, None, None)
             self.pushed = False
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Take the mode off the stack for the duration, if it is on top: the backend's own
+        `c10d` operators would otherwise box every argument (the process group, the work)
+        through Python on their way past it, a quarter of a millisecond per collective."""
+        ours = _get_current_dispatch_mode() is self.mode
+        if ours:
+            _pop_mode()
+        try:
+            yield
+        finally:
+            if ours:
+                _push_mode(self.mode)
 
     def wrap_backward(self, previous: Callable) -> Callable:
         """Wrap autograd's entry point so that it arms the check per the policy above."""
