@@ -133,6 +133,11 @@ def _other_ops(ctx):
         ops = [dist.P2POp(dist.isend, sent, peer), dist.P2POp(dist.irecv, got, peer)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+        both = torch.full((2,), rank + 1.0)  # wait() and a future's callback, racing
+        work = dist.all_reduce(both, async_op=True)
+        chained = work.get_future().then(lambda f: f.value()[0].clone())
+        work.wait()
+        waited, called_back = both.clone(), chained.wait()
         clean = san.findings
         early, late = torch.zeros(3), torch.full((3,), 10.0 + rank)
         san.name_tensors([("early", early), ("late", late)])
@@ -141,7 +146,8 @@ def _other_ops(ctx):
         late.fill_(-1.0)  # BUG: before wait()  # RACE p2p write
         for work in works:
             work.wait()
-    return clean, (gathered, scattered, swapped, got), san.findings[len(clean) :], seen, early
+    results = (gathered, scattered, swapped, got, waited, called_back)
+    return clean, results, san.findings[len(clean) :], seen, early
 
 
 def _forgetful(model, before):
@@ -295,11 +301,12 @@ def test_other_collectives_are_tracked(racy):
     for rank, values in enumerate(racy):
         clean, results, early_findings, seen, received = values["other ops"]
         assert clean == ()
-        gathered, scattered, swapped, got = results
+        gathered, scattered, swapped, got, waited, called_back = results
         assert gathered.tolist() == [1.0, 1.0, 2.0, 2.0]
         assert scattered.tolist() == ([0.0, 2.0] if rank == 0 else [4.0, 6.0])
         assert swapped.tolist() == [0.0, 1.0]
         assert got.tolist() == [1.0 - rank] * 3
+        assert waited.tolist() == called_back.tolist() == [3.0, 3.0]
         kinds = {(f.kind, f.op, f.tensor, f.collective.op) for f in early_findings}
         assert kinds == {
             (READ_WHILE_IN_FLIGHT, "sum", "early", "irecv"),

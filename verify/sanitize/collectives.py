@@ -16,6 +16,7 @@ the numbers the same way on every run.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -184,11 +185,12 @@ class Flight:
     step: int
     parts: list[Part]
     works: list  # referenced here so that no other object takes their id() while tracked
-    done: bool = False
-    works_left: int = field(init=False)
+    unfinished: set[int] = field(init=False)  # id() of works neither waited on nor completed
+    claimed: bool = False  # one thread is completing it (or end_step dropped it)
+    landed: threading.Event = field(default_factory=threading.Event)  # results copied back
 
     def __post_init__(self) -> None:
-        self.works_left = len(self.works)
+        self.unfinished = {id(w) for w in self.works}
 
     def main_tensor(self) -> torch.Tensor | None:
         """The tensor to name in a report: the first one the collective writes, if any."""

@@ -124,12 +124,15 @@ class Sanitizer:
     def end_step(self) -> None:
         """Report every tracked work not waited on (nor its future completed) by now, and stop
         tracking it: under adversarial completion its result never lands."""
-        with self._lock:  # (a flight still listed has not completed)
-            pending = {id(f): f for f in self._flights.values()}.values()
-            self._flights = {}
+        with self._lock:  # (a claimed flight is being completed right now: let it land)
+            pending = {id(f): f for f in self._flights.values() if not f.claimed}.values()
+            for flight in pending:
+                flight.claimed = True
+                for w in flight.works:
+                    del self._flights[id(w)]
         for flight in pending:
-            flight.done = True
             self._held.release(flight)
+            flight.landed.set()
             user = flight.main_tensor()
             tensor = "no tensor" if user is None else self._names.name(user)
             self._log.add(
@@ -211,19 +214,27 @@ class Sanitizer:
 
     def _complete(self, work) -> Flight | None:
         """`work` finished (waited on, or its future completed): write results back, release
-        its memory. Any thread; each work completes once."""
+        its memory. Any thread. The first caller to see the flight's last work finish copies;
+        a concurrent one (a `wait()` racing the future's callback) waits until it has."""
         with self._lock:
-            flight = self._flights.pop(id(work), None)
+            flight = self._flights.get(id(work))
             if flight is None:
                 return None
-            flight.works_left -= 1
-            if flight.works_left:
-                return flight
-            flight.done = True
+            flight.unfinished.discard(id(work))
+            copier = not flight.unfinished and not flight.claimed
+            flight.claimed |= copier
+        if not copier:
+            if not flight.unfinished:
+                flight.landed.wait()
+            return flight
         copies = flight.copies()
         if copies:
             self._quietly(lambda: [user.copy_(private) for user, private in copies], timed=True)
+        with self._lock:
+            for w in flight.works:
+                self._flights.pop(id(w), None)
         self._held.release(flight)  # after the copies: they are part of the collective
+        flight.landed.set()
         self._switch.sync()
         return flight
 
