@@ -140,9 +140,10 @@ class HeldMemory:
 
 
 class AccessMode(TorchDispatchMode):
-    """Checks every operator against `held`; `report(func, tensor, wrote, held)` per race.
+    """Checks every operator against `held`; calls `report(op name, tensor, wrote, held)` per
+    race.
 
-    It is pushed only while something is held (or a backward is armed, see `sanitizer.py`);
+    It is pushed only while something is held (or a backward is armed, see `switch.py`);
     with nothing held it forwards at once. `quiet` (a callable) silences the sanitizer's own
     snapshots and copy-backs.
     """

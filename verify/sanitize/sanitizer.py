@@ -10,11 +10,12 @@ release. `end_step` reports and drops what never completed. When the access chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.autograd.graph
@@ -117,6 +118,18 @@ class Sanitizer:
         """Name tensors for findings, e.g. `model.named_parameters()`; a Parameter's `.grad`
         is named `<name>.grad` automatically. Cheap (weak references); call it each step."""
         self._names.update(named)
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Operators run inside (on this thread) are not checked: for a tool's own reads of
+        tensors that may be in flight, e.g. a checker copying gradients, which are no race of
+        the user's."""
+        mine = self._switch.owner()
+        self._quiet += mine
+        try:
+            yield
+        finally:
+            self._quiet -= mine
 
     def set_step(self, step: int) -> None:
         self._step = step
@@ -268,14 +281,11 @@ class Sanitizer:
 
     def _quietly(self, fn, *args, timed: bool = False):
         start = time.perf_counter_ns() if timed else 0
-        mine = self._switch.owner()
-        self._quiet += mine
-        try:
-            return fn(*args)
-        finally:
-            self._quiet -= mine
-            if timed:
-                self._counts["copy_ns"] += time.perf_counter_ns() - start
+        with self.quiet():
+            out = fn(*args)
+        if timed:
+            self._counts["copy_ns"] += time.perf_counter_ns() - start
+        return out
 
     def _report(self, op: str, tensor, wrote: bool, held: Held, site: str | None = None) -> None:
         """`op` touched `tensor` (wrote it if `wrote`), which overlaps `held`."""
