@@ -38,6 +38,7 @@ from verify.training.workloads import get_workload
 from verify.watching import tracer
 
 FIXTURE = pathlib.Path(rc.__file__)
+GRADS = {f"{module}.{p}.grad" for module in ("fc1", "norm", "fc2") for p in ("weight", "bias")}
 aten = torch.ops.aten
 
 
@@ -101,10 +102,9 @@ def _racy_scenarios(ctx):
     out["step before wait"] = _sanitized(
         ctx, rc.StepBeforeWaitDDP, after_step=lambda w: w.wait_for_gradients()
     )
-    staging = lambda w: [("staging", getattr(w, "staging", getattr(w, "arena", None)))]  # noqa: E731
-    out["shared staging"] = _sanitized(ctx, rc.SharedStagingDDP, names=staging)
-    out["arena"] = _sanitized(ctx, rc.ArenaDDP, names=staging)
-    out["hook staging"] = _sanitized(ctx, rc.HookStagingDDP, names=staging)
+    out["shared staging"] = _sanitized(ctx, rc.SharedStagingDDP, names=_staging)
+    out["arena"] = _sanitized(ctx, rc.ArenaDDP, names=_staging)
+    out["hook staging"] = _sanitized(ctx, rc.HookStagingDDP, names=_staging)
     before = []
     out["forgetful"] = _sanitized(
         ctx, rc.WaitThenDivideDDP, steps=1, optimizer=lambda model: _forgetful(model, before)
@@ -114,6 +114,10 @@ def _racy_scenarios(ctx):
     # Composition with the collective tracer, which the launcher installed at rank start.
     out["tracer under us"] = tracer.installed() and _chains_to_tracer()
     return out
+
+
+def _staging(wrapped):
+    return [("staging", getattr(wrapped, "staging", getattr(wrapped, "arena", None)))]
 
 
 def _other_ops(ctx):
@@ -170,7 +174,7 @@ BUILTINS = {
     **{
         f"bucketed {mb}MB": (lambda m, mb=mb: BucketedDDP(m, bucket_size_mb=mb))
         for mb in (0.0005, 0.002, 25.0)
-    },  # fmt: skip  # mlp: 2.9 kB of gradients: 6, 2 and 1 buckets
+    },  # the mlp has 2.9 kB of gradients: 4, 2 and 1 buckets
 }
 
 
@@ -240,13 +244,10 @@ def test_divide_before_wait_is_found_and_sums_undivided(racy):
     for rank, values in enumerate(racy):
         for scenario in ("DivideBeforeWaitDDP", "check only"):
             findings = values[scenario][0]
-            assert {f.tensor for f in findings} == {
-                n + ".grad" for n in ("fc1.weight", "fc1.bias", "norm.weight", "norm.bias")
-                + ("fc2.weight", "fc2.bias")
-            }  # fmt: skip
+            assert {f.tensor for f in findings} == GRADS
             f = next(f for f in findings if f.tensor == "fc1.weight.grad")
-            assert (f.kind, f.op, f.rank, f.step, f.count) == (WRITE_WHILE_IN_FLIGHT, "div_",
-                                                               rank, 0, 2)  # fmt: skip
+            expected = (WRITE_WHILE_IN_FLIGHT, "div_", rank, 0, 2)  # first at step 0, then 1
+            assert (f.kind, f.op, f.rank, f.step, f.count) == expected
             assert (f.collective.op, f.collective.group) == ("all_reduce", "world")
             assert _at(f.issued_at, FIXTURE, "# ISSUE divide"), f.issued_at
             assert _at(f.accessed_at, FIXTURE, "# RACE divide"), f.accessed_at

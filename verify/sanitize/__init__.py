@@ -65,7 +65,7 @@ from verify.sanitize.findings import (
     CollectiveRef,
     RaceFinding,
     SanitizerStats,
-)  # fmt: skip
+)
 from verify.sanitize.sanitizer import Sanitizer
 
 __all__ = [

@@ -30,8 +30,10 @@ def _run(ctx, size_m, bucket_mb, steps):
     model = workload.build()
     wrapped = BucketedDDP(model, bucket_size_mb=bucket_mb)
     opt = torch.optim.AdamW(workload.param_groups(model))
-    sanitizers = {"sanitized": Sanitizer(rank=ctx.rank), "check-only": Sanitizer(rank=ctx.rank,
-                  adversarial=False)}  # fmt: skip
+    sanitizers = {
+        "sanitized": Sanitizer(rank=ctx.rank),
+        "check-only": Sanitizer(rank=ctx.rank, adversarial=False),
+    }
     times = {arm: [] for arm in ARMS}
     k = len(ARMS)
     order = ["warm-up"] + [a for r in range(steps) for a in ARMS[r % k :] + ARMS[: r % k]]
@@ -70,9 +72,12 @@ def main(size_m: float | None = None, bucket_mb: float = 25.0, steps: int = 15) 
         ratio = statistics.median(a / p for a, p in zip(slowest[arm], slowest["plain"]))
         print(f"  {arm:10s} {median[arm] * 1e3:7.1f} ms  {ratio:.2f}x plain")
     for arm, st in stats.items():
-        print(f"  {arm} (rank 0, a step): {st.ops_seen / steps:.0f} ops seen, "
-              f"{st.ops_checked / steps:.0f} checked, {st.tracked / steps:.1f} collectives, "
-              f"check {st.check_s / steps * 1e3:.2f} ms, copies {st.copy_s / steps * 1e3:.2f} ms")  # fmt: skip
+        ms = {"check": st.check_s / steps * 1e3, "copies": st.copy_s / steps * 1e3}
+        print(
+            f"  {arm} (rank 0, a step): {st.ops_seen / steps:.0f} ops seen, "
+            f"{st.ops_checked / steps:.0f} checked, {st.tracked / steps:.1f} collectives, "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+        )
 
 
 if __name__ == "__main__":
