@@ -1,0 +1,58 @@
+"""Replacing functions of torch's modules and classes, and putting back exactly what was there.
+
+Other tools patch the same names (the collective tracer wraps the collectives and
+`Work.wait` at rank start). We wrap whatever is installed when we install, and on restore put
+back, name by name, what we replaced, but only where our wrapper is still the one installed:
+a tool that wrapped ours afterwards keeps its wrapper (which still calls ours, now a
+pass-through).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+_MISSING = object()
+
+
+class Patches:
+    """The attributes replaced so far, in order."""
+
+    def __init__(self) -> None:
+        self._applied: list[tuple[object, str, object, object]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._applied)
+
+    def apply(self, owner: object, name: str, ours: object) -> None:
+        """Set `owner.name = ours`, remembering the attribute it replaced (or its absence:
+        `vars`, not `getattr`, so an inherited attribute is restored as inherited)."""
+        self._applied.append((owner, name, vars(owner).get(name, _MISSING), ours))
+        setattr(owner, name, ours)
+
+    def restore(self) -> None:
+        for owner, name, previous, ours in reversed(self._applied):
+            if vars(owner).get(name) is not ours:
+                continue  # wrapped again since: leave the newer wrapper in place
+            if previous is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+        self._applied.clear()
+
+    def wrap_collectives(self, names: Iterable[str], wrap: Callable[[str, Callable], Callable]):
+        """Wrap `torch.distributed`'s collective functions, under both names users call them
+        by (`dist.all_reduce` and `dist.distributed_c10d.all_reduce`); `wrap(name, previous)`
+        returns the wrapper of `previous`."""
+        c10d = dist.distributed_c10d
+        for name in names:
+            previous = getattr(c10d, name, None)
+            if previous is None:
+                continue  # not in this torch version
+            wrapper = wrap(name, previous)
+            self.apply(c10d, name, wrapper)
+            if getattr(dist, name, None) is previous:
+                self.apply(dist, name, wrapper)
+            elif hasattr(dist, name):  # someone wrapped only the package's name: wrap theirs
+                self.apply(dist, name, wrap(name, getattr(dist, name)))
