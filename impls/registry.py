@@ -120,7 +120,7 @@ def names(kinds: Iterable[str] | None = None) -> list[str]:
 
 
 def resolve(
-    spec: str | Implementation,
+    spec: str,
     *,
     kinds: Iterable[str] | None = None,
     command: str | None = None,
@@ -128,9 +128,7 @@ def resolve(
     """Turn an `--impl` value into an Implementation, or raise ImplError with one line.
 
     Args:
-        spec: a registered name, `package.module:Class`, `path/to/file.py:Class`, or an
-            Implementation already built (returned as is: e.g. one derived from a registered
-            one by a check).
+        spec: a registered name, `package.module:Class`, or `path/to/file.py:Class`.
         kinds: the registered kinds the caller's command can run (default: all). A registered
             name of another kind is refused like an unknown one, and the message lists exactly
             the names the command accepts. User classes are always accepted.
@@ -141,8 +139,6 @@ def resolve(
             imported, is neither a DDP wrapper nor an optimizer, or whose constructor does
             not take the arguments the tool passes (`interface_problem`).
     """
-    if isinstance(spec, Implementation):
-        return spec
     accepted = _kinds(kinds)
     impl = REGISTRY.get(spec)
     if impl is not None and impl.kind in accepted:

@@ -33,7 +33,7 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--impl", "nope"], "unknown implementation 'nope'; choose one of naive, flat"),
+        (["--impl", "nope"], "unknown implementation 'nope' for consistency; choose one of naive"),
         (["--impl", "no_such_module:Cls"], "module 'no_such_module' not found"),
         (["--impl", "verify.training.workloads:Nope"], "has no class 'Nope' (classes there:"),
         (
@@ -164,8 +164,10 @@ def test_a_user_class_taking_bucket_size_mb_gets_the_cli_value():
     wrong = run_cli(
         "consistency", "--impl", f"{FIXTURES}:TakesBucketSize", "--bucket-mb", "2", "--steps", "1"
     )
-    assert wrong.returncode == 1
-    assert "got bucket_size_mb=2.0, expected 0.75" in wrong.stdout
+    # A constructor that raises is a class the tool cannot construct: one line, exit 2.
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr
+    assert "got bucket_size_mb=2.0, expected 0.75" in wrong.stderr
+    assert wrong.stderr.count("\n") == 1 and "user_classes.py:" in wrong.stderr
 
 
 def test_a_user_sharded_optimizer_by_import_path():

@@ -16,8 +16,10 @@ import inspect
 
 import pytest
 
-from verify.checks.matrix import BEHAVIOUR, CERTIFIED, run_detection
-from verify.cli.matrix import format_detection
+from verify.checks.behaviours import BEHAVIOUR
+from verify.checks.detection import run_detection
+from verify.checks.matrix import CERTIFIED
+from verify.cli.text_matrix import detection as format_detection
 
 # Modules of impls.faulty.
 FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults")

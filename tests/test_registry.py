@@ -26,7 +26,6 @@ from impls.registry import (
     names,
     resolve,
 )
-from verify.checks import cells
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = ["naive", "flat", "overlap", "bucketed", "zero1"]
@@ -124,8 +123,6 @@ def test_resolve_accepts_the_kinds_a_command_runs():
     assert resolve("naive", kinds={"builtin"}) is REGISTRY["naive"]
     assert resolve("faulty:no-divide", kinds={"faulty"}).kind == "faulty"
     assert resolve("hang:raise", kinds={"hang"}).kind == "hang"
-    derived = cells.with_group_added_later(REGISTRY["zero1"], "zero1+add_param_group")
-    assert resolve(derived, kinds={"builtin"}) is derived  # built already: returned as is
 
 
 def test_resolve_refuses_other_kinds_with_one_line_listing_what_the_command_accepts():

@@ -143,7 +143,8 @@ def run_cell_on_rank(
                 dist.all_gather_object(gathered, local)
             report = _merge(gathered)
             if report.findings:
-                return CellResult("fail", _findings_text(report.findings))
+                more = [f.describe() for f in report.findings[1:]]
+                return CellResult("fail", "\n".join([report.describe(), *more]))
             return CellResult("pass", report.describe())
         return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 

@@ -11,8 +11,8 @@ Three ways in:
   verdict it is built to get.
 
 Every run writes a report folder, never over an earlier one (`runs.new_run_dir`):
-`profiles/hang_<name>_<world>x<device>_<stamp>/` (or under `--out DIR`) with report.txt,
-report.json, metadata.json and, per rank, `rank<r>.collectives.jsonl` (every traced
+`profiles/hang_<name>_<world>x<device>_<stamp>/` (or under `--out DIR`) with report.json,
+report.txt (what the CLI printed), metadata.json and, per rank, `rank<r>.collectives.jsonl` (every traced
 collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` / `.stdout`
 (the rank's output with the backend's debug log) and `rank<r>.flight_recorder.json`.
 """
@@ -73,17 +73,16 @@ class HangOptions(RunOptions, OutputOptions):
                 "under torchrun, run your script as `torchrun ... -m verify.hang_run train.py "
                 "ARGS` (see docs/debugging.md); `hang` spawns and watches its own ranks"
             )
-        ways = [bool(self.impl), bool(self.script), self.scenarios]
-        if sum(ways) != 1:
-            raise ValueError(
-                "give exactly one of --impl NAME, --scenarios, or --nproc N -- train.py ARGS"
-            )
+        if self.nproc is not None and not self.script:
+            raise ValueError("--nproc needs a script: --nproc N -- train.py ARGS")
         if self.script and self.nproc is None:
             raise ValueError(
                 f"unexpected arguments {' '.join(self.script)} (did you mean --nproc N --?)"
             )
-        if self.nproc is not None and not self.script:
-            raise ValueError("--nproc needs a script: --nproc N -- train.py ARGS")
+        if sum([bool(self.impl), bool(self.script), self.scenarios]) != 1:
+            raise ValueError(
+                "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"
+            )
         if self.impl:
             resolve(self.impl, kinds=HANG_KINDS, command="hang")
         if self.script and not os.path.isfile(self.script[0]):
@@ -185,9 +184,11 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     files, pids = finish_report(report_dir, options.ranks)
     diagnosis = replace(run.diagnosis, files=dict(files))
     failure = None if run.ok else run.summary()
-    return HangResult(
+    result = HangResult(
         options, diagnosis, report_dir, elapsed, failure, files, pids, run.notes, run.threads
     )
+    runs.write_json(Path(report_dir) / "report.json", result.to_dict())
+    return result
 
 
 def run_hang_on_rank(ctx: RankContext, options: HangOptions) -> int:

@@ -105,10 +105,12 @@ def _run(argv: list[str] | None) -> int:
         progress.enable(sys.stderr)
     result = command.run(options)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
-        if args.json:
-            print(json.dumps(result.to_dict(), indent=2, default=str))
-        else:
-            print(command.text(result))
+        text = command.text(result)
+        print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)
+        folder = getattr(result, "report_dir", None)
+        if folder:  # the report folder keeps what a run printed
+            with open(os.path.join(folder, "report.txt"), "w") as f:
+                f.write(text + "\n")
     return EXIT_CODES[result.verdict]
 
 

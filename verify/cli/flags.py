@@ -38,9 +38,11 @@ def add_flags(parser: argparse.ArgumentParser, options_cls: type, skip: tuple[st
             )
             continue
         repeat = f.metadata.get("repeat")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         parser.add_argument(
             flag_of(f),
             dest=f.name,
+            required=required,
             type=_parser(f, kind, many and not repeat),
             action="append" if repeat else "store",
             default=argparse.SUPPRESS,
