@@ -13,6 +13,7 @@ Importing this package only fills `FAULTS`; `impls.registry` imports it and buil
     ddp_faults      the average, the construction broadcast, what the hooks launch
     bucket_faults   when a bucket counts as ready, and which buckets are sent
     zero_faults     what a ZeRO-1 optimizer steps, syncs, zeroes, saves and adds
+    race_faults     races on async collectives (caught on every run under --sanitize)
     hang_scenarios  DDPs that hang or desync on purpose, for the hang check (`hang:<name>`;
                     not imported here: `impls.registry` reads its `SCENARIOS`)
 """
@@ -20,6 +21,7 @@ Importing this package only fills `FAULTS`; `impls.registry` imports it and buil
 # Imported in the catalogue's order (it is the order of the detection matrix).
 from . import ddp_faults  # noqa: I001
 from . import bucket_faults, zero_faults
+from . import race_faults
 from .catalogue import CHECKS, FAULTS, Fault
 
-__all__ = ["CHECKS", "FAULTS", "Fault", "bucket_faults", "ddp_faults", "zero_faults"]
+__all__ = ["CHECKS", "FAULTS", "Fault", "bucket_faults", "ddp_faults", "race_faults", "zero_faults"]

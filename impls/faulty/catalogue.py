@@ -29,14 +29,17 @@ class Fault:
         name: the registered name, `faulty:<name>`.
         cls: the class (a DDP wrapper or a sharded optimizer).
         caught_by: the check that must report it (one of CHECKS).
-        shows_on: keys of the matrix behaviours (rows, `verify.matrix.BEHAVIOURS`) on which
+        shows_on: keys of the matrix behaviours (rows, `verify.checks.behaviours`) on which
             it shows; the detection matrix runs those.
+        sanitize: a race on an async collective, caught on every run only under the race
+            sanitizer (`--sanitize`); the detection matrix runs it sanitized.
     """
 
     name: str
     cls: type
     caught_by: str
     shows_on: tuple[str, ...]
+    sanitize: bool = False
 
     @property
     def bug(self) -> str:
@@ -54,7 +57,7 @@ class Fault:
 FAULTS: dict[str, Fault] = {}
 
 
-def fault(name: str, *, caught_by: str, shows_on: tuple[str, ...]):
+def fault(name: str, *, caught_by: str, shows_on: tuple[str, ...], sanitize: bool = False):
     """Record the decorated class in `FAULTS` as `faulty:<name>` (see the module docstring).
     Returns the class unchanged."""
     if caught_by not in CHECKS:
@@ -66,7 +69,7 @@ def fault(name: str, *, caught_by: str, shows_on: tuple[str, ...]):
             raise ValueError(f"{cls.__name__}: the docstring must have a 'Symptom:' paragraph")
         if full_name in FAULTS:
             raise ValueError(f"{full_name} is already in the catalogue")
-        FAULTS[full_name] = Fault(full_name, cls, caught_by, tuple(shows_on))
+        FAULTS[full_name] = Fault(full_name, cls, caught_by, tuple(shows_on), sanitize)
         return cls
 
     return record

@@ -28,6 +28,7 @@ from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import _local, _merge
 from verify.checks.reference import Reference
+from verify.checks.sanitizing import training
 from verify.launching import RankContext
 from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
 from verify.training.trainer import Hooks, InterfaceError, Trainer
@@ -109,10 +110,16 @@ class ClaimHooks(Hooks):
 
 
 def run_cell_on_rank(
-    ctx: RankContext, impl_name: str, behaviour: Behaviour, check: str, same_init: bool = False
+    ctx: RankContext,
+    impl_name: str,
+    behaviour: Behaviour,
+    check: str,
+    same_init: bool = False,
+    sanitize: bool = False,
 ) -> CellResult:
     """Run one check of one cell on this rank (a collective: every rank, same arguments).
-    Every rank returns the same result."""
+    Every rank returns the same result. With `sanitize`, the race sanitizer's findings fail
+    the cell too (`sanitizing.py`)."""
     impl = resolve(impl_name)
     why = not_applicable(impl, behaviour, check)
     if why:
@@ -120,23 +127,24 @@ def run_cell_on_rank(
     spec = behaviour.spec(impl_name, same_init=same_init)
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     judge = AuditHooks() if check == "consistency" else Reference() if check == "equivalence" else None
-    hooks = (ClaimHooks(behaviour),) + ((judge,) if judge is not None else ())
+    hooks = [ClaimHooks(behaviour)] + ([judge] if judge is not None else [])
+    guard = None
     with torch.random.fork_rng(devices=devices):
         try:
-            trainer = Trainer(ctx, spec, hooks)
-            trainer.run()
+            with training(ctx, spec, hooks, sanitize=sanitize) as (trainer, guard):
+                trainer.run()
         except _NotClaimed as exc:
             return CellResult("not claimed", str(exc))
         except InterfaceError as exc:
-            return CellResult("refused", str(exc))
+            return CellResult("refused", str(exc), where=exc.reason)
         if check == "consistency":
-            report = judge.report()
+            report = judge.report(guard)
             if report.findings:
                 return CellResult("fail", _findings_text(report.findings))
             n = len(report.checkpoints)
             return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints")
         if check == "equivalence":
-            local = _local(judge, hooks, spec)
+            local = _local(judge, guard, spec)
             gathered: list = [local]
             if ctx.world_size > 1:
                 gathered = [None] * ctx.world_size
@@ -146,6 +154,9 @@ def run_cell_on_rank(
                 more = [f.describe() for f in report.findings[1:]]
                 return CellResult("fail", "\n".join([report.describe(), *more]))
             return CellResult("pass", report.describe())
+        races = guard.findings if guard is not None else []
+        if races:
+            return CellResult("fail", _findings_text(races))
         return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 
 

@@ -24,13 +24,14 @@ rank identical and wrong. Equivalence against a single process is the check for 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from verify.checks.audit import Auditor, Checkpoint, Mismatch
 from verify.checks.options import CheckOptions
+from verify.checks.sanitizing import training
 from verify.checks.verdict import (
     FAULT,
     PASS,
@@ -42,11 +43,11 @@ from verify.checks.verdict import (
     verdict_of,
 )
 from verify.launching import RankContext
-from verify.training.trainer import Hooks, InterfaceError, Trainer, TrainSpec
+from verify.training.trainer import Hooks, InterfaceError, Progress, Trainer, TrainSpec
 
 NO_BROADCAST = (
-    "construction: replicas differ after construction on every parameter: no broadcast from "
-    "rank 0 (if the design seeds every rank alike instead, run with --same-init)"
+    "parameters were not broadcast from rank 0 (if the design seeds every rank alike instead, "
+    "run with --same-init)"
 )
 
 
@@ -136,19 +137,17 @@ def run_consistency_on_rank(
     """The check as one rank runs it, inside an already launched job (the certification
     matrix runs many of these in one launch). Every rank returns the same answer."""
     audit = AuditHooks()
-    hooks: list[Hooks] = [audit]
-    if sanitize:
-        from verify.checks.sanitizing import SanitizeHooks
-
-        hooks.append(SanitizeHooks())
+    guard = None
     try:
-        Trainer(ctx, spec, tuple(hooks)).run()
+        hooks = [audit, Progress(f"consistency {spec.impl} on {spec.workload}")]
+        with training(ctx, spec, hooks, sanitize=sanitize) as (trainer, guard):
+            trainer.run()
     except InterfaceError as exc:
         return Refusal(str(exc))
     except Exception as exc:  # the launcher reports it; keep what was found before it
-        exc.partial = audit.report(hooks)
+        exc.partial = audit.report(guard)
         raise
-    return audit.report(hooks)
+    return audit.report(guard)
 
 
 class AuditHooks(Hooks):
@@ -166,11 +165,9 @@ class AuditHooks(Hooks):
         if sharded:
             self.notes.append("optimizer state is sharded: audited parameters, buffers and gradients")
         found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
-        params = {f"param:{n}" for n, _ in run.model.named_parameters()}
-        if found and params <= {m.tensor for m in found} and run.ctx.world_size > 1:
-            self.findings[-1] = Finding(
-                "consistency", "construction", 0, NO_BROADCAST, None, _ranks(found)
-            )
+        if any(m.tensor.startswith("param:") for m in found):
+            last = self.findings[-1]
+            self.findings[-1] = replace(last, message=f"{last.message}: {NO_BROADCAST}")
 
     def after_sync(self, run: Trainer, step: int) -> None:
         self._audit(f"step {step} gradients", step, "gradients", self.auditor.grad_tensors())
@@ -203,12 +200,14 @@ class AuditHooks(Hooks):
             _resync(dict(named), found, self.auditor.process_group)
         return found
 
-    def report(self, hooks=()) -> ConsistencyReport:
-        findings = list(self.findings)
-        for hook in hooks:
-            findings += getattr(hook, "findings", []) if hook is not self else []
+    def report(self, sanitize=None) -> ConsistencyReport:
+        """What this rank found, with the race sanitizer's findings and notes when it ran."""
+        findings, notes = list(self.findings), list(self.notes)
+        if sanitize is not None:
+            findings += sanitize.findings
+            notes += sanitize.notes
         return ConsistencyReport(
-            tuple(self.checkpoints), tuple(self.mismatches), tuple(findings), tuple(self.notes)
+            tuple(self.checkpoints), tuple(self.mismatches), tuple(findings), tuple(notes)
         )
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from verify.checks.options import CheckOptions
 from verify.checks.reference import Reference, TensorError
+from verify.checks.sanitizing import training
 from verify.checks.verdict import (
     FAULT,
     PASS,
@@ -38,9 +39,8 @@ from verify.options import knob
 from verify.training.trainer import (
     OPTIMIZERS,
     SCHEDULER_GAMMA,
-    Hooks,
     InterfaceError,
-    Trainer,
+    Progress,
     TrainSpec,
 )
 
@@ -110,10 +110,11 @@ class EquivalenceReport:
             return f"NOT CLAIMED: {self.unsupported}"
         if not self.findings:
             return f"PASS: all {self.checks} tensor checks within tolerance"
-        if self.first_divergence is not None:
+        first = self.findings[0]
+        if self.first_divergence is not None and first.phase in ("gradients", "step"):
             more = f" (and {self.also_diverged} more tensors there)" if self.also_diverged else ""
             return f"FAULT: first divergence at {self.first_divergence.describe()}{more}"
-        return f"FAULT: {self.findings[0].describe()}"
+        return f"FAULT: {first.describe()}"
 
 
 @dataclass(frozen=True)
@@ -189,25 +190,22 @@ def run_equivalence_on_rank(
     return, so runs can follow each other in one process in any order.
     """
     reference = Reference()
-    hooks: list[Hooks] = [reference]
-    if sanitize:
-        from verify.checks.sanitizing import SanitizeHooks
-
-        hooks.append(SanitizeHooks())
+    guard = None
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         try:
-            trainer = Trainer(ctx, spec, tuple(hooks))
-            if spec.accumulate > 1 and not hasattr(trainer.wrapped, "no_sync"):
-                why = "gradient accumulation: the wrapper has no no_sync()"
-                return EquivalenceReport(unsupported=why)
-            trainer.run()
+            hooks = [reference, Progress(f"equivalence {spec.impl} on {spec.workload}")]
+            with training(ctx, spec, hooks, sanitize=sanitize) as (trainer, guard):
+                if spec.accumulate > 1 and not hasattr(trainer.wrapped, "no_sync"):
+                    why = "gradient accumulation: the wrapper has no no_sync()"
+                    return EquivalenceReport(unsupported=why)
+                trainer.run()
         except InterfaceError as exc:
             return Refusal(str(exc))
         except Exception as exc:  # the launcher reports it; keep what was found before it
-            exc.partial = _merge([_local(reference, hooks, spec)])
+            exc.partial = _merge([_local(reference, guard, spec)])
             raise
-    local = _local(reference, hooks, spec)
+    local = _local(reference, guard, spec)
     if ctx.world_size == 1:
         return _merge([local])
     gathered: list = [None] * ctx.world_size
@@ -215,13 +213,14 @@ def run_equivalence_on_rank(
     return _merge(gathered)
 
 
-def _local(reference: Reference, hooks, spec: TrainSpec) -> EquivalenceReport:
-    findings = list(reference.findings)
-    for hook in hooks:
-        if hook is not reference:
-            findings += getattr(hook, "findings", [])
+def _local(reference: Reference, sanitize, spec: TrainSpec) -> EquivalenceReport:
+    """This rank's report, with the race sanitizer's findings and notes when it ran."""
+    findings, notes = list(reference.findings), list(_notes(spec))
+    if sanitize is not None:
+        findings += sanitize.findings
+        notes += sanitize.notes
     return EquivalenceReport(
-        rows=tuple(reference.checked), notes=_notes(spec), findings=tuple(findings)
+        rows=tuple(reference.checked), notes=tuple(notes), findings=tuple(findings)
     )
 
 
@@ -263,7 +262,10 @@ def _merge(reports: list[EquivalenceReport]) -> EquivalenceReport:
     if failed:
         first = failed[0]
         also = len({(e.kind, e.tensor) for e in failed if _when(e) == _when(first)}) - 1
-    findings = [f for r in reports for f in r.findings] + _divergences(failed)
+    findings = [f for r in reports for f in r.findings]
+    said = {(f.phase, f.step) for f in findings if f.phase == "construction"}
+    # The reference already reported construction (with the hint): no second line for it.
+    findings += [d for d in _divergences(failed) if (d.phase, d.step) not in said]
     return EquivalenceReport(
         rows=tuple(rows),
         first_divergence=first,

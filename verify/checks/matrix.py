@@ -52,6 +52,9 @@ class MatrixOptions(ThreadOptions):
         flag="--timeout", unit="s", positive=True,
     )  # fmt: skip
     same_init: bool = knob(False, "every rank builds the model from the same seed")
+    sanitize: bool = knob(
+        False, "check async collectives for races in every cell (docs/races.md)"
+    )
     command: str = knob("matrix", cli=False)
 
     def __post_init__(self) -> None:
@@ -123,8 +126,16 @@ def run_matrix(options: MatrixOptions) -> MatrixResult:
     return run_plan(options, plan)
 
 
-def run_plan(options: MatrixOptions, plan: list[tuple[str, Behaviour, tuple[str, ...]]]):
-    """Run the checks `plan` names for each (implementation, behaviour), in its order."""
+def run_plan(
+    options: MatrixOptions,
+    plan: list[tuple[str, Behaviour, tuple[str, ...]]],
+    sanitized: frozenset[str] = frozenset(),
+):
+    """Run the checks `plan` names for each (implementation, behaviour), in its order; the
+    implementations in `sanitized` (every one with `options.sanitize`) under the race
+    sanitizer."""
+    if options.sanitize:
+        sanitized = frozenset(options.impl_names) | sanitized
     start = time.perf_counter()
     results: dict[Cell, CellResult] = {}
     pending: list[Cell] = []
@@ -144,20 +155,34 @@ def run_plan(options: MatrixOptions, plan: list[tuple[str, Behaviour, tuple[str,
     launches = 0
     with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
         runs = [
-            pool.submit(_run_cells, cells, n, options, at_once) for cells, n in zip(groups, sizes)
+            pool.submit(_run_cells, cells, n, options, at_once, sanitized)
+            for cells, n in zip(groups, sizes)
         ]
         for run in runs:
             done, count = run.result()
             results.update(done)
             launches += count
-    refused = [r for r in results.values() if r.status == "refused"]
-    if refused:
-        raise ValueError(refused[0].detail)
+    _settle_refusals(results)
     ordered = {(i, b.key, c): results[(i, b.key, c)] for i, b, checks in plan for c in checks}
     return MatrixResult(options, ordered, time.perf_counter() - start, launches)
 
 
-def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_once: int):
+def _settle_refusals(results: dict[Cell, CellResult]) -> None:
+    """A class the tool cannot construct in any cell cannot be certified: a usage error. One
+    that refuses some behaviours only (PyTorch's ZeroRedundancyOptimizer and a model of
+    several dtypes) does not claim them."""
+    for impl in dict.fromkeys(i for i, _, _ in results):
+        cells = [(c, r) for c, r in results.items() if c[0] == impl and r.status != "n/a"]
+        refused = [(c, r) for c, r in cells if r.status == "refused"]
+        if refused and len(refused) == len(cells):
+            raise ValueError(refused[0][1].detail)
+        for cell, r in refused:
+            results[cell] = CellResult("not claimed", f"the class refused it: {r.where}")
+
+
+def _run_cells(
+    cells: list[Cell], world_size: int, options: MatrixOptions, at_once: int, sanitized
+):
     """Run `cells` in as few launches as failures allow: their results, and the launches."""
     results: dict[Cell, CellResult] = {}
     launches = 0
@@ -168,7 +193,7 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
             run = launch(
                 run_cells_on_rank,
                 world_size=world_size,
-                args=(cells, journal, options.same_init),
+                args=(cells, journal, options.same_init, sanitized),
                 timeout_s=options.timeout_s,
                 threads_per_rank=options.threads_per_rank,
                 ranks_at_once=at_once,
@@ -190,7 +215,9 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
     return results, launches
 
 
-def run_cells_on_rank(ctx: RankContext, cells: list[Cell], journal: str, same_init: bool) -> None:
+def run_cells_on_rank(
+    ctx: RankContext, cells: list[Cell], journal: str, same_init: bool, sanitized: frozenset
+) -> None:
     """Run `cells` one after the other; rank 0 journals each result as soon as it is known
     (every rank computes the same result, so rank 0's is everyone's)."""
     for index, (impl, key, check) in enumerate(cells):
@@ -198,7 +225,9 @@ def run_cells_on_rank(ctx: RankContext, cells: list[Cell], journal: str, same_in
             rank.say(f"matrix, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
                      f"{impl} / {key} / {check}")  # fmt: skip
         start = time.perf_counter()
-        result = run_cell_on_rank(ctx, impl, BEHAVIOUR[key], check, same_init)
+        result = run_cell_on_rank(
+            ctx, impl, BEHAVIOUR[key], check, same_init, sanitize=impl in sanitized
+        )
         result = CellResult(result.status, result.detail, time.perf_counter() - start)
         if ctx.rank == 0:
             path = os.path.join(journal, f"{index}.pkl")

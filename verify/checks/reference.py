@@ -37,8 +37,8 @@ from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Traine
 from verify.training.workloads import Batch
 
 NO_BROADCAST = (
-    "replicas differ from rank 0's initialization on every parameter: no broadcast from rank "
-    "0 (if the design seeds every rank alike instead, run with --same-init)"
+    "parameters differ from rank 0's initialization: they were not broadcast from rank 0 (if "
+    "the design seeds every rank alike instead, run with --same-init)"
 )
 
 
@@ -129,13 +129,14 @@ class Reference(Hooks):
         self.model = run.workload.build().to(ctx.device)
         self.optimizer, self.scheduler = self._optimizer(run)
         found = self._check_state(run, step=0)
-        bad = {e.tensor for e in found if not e.passed}
-        params = {n for n, _ in run.model.named_parameters()}
+        bad = [e for e in found if not e.passed]
         if bad:
-            if self.world > 1 and params <= bad:
+            if any(e.kind == "parameters" for e in bad):
+                first = next(e for e in bad if e.kind == "parameters")
+                more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+                message = f"{first.describe()}{more}: {NO_BROADCAST}"
                 self.findings.append(
-                    Finding("equivalence", "construction", 0, f"construction: {NO_BROADCAST}",
-                            ranks=(self.rank,))  # fmt: skip
+                    Finding("equivalence", "construction", 0, message, first.tensor, (self.rank,))
                 )
             with torch.no_grad():  # go on from rank 0's initialization: later bugs still show
                 for (_, mine), (_, ref) in zip(_state(run.model), _state(self.model), strict=True):

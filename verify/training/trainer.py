@@ -27,7 +27,6 @@ or a call that does not match the contract (a `TypeError` about the call's argum
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import traceback
 from collections.abc import Iterator
@@ -106,7 +105,12 @@ class TrainSpec:
 
 class InterfaceError(Exception):
     """The class under test cannot be constructed or driven as the contract says (DESIGN.md):
-    the check cannot run, a usage error (exit 2), not a fault of the class."""
+    the check cannot run, a usage error (exit 2), not a fault of the class. `reason` is the
+    short form (what raised, where), without the reminder of the contract."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class Hooks:
@@ -134,6 +138,19 @@ class Hooks:
         optimizer."""
 
 
+class Progress(Hooks):
+    """Rank 0 says each step as it ends (`verify/progress.py` prints it in the parent)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def after_step(self, run: Trainer, step: int) -> None:
+        if run.ctx.rank == 0:
+            from verify.launching import rank
+
+            rank.say(f"{self.label}: step {step}/{run.spec.steps}")
+
+
 class Trainer:
     """A replica of `spec` on this rank, trained step by step (module docstring).
 
@@ -141,8 +158,14 @@ class Trainer:
     `scheduler`, `workload`, `impl`, `round_trip` (the last `checkpoint.RoundTrip`).
     """
 
-    def __init__(self, ctx: RankContext, spec: TrainSpec, hooks: tuple[Hooks, ...] = ()) -> None:
+    def __init__(
+        self, ctx: RankContext, spec: TrainSpec, hooks: tuple[Hooks, ...] = (), *, quiet=None
+    ) -> None:
+        """`quiet()`, when given, is a context manager the hooks run inside: what the tool
+        itself reads and writes (audits, the reference) is not the code under test's (the
+        race sanitizer's `Sanitizer.quiet`)."""
         self.ctx, self.spec, self.hooks = ctx, spec, tuple(hooks)
+        self._quiet = quiet or contextlib.nullcontext
         self.impl: Implementation | None = resolve(spec.impl) if spec.impl else None
         self.workload = spec.build_workload()
         self.step_no = 0
@@ -153,8 +176,7 @@ class Trainer:
         self.model = self.workload.build().to(ctx.device)
         self.wrapped = self._wrap()
         self.optimizer, self.scheduler = self._make_optimizer()
-        for hook in self.hooks:
-            hook.after_build(self)
+        self._call("after_build")
 
     # --- construction ---------------------------------------------------------------------
 
@@ -195,7 +217,8 @@ class Trainer:
             if _distributed(exc):
                 exc.add_note(f"while ddp-verify constructed {what}")
                 raise
-            raise InterfaceError(_constructor_message(self.spec.impl, what, exc)) from exc
+            message, reason = _constructor_message(self.spec.impl, what, exc)
+            raise InterfaceError(message, reason) from exc
 
     # --- one step -------------------------------------------------------------------------
 
@@ -207,8 +230,7 @@ class Trainer:
         """One training step (module docstring), with the hooks called in between."""
         s, ctx, ws = self.spec, self.ctx, self.ctx.world_size
         self.step_no = step
-        for hook in self.hooks:
-            hook.before_step(self, step)
+        self._call("before_step", step)
         start_batch = getattr(self.wrapped, "on_train_batch_start", None)
         if start_batch is not None:
             with self.calling("on_train_batch_start()"):
@@ -224,20 +246,17 @@ class Trainer:
                     loss = self.workload.loss(self.wrapped, shard) / s.accumulate
                 with self.calling("the backward"), record_function("backward"):
                     loss.backward()
-            for hook in self.hooks:
-                hook.after_backward(self, step, micro, batch)
+            self._call("after_backward", step, micro, batch)
         finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
         if finish is not None:
             with self.calling("finish_gradient_synchronization()"), record_function("grad_sync"):
                 finish()
-        for hook in self.hooks:
-            hook.after_sync(self, step)
+        self._call("after_sync", step)
         with self.calling("optimizer.step()"), record_function("optimizer_step"):
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        for hook in self.hooks:
-            hook.after_step(self, step)
+        self._call("after_step", step)
         if step == s.round_trip_step:
             self.reload(step)
 
@@ -266,8 +285,12 @@ class Trainer:
             self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=SCHEDULER_GAMMA)
             self.scheduler.load_state_dict(sched_state)
         self.loaded_after = step
-        for hook in self.hooks:
-            hook.after_load(self, step, error)
+        self._call("after_load", step, error)
+
+    def _call(self, name: str, *args) -> None:
+        with self._quiet():
+            for hook in self.hooks:
+                getattr(hook, name)(self, *args)
 
     @contextlib.contextmanager
     def calling(self, what: str) -> Iterator[None]:
@@ -295,9 +318,18 @@ def _plain(params, optimizer_cls, **defaults) -> torch.optim.Optimizer:
 
 
 def _distributed(exc: BaseException) -> bool:
-    """Raised by a collective (a mismatch, a peer that died): a fault, not an interface."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+    """Raised by a collective (a mismatch, a peer that died): a fault, not an interface. The
+    backends raise DistError, or a RuntimeError whose text names them (gloo's
+    "Connection closed by peer", NCCL's errors)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in _BACKEND_WORDS)
+
+
+_BACKEND_WORDS = ("gloo", "NCCL", "nccl", "Connection", "connection", "Timed out", "timed out")
 
 
 _SIGNATURE = re.compile(
@@ -316,14 +348,17 @@ def _call_mismatch(exc: BaseException) -> bool:
     return bool(frames) and stacks.is_plumbing(frames[-1].filename)
 
 
-def _constructor_message(spec: str | None, what: str, exc: BaseException) -> str:
+def _constructor_message(spec: str | None, what: str, exc: BaseException) -> tuple[str, str]:
     where = stacks.traceback_site("".join(traceback.format_exception(exc))) or ""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    reason = f"constructing {what} raised {type(exc).__name__}: {first}" + (
+        f" at {where}" if where else ""
+    )
     return (
-        f"--impl {spec}: constructing {what} raised {type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else ''}" + (f" at {where}" if where else "")
-        + "; the tool constructs a DDP wrapper as Cls(module) (plus bucket_size_mb= or "
-        "bucket_cap_mb= when it takes one) and a sharded optimizer as "
-        "Cls(params, optimizer_cls, **defaults) (docs/verify-your-own-ddp.md)"
+        f"--impl {spec}: {reason}; the tool constructs a DDP wrapper as Cls(module) (plus "
+        "bucket_size_mb= or bucket_cap_mb= when it takes one) and a sharded optimizer as "
+        "Cls(params, optimizer_cls, **defaults) (docs/verify-your-own-ddp.md)",
+        reason,
     )
 
 

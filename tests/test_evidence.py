@@ -1,0 +1,99 @@
+"""Verdicts on evidence (issue 9), with real ranks: each rank's thread budget, a rank that
+computes is not hung (and the report says where it was), a rank that is parked is, a user's
+script shows its output as it trains, and a script with nothing distributed is not a pass
+that rests on silence.
+
+Stall timeouts are 2 s. A rank that computes for 3 stall timeouts must not be flagged; one
+that sleeps as long must be, within the stall timeout plus the CPU window (1 s) on an idle
+machine. Detection is asserted with slack (stall + 8 s), since the suite shares the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from verify.checks.hang import HangOptions, check_hang
+from verify.launching import thread_budget
+from verify.launching.threads import JOBS_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+STALL_S = 2.0
+
+
+def _script(tmp_path, *argv, console="stdout", stall=STALL_S):
+    options = HangOptions(
+        script=(SCRIPT, *argv), nproc=2, stall_timeout_s=stall, out=str(tmp_path), console=console
+    )
+    return check_hang(options)
+
+
+def _line(text: str) -> int:
+    """The line of hang_script.py that holds `text`."""
+    return next(
+        i for i, line in enumerate(Path(SCRIPT).read_text().splitlines(), 1) if text in line
+    )
+
+
+def test_thread_budget_shares_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(JOBS_ENV, raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert thread_budget(1).per_rank == cores
+    assert thread_budget(2).per_rank == max(1, cores // 2)
+    assert thread_budget(64).per_rank == 1  # never 0
+    monkeypatch.setenv(JOBS_ENV, "4")  # four pytest workers share the machine
+    assert thread_budget(2).per_rank == max(1, cores // 8)
+    assert "4 jobs" in thread_budget(2).describe()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user (or torchrun) decided
+    assert thread_budget(2).per_rank == 3 and "OMP_NUM_THREADS" in thread_budget(2).why
+    assert thread_budget(2, requested=5).per_rank == 5  # --threads-per-rank wins
+    with pytest.raises(ValueError, match="must be >= 1"):
+        thread_budget(2, requested=0)
+
+
+def test_a_script_shows_its_output_and_its_ranks_get_their_share(tmp_path, capsys):
+    result = _script(tmp_path, "ok")
+    out = capsys.readouterr().out
+    assert result.verdict == "pass", result.diagnosis.text()
+    budget = thread_budget(2)
+    for rank in (0, 1):  # streamed to the console with a rank prefix, as training runs
+        assert f"[rank {rank}] rank {rank}: threads={budget.per_rank}" in out, out
+        assert re.search(rf"\[rank {rank}\] step 3 loss \d", out), out
+        kept = (Path(result.report_dir) / f"rank{rank}.stdout").read_text()
+        assert f"rank {rank}: threads={budget.per_rank}" in kept  # and kept, unprefixed
+    assert result.threads == budget.describe()
+
+
+def test_a_rank_that_computes_is_a_note_not_a_hang(tmp_path):
+    result = _script(tmp_path, "compute", str(3 * STALL_S), console="none")
+    d = result.diagnosis
+    assert result.verdict == "pass" and d.verdict == "ok", d.text()
+    (note,) = [n for n in result.notes if "computing" in n]
+    assert note.startswith("rank 1 spent") and "not a hang" in note, note
+    where = re.search(r"computing at (\S+):(\d+) \((\w+)\)", note)
+    assert where and where.group(1).endswith("hang_script.py"), note
+    assert where.group(3) == "evaluate", note  # the evaluation pass, named by its line
+
+
+def test_a_parked_rank_is_hung_in_seconds(tmp_path):
+    result = _script(tmp_path, "sleep", "60", console="none")
+    d = result.diagnosis
+    assert result.verdict == "fault" and d.verdict == "hang" and d.culprit == 1, d.text()
+    assert d.detection_s is not None and d.detection_s < STALL_S + 8, d.detection_s
+    assert "outside any collective" in d.headline and "train" in d.headline, d.headline
+    assert f"hang_script.py:{_line('dist.all_reduce(p.grad)')}" in d.site
+    assert result.elapsed_s < 40  # not the 60 s sleep, not the 600 s timeout
+
+
+def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):
+    result = _script(tmp_path, "local", console="none")
+    d = result.diagnosis
+    assert d.verdict == "ok" and d.headline.startswith("no collective was observed"), d.text()
+    from verify.cli.text_checks import hang
+
+    assert "NO COLLECTIVES: no collective was observed" in hang(result)

@@ -1,0 +1,81 @@
+"""`--sanitize` for the checks: the race sanitizer (`verify/sanitize/`) attached to the trainer.
+
+`training(ctx, spec, hooks, sanitize=True)` builds the trainer with a `Sanitizer` installed before the class
+under test is constructed (a sharded optimizer may issue async broadcasts in its constructor),
+names the model's parameters and gradients for the reports, marks each step, reports at the
+end of each step every work never waited on, and runs the checks' own hooks quietly (what the
+audit and the reference read is the tool's, not the code under test's). Its race findings
+become the check's findings ("race" phase), beside what the check itself found: under
+adversarial completion a race also changes the numbers, so equivalence confirms it as a
+wrong result on every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from verify.checks.verdict import Finding
+from verify.launching import RankContext
+from verify.training.trainer import Hooks, Trainer, TrainSpec
+
+
+class SanitizeHooks(Hooks):
+    """Steps and names for the sanitizer; `findings` and `notes` for the report."""
+
+    def __init__(self, rank: int) -> None:
+        from verify.sanitize import Sanitizer
+
+        self.sanitizer = Sanitizer(rank=rank)
+        self.sanitizer.install()
+        self.notes: list[str] = []
+
+    def after_build(self, run: Trainer) -> None:
+        from verify.sanitize import blind_spots
+
+        self.sanitizer.name_tensors(run.model.named_parameters())
+        self.sanitizer.end_step()  # what the constructor issued must be waited on by now
+        self.notes += [f"--sanitize: {spot}" for spot in blind_spots(run.wrapped)]
+
+    def before_step(self, run: Trainer, step: int) -> None:
+        self.sanitizer.set_step(step)
+
+    def after_step(self, run: Trainer, step: int) -> None:
+        self.sanitizer.end_step()
+
+    def after_load(self, run: Trainer, step: int, error) -> None:
+        self.sanitizer.end_step()
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [
+            Finding(
+                "sanitize", "race", r.step, r.message, r.tensor, (r.rank,), (r.step,),
+                r.accessed_at or r.issued_at,
+            )  # fmt: skip
+            for r in self.sanitizer.findings
+        ]
+
+    def close(self) -> None:
+        stats = self.sanitizer.stats
+        self.notes.append(
+            f"--sanitize: {stats.collectives} async collectives tracked, {stats.ops_checked} "
+            "operators checked while one was in flight"
+        )
+        self.sanitizer.uninstall()
+
+
+@contextlib.contextmanager
+def training(
+    ctx: RankContext, spec: TrainSpec, hooks: list[Hooks], *, sanitize: bool
+) -> Iterator[tuple[Trainer, SanitizeHooks | None]]:
+    """The trainer a check runs, with the sanitizer attached after `hooks` when asked (see
+    the module docstring); the sanitizer is uninstalled on the way out, whatever happens."""
+    if not sanitize:
+        yield Trainer(ctx, spec, tuple(hooks)), None
+        return
+    guard = SanitizeHooks(ctx.rank)
+    try:
+        yield Trainer(ctx, spec, (*hooks, guard), quiet=guard.sanitizer.quiet), guard
+    finally:
+        guard.close()
