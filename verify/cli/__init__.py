@@ -62,9 +62,13 @@ def build_parser(commands: tuple[Command, ...] | None = None) -> argparse.Argume
 
 
 def main(argv: list[str] | None = None) -> int:
-    previous = signal.getsignal(signal.SIGTERM)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     if _main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        # At the signal itself, not when the exception reaches main(): runs in other threads
+        # (the matrix's world sizes) must end their ranks now, or the executor waiting for
+        # them would wait for their work to finish.
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
     try:
         return _run(argv)
     except (UsageError, ValueError) as exc:  # ImplError is a ValueError
@@ -82,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.disable()
         if _main_thread():
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
 
 
 def _run(argv: list[str] | None) -> int:
+    from verify.launching import reset_interrupt
+
+    reset_interrupt()
     args = build_parser().parse_args(argv)
     command: Command = args._command
     if command.options is None:
@@ -130,8 +138,11 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise _Terminated()
+def _on_signal(signum, frame) -> None:
+    from verify.launching import interrupt
+
+    interrupt()
+    raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _main_thread() -> bool:

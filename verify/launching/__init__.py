@@ -12,7 +12,7 @@ thread budget (`threads.py`); `torchrun.py` joins a job the tool did not start.
 from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
 from verify.launching.script import run_script
 from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S, STALL_ENV, launch
-from verify.launching.supervisor import Interrupted, check_interrupted, interrupt
+from verify.launching.supervisor import Interrupted, check_interrupted, interrupt, reset_interrupt
 from verify.launching.threads import ThreadBudget, thread_budget
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ThreadBudget",
     "check_interrupted",
     "interrupt",
+    "reset_interrupt",
     "launch",
     "run_script",
     "thread_budget",

@@ -57,6 +57,11 @@ def interrupt() -> None:
     _INTERRUPTED.set()
 
 
+def reset_interrupt() -> None:
+    """Accept runs again (a new command in the same process, after an interrupted one)."""
+    _INTERRUPTED.clear()
+
+
 def check_interrupted() -> None:
     if _INTERRUPTED.is_set():
         raise Interrupted()

@@ -1,0 +1,191 @@
+"""The CLI contract (issue 13), on every command: the surface is frozen, every flag has help,
+bad input is one line and exit 2, each command offers only the names it can run, conflicting
+flags are refused, a timeout is not a fault, and Ctrl-C ends everything at once.
+
+The surface (commands, flags, defaults, choices, exit codes) is compared with
+`tests/cli_surface.json`, so a refactor cannot change it silently. After a deliberate change,
+regenerate it with `UPDATE_CLI_SURFACE=1 pytest tests/test_cli_contract.py` and review the
+diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verify.checks.verdict import EXIT_CODES
+from verify.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, build_parser, main
+from verify.cli.commands import all_commands
+from verify.options import flag_of
+
+ROOT = Path(__file__).resolve().parent.parent
+SURFACE = ROOT / "tests" / "cli_surface.json"
+
+
+def surface() -> dict:
+    """Every command's flags with their defaults and choices, and the exit codes."""
+    commands = {}
+    for command in all_commands():
+        flags = {}
+        if command.options is not None:
+            for f in dataclasses.fields(command.options):
+                if not f.metadata.get("cli", True):
+                    continue
+                default = f.default
+                if default is dataclasses.MISSING:
+                    factory = f.default_factory
+                    default = "<required>" if factory is dataclasses.MISSING else factory()
+                flag = f.metadata.get("negate") or flag_of(f)
+                flags[flag] = {
+                    "field": f.name,
+                    "default": list(default) if isinstance(default, tuple) else default,
+                    "choices": list(f.metadata["choices"]) if f.metadata.get("choices") else None,
+                    "repeat": bool(f.metadata.get("repeat")),
+                }
+            flags["--json"] = flags["--progress"] = {"field": None, "default": False}
+        commands[command.name] = {"flags": flags, "script": command.script}
+    codes = {**EXIT_CODES, "usage": EXIT_USAGE, "interrupted": EXIT_INTERRUPTED,
+             "terminated": EXIT_TERMINATED}  # fmt: skip
+    return {"commands": commands, "exit_codes": codes}
+
+
+def test_the_cli_surface_is_frozen(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # torchrun changes one default
+    monkeypatch.delenv("RANK", raising=False)
+    now = json.loads(json.dumps(surface()))
+    if os.environ.get("UPDATE_CLI_SURFACE"):
+        SURFACE.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
+    frozen = json.loads(SURFACE.read_text())
+    assert now == frozen, "the CLI surface changed: regenerate tests/cli_surface.json on purpose"
+
+
+def test_every_flag_has_one_line_of_help_with_its_default():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.dest in ("help",) or not action.option_strings:
+                continue
+            assert action.help and "\n" not in action.help, (name, action.option_strings)
+            if action.nargs != 0 and action.dest not in ("impl", "impls", "script"):
+                assert "default" in action.help or action.required or "(" in action.help, (
+                    name, action.option_strings, action.help,
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["consistency", "--impl", "hang:raise"], "unknown implementation 'hang:raise' for consistency"),
+        (["equivalence", "--impl", "hang:skip-collective"], "for equivalence; choose one of"),
+        (["matrix", "--impl", "hang:raise"], "for matrix; choose one of naive"),
+        (["hang", "--impl", "faulty:no-divide"], "for hang; choose one of naive"),
+        (["hang", "--scenarios", "--impl", "naive"], "--scenarios and --impl cannot be used together"),
+        (["hang", "--nproc", "2", "--world-size", "3", "--", "x.py"], "--nproc and --world-size"),
+        (["consistency", "--impl", "naive", "--threads-per-rank", "0"], "--threads-per-rank must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_names_offered_are_names_that_run(capsys):
+    """`hang:*` only where they run (hang); `faulty:*` listed by `list`."""
+    assert main(["consistency", "--impl", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "faulty:no-divide" in err and "hang:" not in err
+    assert main(["hang", "--impl", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "hang:skip-collective" in err and "faulty:" not in err
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "faulty:no-divide" in out and "hang:deadlock" in out
+
+
+@pytest.mark.parametrize("command", ["hang"])
+def test_a_bad_out_is_one_line_and_exit_2(command, tmp_path, capsys):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    assert main([command, "--impl", "naive", "--out", str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a folder" in err, err
+    assert main([command, "--impl", "naive", "--out", "/proc/ddp-verify"]) == 2
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_a_timeout_is_not_a_fault():
+    """Out of time before a verdict: exit 2 and "timeout" in the JSON, with what each rank was
+    doing, never "FAULT"."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "verify", "consistency", "--impl", "bucketed", "--workload",
+         "transformer", "--model-size", "2", "--steps", "100", "--timeout", "1", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["verdict"] == "timeout" and doc["passed"] is False
+    assert doc["headline"].startswith("TIMEOUT: timed out after"), doc["headline"]
+    assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupting_a_long_command_ends_it_at_once(sig, code):
+    """Ctrl-C (or SIGTERM) in the middle of a matrix: one line, exit 130 (143), within 2 s,
+    no rank left running, no rank traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verify", "matrix", "--impl", "naive", "--impl", "bucketed"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        ranks: set[int] = set()
+        while time.monotonic() < deadline and len(ranks) < 2:  # ranks at work
+            time.sleep(0.5)
+            ranks = _children(proc.pid)
+        assert ranks, "no rank started"
+        time.sleep(1.0)
+        ranks |= _children(proc.pid)
+        proc.send_signal(sig)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert took < 2.0, took
+    assert "verify: interrupted" in err and "Traceback" not in err, err
+    time.sleep(0.2)
+    assert not [p for p in ranks if _alive(p)]

@@ -1,0 +1,89 @@
+"""Verdicts that hold under load (issue 9): with a CPU hog on every core, the hang scenarios,
+a rank that computes for a long time, a script that hangs, and a consistency and an
+equivalence run give exactly the verdicts they give on an idle machine, and nothing is left
+running afterwards.
+
+The hogs are started and killed by the test (bounded by its own time limit). Under them each
+rank gets a fraction of a core, so everything is slower: a rank that works must still read as
+working (its CPU time advances), never as hung, and a hang must still be called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from verify.checks.consistency import ConsistencyOptions, check_consistency
+from verify.checks.equivalence import EquivalenceOptions, check_equivalence
+from verify.checks.hang import HangOptions, as_expected, check_hang
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+STALL_S = 3.0
+
+
+@contextlib.contextmanager
+def hogs():
+    """One busy process per core, killed on the way out whatever happens."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_verdicts_hold_with_every_core_busy(tmp_path):
+    out = str(tmp_path)
+
+    def script(*argv):
+        options = HangOptions(
+            script=(SCRIPT, *argv), nproc=2, stall_timeout_s=STALL_S, out=out, console="none"
+        )
+        return check_hang(options)
+
+    with hogs() as hog_pids:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            scenarios = pool.submit(
+                check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=2)
+            )
+            computing = pool.submit(script, "compute", str(3 * STALL_S))
+            skipping = pool.submit(script, "skip")
+            consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
+            equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
+            wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
+            scenarios, computing, skipping = (
+                scenarios.result(), computing.result(), skipping.result()
+            )
+    problems = [
+        f"{r.options.impl}: {r.diagnosis.verdict} ({r.diagnosis.headline})"
+        for r in scenarios.results
+        if not as_expected(r)
+    ]
+    assert not problems, "\n".join(problems)
+    assert computing.verdict == "pass", computing.diagnosis.text()
+    assert any("computing" in n for n in computing.notes), computing.notes
+    d = skipping.diagnosis
+    assert skipping.verdict == "fault" and d.verdict == "hang" and d.culprit == 1, d.text()
+    assert consistency.verdict == "pass", consistency.headline + (consistency.failure or "")
+    assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
+    assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
+    pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
+    assert pids and not [p for p in pids + hog_pids if _alive(p)]
