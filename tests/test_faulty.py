@@ -22,7 +22,7 @@ from verify.checks.matrix import CERTIFIED
 from verify.cli.text_matrix import detection as format_detection
 
 # Modules of impls.faulty.
-FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults")
+FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults")
 
 
 def family(name: str) -> tuple[str, ...]:

@@ -177,16 +177,19 @@ def test_every_scenario_is_diagnosed(runs):
     _check_slow_rank_user_script_and_student_ddp(runs)
 
 
+def _all_reduce_line() -> int:
+    """The line of hang_script.py where every rank all-reduces its gradients."""
+    text = Path(SCRIPT).read_text().splitlines()
+    return next(i for i, line in enumerate(text, 1) if "dist.all_reduce(p.grad)" in line)
+
+
 def _check_slow_rank_user_script_and_student_ddp(runs):
     doc = runs["hang:slow-rank"]
     assert doc["exit"] == 0 and doc["diagnosis"]["verdict"] == "ok", doc["diagnosis"]
     assert not [p for p in doc["pids"].values() if _alive(p)]
     d = runs["script:skip"]["diagnosis"]  # a user's script that hangs, and one that does not
     assert runs["script:skip"]["exit"] == 1 and d["verdict"] == "hang", d["headline"]
-    line = next(
-        i for i, text in enumerate(Path(SCRIPT).read_text().splitlines(), 1)
-        if "dist.all_reduce(p.grad)" in text
-    )  # fmt: skip
+    line = _all_reduce_line()
     assert d["culprit"] == 1 and f"hang_script.py:{line}" in d["site"], d["headline"]
     assert "skipped all_reduce" in d["headline"] and "barrier" in d["headline"]
     assert not [p for p in runs["script:skip"]["pids"].values() if _alive(p)]
@@ -358,7 +361,7 @@ def test_torchrun_node_watchdog(tmp_path):
     assert reports, stderr[-3000:]
     d = json.loads(reports[0].read_text())
     assert d["verdict"] == "hang" and d["culprit"] == 1, d["headline"]
-    assert "hang_script.py:25" in d["headline"]
+    assert f"hang_script.py:{_all_reduce_line()}" in d["headline"]
     assert "verify.hang_run (node watchdog)" in stderr, stderr[-3000:]
     assert _session_members(proc.pid) == []  # torchrun and every rank are gone
 

@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import TextIO
 
 _LEN = struct.Struct("<I")
@@ -47,8 +48,11 @@ class RankProcess:
         log_path: str,
         stream: TextIO | None = None,
         err_path: str | None = None,
+        zygote=None,
     ) -> None:
         self.rank = rank
+        self.zygote = zygote  # fork from it (`zygote.py`) rather than start an interpreter
+        self._pid: int | None = None
         self.job_path = job_path
         self.env = env
         self.log_path = log_path  # stdout and stderr (or stdout only, with err_path)
@@ -62,6 +66,17 @@ class RankProcess:
 
     def start(self) -> None:
         read_end, write_end = os.pipe()
+        if self.zygote is not None and self.stream is None and self.err_path is None:
+            try:
+                self._pid = self.zygote.spawn(self.job_path, self.env, self.log_path, write_end)
+            finally:
+                if self._pid is not None:
+                    os.close(write_end)
+            if self._pid is not None:
+                os.set_blocking(read_end, False)
+                self.fd = read_end
+                return
+        self.zygote = None  # refused or gone: a fresh interpreter
         try:
             out = err = None
             if self.stream is None:
@@ -91,13 +106,21 @@ class RankProcess:
 
     @property
     def pid(self) -> int | None:
+        if self._pid is not None:
+            return self._pid
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def started(self) -> bool:
+        return self.pid is not None
+
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.started and self.exitcode is None
 
     @property
     def exitcode(self) -> int | None:
+        if self._pid is not None:
+            return self.zygote.exitcode(self._pid)
         return self.proc.poll() if self.proc is not None else None
 
     def messages(self) -> list[tuple]:
@@ -130,15 +153,25 @@ class RankProcess:
         if not self.running():
             return False
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, sig)
+            os.kill(self.pid, sig)
             return True
         return False
+
+    def wait(self, timeout: float) -> None:
+        if self._pid is not None:
+            self.zygote.wait(self._pid, timeout)
+        elif self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
 
     def _reap(self) -> None:
         # The rank leads its own session: end what it started (and itself, if still there).
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+            os.killpg(self.pid, signal.SIGKILL)
+        if self._pid is not None:
+            self.zygote.wait(self._pid, 10.0)  # the zygote reaps it and tells us
+        else:
+            self.proc.wait()
         for pump in self._pumps:
             pump.join(timeout=2)
         if self.fd is not None:
@@ -150,12 +183,12 @@ class RankProcess:
 def end_all(ranks: list[RankProcess], grace_s: float = 0.5) -> None:
     """SIGTERM every rank at once (none outlives a peer long enough to report its death as
     its own failure), a short wait, then SIGKILL their sessions and reap them all."""
-    started = [r for r in ranks if r.proc is not None]
+    started = [r for r in ranks if r.started]
     for r in started:
         r.signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
     for r in started:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            r.proc.wait(grace_s)
+        r.wait(max(0.0, end - time.monotonic()))
     for r in started:
         r._reap()
 

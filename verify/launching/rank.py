@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from verify.launching import process, threads
 from verify.launching.outcome import RankContext
@@ -60,9 +60,13 @@ class RankJob:
     argv: tuple[str, ...] = field(default_factory=tuple)
 
 
-def main(job_path: str, fd: int) -> None:
+def main(job_path: str, fd: int, parent: int | None = None) -> None:
+    """The entry point: `parent` is the process this rank must die with, when it is not the
+    tool itself (a rank forked by the zygote dies with the zygote, which dies with the tool)."""
     with open(job_path, "rb") as f:
         job: RankJob = pickle.load(f)
+    if parent is not None:
+        job = replace(job, ppid=parent)
     run_job(job, fd)
 
 

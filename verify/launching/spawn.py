@@ -43,6 +43,7 @@ from verify.launching.outcome import LaunchResult
 from verify.launching.rank import RankJob
 from verify.launching.supervisor import STARTUP_CAP_S
 from verify.launching.threads import thread_budget
+from verify.launching.zygote import Zygote
 
 SPAWNED_ENV = "DDP_VERIFY_SPAWNED"  # marks our ranks: they must not mistake us for torchrun
 STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (scenarios do)
@@ -51,6 +52,10 @@ STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (sc
 DEFAULT_STALL_TIMEOUT_S = 10.0
 # The parent's deadline must come first, so a hang yields stacks rather than a gloo error.
 _PG_TIMEOUT_SLACK_S = 10.0
+# Variables torch reads when it is imported: a launch that sets them cannot fork its ranks
+# from the zygote (which imported torch long ago); they start fresh interpreters.
+_READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_")
+NO_ZYGOTE_ENV = "DDP_VERIFY_NO_ZYGOTE"  # "1": always start fresh interpreters
 
 
 def launch(
@@ -128,6 +133,10 @@ def launch(
         for r in range(world_size)
     ]
     child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
+    zygote = None
+    if backend == "gloo" and not any(k.startswith(_READ_AT_IMPORT) for k in env or {}):
+        if os.environ.get(NO_ZYGOTE_ENV) != "1":
+            zygote = Zygote.get()
     if stall_timeout_s is not None:
         child_env[STALL_ENV] = repr(stall_timeout_s)
     try:
@@ -141,6 +150,7 @@ def launch(
             report_dir=report_dir,
             threads=budget.describe(),
             start=time.monotonic(),
+            zygote=zygote,
         )
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

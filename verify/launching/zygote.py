@@ -1,0 +1,220 @@
+"""The zygote: one interpreter per tool process that has imported torch once, and forks ranks.
+
+Why: a fresh interpreter spends ~2 s of CPU importing torch before a rank does anything; the
+checks and the test suite start hundreds of ranks. A rank forked from a process that already
+imported torch starts in milliseconds.
+
+Why it is safe: `fork` copies one thread, so it is safe only in a process that has one thread
+and no state a thread or a device would hold. The zygote imports torch and this tool's modules
+and nothing else happens in it: no tensor operation (OpenMP and MKL start their threads at the
+first parallel region, in the rank), no CUDA, no process group; numpy's OpenBLAS, which starts
+a thread at import, is held to one thread (OPENBLAS_NUM_THREADS=1). Before every fork it
+checks that it still has exactly one thread, and refuses (the launcher then starts a fresh
+interpreter) otherwise.
+
+When it is used (`spawn.launch` decides): function ranks on gloo whose launch adds no variable
+torch reads at import (TORCH_*, NCCL_*, the hang report's debug logging). A user's script
+always gets a fresh interpreter, exactly as `python train.py` would.
+
+Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
+launch's environment and working directory, and dies with the zygote, which dies with the
+tool (PR_SET_PDEATHSIG). The zygote reaps its children and tells the tool their exit status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BOOT = (
+    f"import sys; sys.path.insert(0, {_ROOT!r}); "
+    "from verify.launching.zygote import serve; serve(int(sys.argv[1]))"
+)
+_PRELOAD = ("torch", "torch.distributed", "verify.launching.rank", "verify.checks.cells")
+_MAX_MSG = 1 << 20
+
+
+class Zygote:
+    """The tool's side: ask for a rank, learn its exit status (module docstring)."""
+
+    _instance: Zygote | None = None
+    _failed = False
+    _class_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> Zygote | None:
+        """The process's zygote, started on first use; None if it cannot run here."""
+        with cls._class_lock:
+            if cls._instance is None and not cls._failed:
+                try:
+                    cls._instance = cls()
+                except OSError:
+                    cls._failed = True
+            return cls._instance
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "ZYGOTE_PARENT": str(os.getpid())}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()  # one request at a time
+        self.changed = threading.Condition()
+        self.exits: dict[int, int] = {}
+        self.replies: dict[int, int | None] = {}
+        self.alive = True
+        self._next = 0
+        threading.Thread(target=self._read, name="ddp-verify-zygote", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def spawn(self, job_path: str, env: dict, log_path: str, report_fd: int) -> int | None:
+        """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
+        zygote refused or is gone (the caller then starts a fresh interpreter)."""
+        with self.lock:
+            self._next += 1
+            ident = self._next
+            request = pickle.dumps((ident, job_path, env, log_path, os.getcwd()))
+            try:
+                socket.send_fds(self.sock, [request], [report_fd])
+            except OSError:
+                return None
+        with self.changed:
+            self.changed.wait_for(lambda: ident in self.replies or not self.alive, timeout=30)
+            return self.replies.pop(ident, None)
+
+    def exitcode(self, pid: int) -> int | None:
+        """The rank's exit status as Popen gives it (negative: killed by that signal)."""
+        with self.changed:
+            return self.exits.get(pid)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        with self.changed:
+            self.changed.wait_for(lambda: pid in self.exits or not self.alive, timeout=timeout)
+            return self.exits.get(pid)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_MAX_MSG)
+            except OSError:
+                data = b""
+            with self.changed:
+                if not data:
+                    self.alive = False
+                    self.changed.notify_all()
+                    return
+                kind, a, b = pickle.loads(data)
+                if kind == "started":
+                    self.replies[a] = b
+                else:
+                    self.exits[a] = b
+                self.changed.notify_all()
+
+
+# ------------------------------------------------------------ inside the zygote
+
+
+def serve(fd: int) -> None:
+    """The zygote's loop: preload, then fork a rank per request and report exits."""
+    parent = int(os.environ.pop("ZYGOTE_PARENT"))
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+    for name in _PRELOAD:
+        __import__(name)
+    sock = socket.socket(fileno=fd)
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([sock], [], [], 0.05)
+        _reap(sock, children)
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
+        except OSError:
+            os._exit(0)
+        if not data:
+            os._exit(0)  # the tool is gone
+        ident, job_path, env, log_path, cwd = pickle.loads(data)
+        pid = _fork(sock, job_path, env, log_path, cwd, fds[0]) if _one_thread() else None
+        for f in fds:
+            os.close(f)
+        if pid is not None:
+            children.add(pid)
+        _send(sock, ("started", ident, pid))
+
+
+def _fork(sock, job_path: str, env: dict, log_path: str, cwd: str, report_fd: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:  # the rank: nothing here may return into the zygote's loop
+        sock.close()
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        from verify.launching import rank
+
+        rank.main(job_path, report_fd, parent=os.getppid())
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(sock, children: set[int]) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if done:
+            children.discard(pid)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            _send(sock, ("exit", pid, code))
+
+
+def _one_thread() -> bool:
+    return len(os.listdir("/proc/self/task")) == 1 if os.path.isdir("/proc/self/task") else False
+
+
+def _send(sock, message: tuple) -> None:
+    with contextlib.suppress(OSError):
+        sock.send(pickle.dumps(message))
