@@ -20,6 +20,7 @@ collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` /
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
-from verify import runs
+from verify import progress, runs
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, RunOptions, knob
@@ -64,6 +65,9 @@ class HangOptions(RunOptions, OutputOptions):
         600.0, "how long the run may take", flag="--timeout", unit="s", positive=True
     )
     backend: str = knob("gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"))
+    sanitize: bool = knob(
+        False, "with --nproc: run the script under the race sanitizer (docs/races.md)"
+    )
     console: str = knob("stdout", "where a script's output is echoed", cli=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class HangOptions(RunOptions, OutputOptions):
             raise ValueError(
                 "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"
             )
+        if self.sanitize and not self.script:
+            raise ValueError("--sanitize applies to a script: --nproc N --sanitize -- train.py")
         if self.impl:
             resolve(self.impl, kinds=HANG_KINDS, command="hang")
         if self.script and not os.path.isfile(self.script[0]):
@@ -106,10 +112,11 @@ class HangResult:
     pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
     notes: tuple[str, ...] = ()
     threads: str = ""
+    races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
 
     @property
     def verdict(self) -> str:
-        if self.diagnosis.faulty:
+        if self.diagnosis.faulty or self.races:
             return "fault"
         return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
 
@@ -131,6 +138,7 @@ class HangResult:
             "pids": self.pids,
             "notes": list(self.notes),
             "threads": self.threads,
+            "races": list(self.races),
         }
 
 
@@ -172,6 +180,7 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
             options.script, nproc=options.ranks, report_dir=report_dir,
             stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s, env=env,
             threads_per_rank=options.threads_per_rank, console=console,
+            sanitize=options.sanitize,
         )  # fmt: skip
     else:
         run = launch(
@@ -184,9 +193,11 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     files, pids = finish_report(report_dir, options.ranks)
     diagnosis = replace(run.diagnosis, files=dict(files))
     failure = None if run.ok else run.summary()
+    races = _races(report_dir, options.ranks) if options.sanitize else ()
     result = HangResult(
-        options, diagnosis, report_dir, elapsed, failure, files, pids, run.notes, run.threads
-    )
+        options, diagnosis, report_dir, elapsed, failure, files, pids, run.notes, run.threads,
+        races,
+    )  # fmt: skip
     runs.write_json(Path(report_dir) / "report.json", result.to_dict())
     return result
 
@@ -228,6 +239,15 @@ def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int
     return files, pids
 
 
+def _races(report_dir: str, world: int) -> tuple[dict, ...]:
+    """The race sanitizer's findings of every rank (`rank<r>.races.json`)."""
+    found = []
+    for r in range(world):
+        with contextlib.suppress(OSError, ValueError):
+            found += json.loads((Path(report_dir) / f"rank{r}.races.json").read_text())
+    return tuple(found)
+
+
 # ------------------------------------------------------------ every scenario
 
 
@@ -237,8 +257,13 @@ def run_scenarios(options: HangOptions) -> ScenariosResult:
     # The scenarios run side by side: their ranks share the machine's threads.
     threads = options.threads_per_rank or thread_budget(options.jobs * options.ranks).per_rank
 
+    total, done = len(scenarios.SCENARIOS), []
+
     def one(name: str) -> HangResult:
-        return check_hang(replace(options, impl=name, scenarios=False, threads_per_rank=threads))
+        result = check_hang(replace(options, impl=name, scenarios=False, threads_per_rank=threads))
+        done.append(name)
+        progress.say(f"hang scenarios: {len(done)}/{total} done ({name}: {result.diagnosis.verdict})")
+        return result
 
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
         return ScenariosResult(options, tuple(pool.map(one, scenarios.SCENARIOS)))

@@ -103,6 +103,9 @@ def hang(result: HangResult | ScenariosResult) -> str:
     )
     d = result.diagnosis
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d)]
+    if result.races:
+        lines.append(f"RACES: {len(result.races)} found by --sanitize:")
+        lines += [f"  - {r['message']}" for r in result.races[:10]]
     lines += [f"note: {n}" for n in result.notes]
     if result.threads:
         lines.append(f"note: ranks ran with {result.threads}")

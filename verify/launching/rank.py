@@ -58,6 +58,7 @@ class RankJob:
     pg_timeout_s: float = 1800.0
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
+    races_path: str | None = None  # run the script under the race sanitizer; findings here
 
 
 def main(job_path: str, fd: int, parent: int | None = None) -> None:
@@ -176,6 +177,7 @@ def _run_script(job: RankJob, fd: int | None) -> None:
         tracer.install(job.trace_path, rank=job.rank)
     _report_up_after_init(dist, fd)
     _start_helper(job)
+    sanitizer = _sanitize(job)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -190,7 +192,32 @@ def _run_script(job: RankJob, fd: int | None) -> None:
         traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
         sys.stderr.flush()
         os._exit(1)
+    finally:
+        _save_races(sanitizer, job)
     process.send(fd, ("ok", pickle.dumps(None)))
+
+
+def _sanitize(job: RankJob):
+    """The race sanitizer around a user's script (`hang --nproc N --sanitize`): a script has
+    no steps the tool knows of, so works never waited on are found when it ends."""
+    if job.races_path is None:
+        return None
+    from verify.sanitize import Sanitizer
+
+    sanitizer = Sanitizer(rank=job.rank)
+    sanitizer.install()
+    return sanitizer
+
+
+def _save_races(sanitizer, job: RankJob) -> None:
+    if sanitizer is None:
+        return
+    import json
+
+    with contextlib.suppress(Exception):
+        sanitizer.end_step()
+        with open(job.races_path, "w") as f:
+            json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
 
 
 def _report_up_after_init(dist, fd: int | None) -> None:

@@ -39,6 +39,7 @@ def run_script(
     env: dict[str, str] | None = None,
     threads_per_rank: int | None = None,
     console: TextIO | None = None,
+    sanitize: bool = False,
 ) -> LaunchResult:
     """Run `python argv[0] argv[1:]` as `nproc` ranks under the watchdog; see the docstring.
 
@@ -51,6 +52,8 @@ def run_script(
         env: extra environment variables for the ranks.
         threads_per_rank: intra-op threads per rank; None: the machine's share.
         console: where the ranks' output is echoed with a rank prefix (None: files only).
+        sanitize: run each rank under the race sanitizer; its findings go to
+            `rank<r>.races.json` in the report folder.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -85,6 +88,7 @@ def run_script(
                 trace_path=os.path.join(report_dir, f"rank{r}.trace"),
                 helper_dir=report_dir,
                 argv=tuple(argv),
+                races_path=os.path.join(report_dir, f"rank{r}.races.json") if sanitize else None,
             )
             for r in range(nproc)
         ]

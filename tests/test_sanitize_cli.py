@@ -1,0 +1,54 @@
+"""`--sanitize` through the CLI (issue 12): a user's script under `hang --nproc`, the checks
+on PyTorch DDP (whose C++ reducer the sanitizer cannot see, and says so), and the commands
+that cannot use it refusing it in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RACY = "tests/fixtures/race_script.py"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "verify", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+
+
+def test_a_racy_script_is_caught_under_hang_nproc_sanitize(tmp_path):
+    proc = _cli("hang", "--nproc", "2", "--sanitize", "--out", str(tmp_path), "--json", "--", RACY)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["verdict"] == "fault" and doc["diagnosis"]["verdict"] == "ok"  # no hang: a race
+    messages = [r["message"] for r in doc["races"]]
+    assert any("div_" in m and "race_script.py:" in m and "in flight" in m for m in messages)
+    assert {r["rank"] for r in doc["races"]} == {0, 1}
+
+
+def test_pytorch_ddp_is_clean_and_its_blind_spot_said(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["equivalence", "--impl", "torch-ddp", "--steps", "2", "--sanitize"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "PyTorch DDP's reducer issues its collectives from C++" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hang", "--impl", "naive", "--sanitize"], "--sanitize applies to a script"),
+        (["profile", "--impl", "naive", "--sanitize"], "unrecognized arguments: --sanitize"),
+    ],
+)
+def test_commands_that_cannot_use_it_refuse_it(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
