@@ -30,8 +30,9 @@ from verify.checks.equivalence import _local, _merge
 from verify.checks.reference import Reference
 from verify.checks.sanitizing import training
 from verify.launching import RankContext
+from verify.training.interface import InterfaceError
 from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
-from verify.training.trainer import Hooks, InterfaceError, Trainer
+from verify.training.trainer import Hooks, Trainer
 
 CHECKS = ("consistency", "equivalence", "shard")
 STATUSES = ("pass", "fail", "not claimed", "n/a", "refused")

@@ -43,7 +43,8 @@ from verify.checks.verdict import (
     verdict_of,
 )
 from verify.launching import RankContext
-from verify.training.trainer import Hooks, InterfaceError, Progress, Trainer, TrainSpec
+from verify.training.interface import InterfaceError
+from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
 
 NO_BROADCAST = (
     "parameters were not broadcast from rank 0 (if the design seeds every rank alike instead, "

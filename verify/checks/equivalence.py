@@ -36,10 +36,10 @@ from verify.checks.verdict import (
 )
 from verify.launching import RankContext
 from verify.options import knob
+from verify.training.interface import InterfaceError
 from verify.training.trainer import (
     OPTIMIZERS,
     SCHEDULER_GAMMA,
-    InterfaceError,
     Progress,
     TrainSpec,
 )

@@ -18,17 +18,14 @@ so replicas agree only if the wrapper broadcasts from rank 0 at construction; `s
 seeds every rank alike, for designs that rely on identical seeding instead (picotron).
 
 Every call into the code under test is made inside `self.calling(what)`, which says, when it
-raises, what the tool was doing: "optimizer.step() at step 2, the first step after loading
-the optimizer's state_dict". An exception raised by the constructor of the class under test,
-or a call that does not match the contract (a `TypeError` about the call's arguments), is an
-`InterfaceError`: the tool could not drive the class, a usage error rather than a fault.
+raises, what the tool was doing: "optimizer.step() at step 2, the first step after the
+optimizer state_dict round trip". A class the tool cannot construct or call as the contract
+says raises `InterfaceError` (`interface.py`): a usage error rather than a fault.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-import traceback
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -40,8 +37,14 @@ from torch.profiler import record_function
 from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
 from verify.launching.outcome import RankContext
 from verify.training import checkpoint
+from verify.training.interface import (
+    InterfaceError,
+    call_message,
+    call_mismatch,
+    constructor_message,
+    distributed,
+)
 from verify.training.workloads import Batch, Workload, get_workload
-from verify.watching import stacks
 
 OPTIMIZERS = ("adamw", "sgd")
 SGD_MOMENTUM = 0.9
@@ -101,16 +104,6 @@ class TrainSpec:
         if self.local_batch is not None:
             options["local_batch"] = self.local_batch
         return get_workload(self.workload, **options)
-
-
-class InterfaceError(Exception):
-    """The class under test cannot be constructed or driven as the contract says (DESIGN.md):
-    the check cannot run, a usage error (exit 2), not a fault of the class. `reason` is the
-    short form (what raised, where), without the reminder of the contract."""
-
-    def __init__(self, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason or message
 
 
 class Hooks:
@@ -214,10 +207,10 @@ class Trainer:
         try:
             yield
         except Exception as exc:
-            if _distributed(exc):
+            if distributed(exc):
                 exc.add_note(f"while ddp-verify constructed {what}")
                 raise
-            message, reason = _constructor_message(self.spec.impl, what, exc)
+            message, reason = constructor_message(self.spec.impl, what, exc)
             raise InterfaceError(message, reason) from exc
 
     # --- one step -------------------------------------------------------------------------
@@ -300,8 +293,8 @@ class Trainer:
         except Exception as exc:
             if isinstance(exc, InterfaceError):
                 raise
-            if _call_mismatch(exc):
-                raise InterfaceError(_call_message(self.spec.impl, what, exc)) from exc
+            if call_mismatch(exc):
+                raise InterfaceError(call_message(self.spec.impl, what, exc)) from exc
             exc.add_note(f"while ddp-verify ran {self.describe(what)}")
             raise
 
@@ -315,57 +308,3 @@ class Trainer:
 
 def _plain(params, optimizer_cls, **defaults) -> torch.optim.Optimizer:
     return optimizer_cls(params, **defaults)
-
-
-def _distributed(exc: BaseException) -> bool:
-    """Raised by a collective (a mismatch, a peer that died): a fault, not an interface. The
-    backends raise DistError, or a RuntimeError whose text names them (gloo's
-    "Connection closed by peer", NCCL's errors)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(k in text for k in _BACKEND_WORDS)
-
-
-_BACKEND_WORDS = ("gloo", "NCCL", "nccl", "Connection", "connection", "Timed out", "timed out")
-
-
-_SIGNATURE = re.compile(
-    r"(got an unexpected keyword argument|takes \d+ positional argument|takes from \d+ to \d+ "
-    r"positional|missing \d+ required (positional|keyword-only) argument|got multiple values "
-    r"for argument)"
-)
-
-
-def _call_mismatch(exc: BaseException) -> bool:
-    """A TypeError raised by the call itself (its arguments do not fit the signature), not by
-    code inside it: the innermost frame is the caller's, never the class under test's."""
-    if not isinstance(exc, TypeError) or not _SIGNATURE.search(str(exc)):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and stacks.is_plumbing(frames[-1].filename)
-
-
-def _constructor_message(spec: str | None, what: str, exc: BaseException) -> tuple[str, str]:
-    where = stacks.traceback_site("".join(traceback.format_exception(exc))) or ""
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    reason = f"constructing {what} raised {type(exc).__name__}: {first}" + (
-        f" at {where}" if where else ""
-    )
-    return (
-        f"--impl {spec}: {reason}; the tool constructs a DDP wrapper as Cls(module) (plus "
-        "bucket_size_mb= or bucket_cap_mb= when it takes one) and a sharded optimizer as "
-        "Cls(params, optimizer_cls, **defaults) (docs/verify-your-own-ddp.md)",
-        reason,
-    )
-
-
-def _call_message(spec: str | None, what: str, exc: BaseException) -> str:
-    return (
-        f"--impl {spec}: the tool could not call {what}: {type(exc).__name__}: {exc}; the "
-        "contract: forward(*inputs, **kwargs) runs the wrapped module, and "
-        "finish_gradient_synchronization() and on_train_batch_start() take no arguments "
-        "(docs/verify-your-own-ddp.md)"
-    )

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from verify.launching.outcome import RankOutcome
 
-from verify.watching import stacks
 from verify.watching.findings import Diagnosis, TraceFinding
+from verify.watching.ranks import failure_finding, instead, stall_finding, where
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
@@ -77,16 +77,16 @@ def diagnose(
     failed.sort(
         key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
     )
-    lines = [_where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
+    lines = [where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
     head: TraceFinding | None = None
     if structural:
         head = structural[0]
     elif failed:
         root = failed[0]
-        head = _failure_finding(root, traces, now)
+        head = failure_finding(root, traces, now)
         findings.insert(0, head)
     elif stalled:
-        head = _stall_without_mismatch(ranks, traces)
+        head = stall_finding(ranks, traces)
         findings.insert(0, head)
     elif desyncs:
         head = desyncs[0]
@@ -315,117 +315,11 @@ def _extra_ops(k, present, colls, most: int = 8) -> list[int]:
 def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
     culprit = absent[0]
     ref = present[min(present)]
-    instead = _instead(ranks[culprit], traces[culprit], colls[culprit])
+    doing = instead(ranks[culprit], traces[culprit], colls[culprit])
     waiting = [r for r, rec in present.items() if rec.pending]
     who = f"rank(s) {_ranks(waiting or present)} " + ("wait in it" if waiting else "issued it")
     message = (
         f"rank {_ranks(absent)} never issued {ref.describe()}; {who} at {ref.site}; "
-        f"rank {culprit} {instead[0]}"
+        f"rank {culprit} {doing[0]}"
     )
-    return TraceFinding("missing", culprit, message, ref.describe(), ref.site, instead[1])
-
-
-def _instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | None]:
-    """What a rank that did not reach a collective is doing instead, and where."""
-    last = trace.records[-1] if trace and trace.records else None
-    pending = [r for r in (trace.records if trace else ()) if r.pending]
-    if state.status == "crashed":
-        after = f" after {last.describe()} at {last.site}" if last else ""
-        return f"{state.error or 'crashed'}{after}", last.site if last else None
-    if state.status == "error":
-        where = stacks.traceback_site(state.traceback)
-        return f"raised {state.error}" + (f" at {where}" if where else ""), where
-    if state.status == "ok":
-        return "returned without issuing it (its work finished)", None
-    if pending:
-        p = pending[-1]
-        return f"is waiting in {p.describe()} at {p.site}", p.site
-    frames = stacks.innermost_frames(state.stack) or None
-    if frames:
-        return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
-    return "is outside any collective (no stack was captured)", None
-
-
-def _failure_finding(root: RankOutcome, traces, now) -> TraceFinding:
-    """A rank raised or died and no collective mismatch explains it."""
-    trace = traces[root.rank] if root.rank < len(traces) else None
-    waiting = []
-    for t in traces:
-        if t and t.rank != root.rank:
-            waiting += [r for r in t.records if r.pending][-1:]
-    instead = _instead(root, trace, {})
-    wait = f"; rank(s) {_ranks(sorted(t.rank for t in traces if t and t.rank != root.rank))} "
-    if waiting:
-        w = waiting[0]
-        wait += f"were waiting in {w.describe()} at {w.site}"
-        collective, site = w.describe(), w.site
-    else:
-        wait, collective, site = "", None, instead[1]
-    kind = "raised" if root.status == "error" else "crashed"
-    return TraceFinding(kind, root.rank, f"rank {root.rank} {instead[0]}{wait}", collective, site,
-                   instead[1])  # fmt: skip
-
-
-def _stall_without_mismatch(ranks, traces) -> TraceFinding:
-    """No rank progressed, yet the records agree: name who waits where and who is elsewhere."""
-    waiting = {}
-    for t in traces:
-        pending = [r for r in t.records if r.pending] if t else []
-        if pending:
-            waiting[t.rank] = pending[-1]
-    idle = [r for r in ranks if r.rank not in waiting and r.status not in ("ok",)]
-    if idle and waiting:
-        culprit = idle[0]
-        instead = _instead(culprit, traces[culprit.rank], {})
-        w = next(iter(waiting.values()))
-        message = (
-            f"rank {culprit.rank} {instead[0]}, while rank(s) {_ranks(waiting)} wait in "
-            f"{w.describe()} at {w.site}"
-        )
-        return TraceFinding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
-                       instead[1])  # fmt: skip
-    if waiting:
-        rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
-        if w.p2p:
-            message = (
-                f"rank {rank} waits in {w.describe()} at {w.site}, which its peer never matched"
-            )
-        else:
-            message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
-                f"{w.describe()} at {w.site}"
-            )
-        return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
-    return TraceFinding("stalled", 0, "no rank progressed, and none is inside a collective")
-
-
-def _where(state: RankOutcome, trace: Trace | None, now: float) -> str:
-    pending = [r for r in trace.records if r.pending] if trace else []
-    last = trace.records[-1] if trace and trace.records else None
-    n = len(trace.records) if trace else 0
-    head = f"rank {state.rank} [{state.status}]"
-    if state.status == "crashed":
-        said = _last_words(state.stderr)
-        return (
-            f"{head}: {state.error}; last collective: "
-            + (f"{last.describe()} at {last.site}" if last else "none")
-            + (f"; its stderr ended with: {said}" if said else "")
-        )
-    if state.status == "error":
-        site = stacks.traceback_site(state.traceback)
-        return f"{head}: {state.error}" + (f" at {site}" if site else "")
-    if pending:
-        p = pending[-1]
-        return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} at {p.site}"
-    if state.status == "ok":
-        return f"{head}: finished; {n} collective(s) traced"
-    frames = stacks.innermost_frames(state.stack)
-    return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
-
-
-def _last_words(stderr: str | None) -> str | None:
-    """The backend's reason for killing a rank: the last stderr line that is not a log line."""
-    if not stderr:
-        return None
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith(("[I", "[W")) and "Warning" not in ln]
-    return lines[-1][:300] if lines else None
+    return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])

@@ -1,0 +1,128 @@
+"""What each rank was doing, in words: the part of a diagnosis that is not a comparison.
+
+`instead` says what a rank that did not reach a collective is doing instead (dead, finished,
+waiting elsewhere, outside any collective and where); `where` gives one line per rank for the
+report; `failure_finding` and `stall_finding` explain a run that failed or stalled when no
+collective mismatch does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from verify.watching import stacks
+from verify.watching.findings import TraceFinding
+from verify.watching.trace_file import Trace
+
+if TYPE_CHECKING:
+    from verify.launching.outcome import RankOutcome
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | None]:
+    """What a rank that did not reach a collective is doing instead, and where."""
+    last = trace.records[-1] if trace and trace.records else None
+    pending = [r for r in (trace.records if trace else ()) if r.pending]
+    if state.status == "crashed":
+        after = f" after {last.describe()} at {last.site}" if last else ""
+        return f"{state.error or 'crashed'}{after}", last.site if last else None
+    if state.status == "error":
+        where = stacks.traceback_site(state.traceback)
+        return f"raised {state.error}" + (f" at {where}" if where else ""), where
+    if state.status == "ok":
+        return "returned without issuing it (its work finished)", None
+    if pending:
+        p = pending[-1]
+        return f"is waiting in {p.describe()} at {p.site}", p.site
+    frames = stacks.innermost_frames(state.stack) or None
+    if frames:
+        return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
+    return "is outside any collective (no stack was captured)", None
+
+
+def failure_finding(root: RankOutcome, traces, now) -> TraceFinding:
+    """A rank raised or died and no collective mismatch explains it."""
+    trace = traces[root.rank] if root.rank < len(traces) else None
+    waiting = []
+    for t in traces:
+        if t and t.rank != root.rank:
+            waiting += [r for r in t.records if r.pending][-1:]
+    doing = instead(root, trace, {})
+    wait = f"; rank(s) {_ranks(sorted(t.rank for t in traces if t and t.rank != root.rank))} "
+    if waiting:
+        w = waiting[0]
+        wait += f"were waiting in {w.describe()} at {w.site}"
+        collective, site = w.describe(), w.site
+    else:
+        wait, collective, site = "", None, doing[1]
+    kind = "raised" if root.status == "error" else "crashed"
+    return TraceFinding(kind, root.rank, f"rank {root.rank} {doing[0]}{wait}", collective, site,
+                   doing[1])  # fmt: skip
+
+
+def stall_finding(ranks, traces) -> TraceFinding:
+    """No rank progressed, yet the records agree: name who waits where and who is elsewhere."""
+    waiting = {}
+    for t in traces:
+        pending = [r for r in t.records if r.pending] if t else []
+        if pending:
+            waiting[t.rank] = pending[-1]
+    idle = [r for r in ranks if r.rank not in waiting and r.status not in ("ok",)]
+    if idle and waiting:
+        culprit = idle[0]
+        doing = instead(culprit, traces[culprit.rank], {})
+        w = next(iter(waiting.values()))
+        message = (
+            f"rank {culprit.rank} {doing[0]}, while rank(s) {_ranks(waiting)} wait in "
+            f"{w.describe()} at {w.site}"
+        )
+        return TraceFinding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
+                       doing[1])  # fmt: skip
+    if waiting:
+        rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
+        if w.p2p:
+            message = (
+                f"rank {rank} waits in {w.describe()} at {w.site}, which its peer never matched"
+            )
+        else:
+            message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
+                f"{w.describe()} at {w.site}"
+            )
+        return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
+    return TraceFinding("stalled", 0, "no rank progressed, and none is inside a collective")
+
+
+def where(state: RankOutcome, trace: Trace | None, now: float) -> str:
+    pending = [r for r in trace.records if r.pending] if trace else []
+    last = trace.records[-1] if trace and trace.records else None
+    n = len(trace.records) if trace else 0
+    head = f"rank {state.rank} [{state.status}]"
+    if state.status == "crashed":
+        said = _last_words(state.stderr)
+        return (
+            f"{head}: {state.error}; last collective: "
+            + (f"{last.describe()} at {last.site}" if last else "none")
+            + (f"; its stderr ended with: {said}" if said else "")
+        )
+    if state.status == "error":
+        site = stacks.traceback_site(state.traceback)
+        return f"{head}: {state.error}" + (f" at {site}" if site else "")
+    if pending:
+        p = pending[-1]
+        return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} at {p.site}"
+    if state.status == "ok":
+        return f"{head}: finished; {n} collective(s) traced"
+    frames = stacks.innermost_frames(state.stack)
+    return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
+
+
+def _last_words(stderr: str | None) -> str | None:
+    """The backend's reason for killing a rank: the last stderr line that is not a log line."""
+    if not stderr:
+        return None
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("[I", "[W")) and "Warning" not in ln]
+    return lines[-1][:300] if lines else None
