@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import alive, descendants
 from verify.checks.verdict import EXIT_CODES
 from verify.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, build_parser, main
 from verify.cli.commands import all_commands
@@ -140,32 +141,8 @@ def test_a_timeout_is_not_a_fault():
     assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` (ranks may be the tool's children or its zygote's)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        kids = [p for p, pp in parents.items() if pp == parent and p not in out]
-        out.update(kids)
-        todo.extend(kids)
-    return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -181,10 +158,10 @@ def test_interrupting_a_long_command_ends_it_at_once(sig, code):
         ranks: set[int] = set()
         while time.monotonic() < deadline and len(ranks) < 3:  # ranks at work
             time.sleep(0.5)
-            ranks = _descendants(proc.pid)
+            ranks = descendants(proc.pid)
         assert ranks, "no rank started"
         time.sleep(1.0)
-        ranks |= _descendants(proc.pid)
+        ranks |= descendants(proc.pid)
         proc.send_signal(sig)
         start = time.monotonic()
         _, err = proc.communicate(timeout=30)
@@ -195,4 +172,4 @@ def test_interrupting_a_long_command_ends_it_at_once(sig, code):
     assert took < 2.0, took
     assert "verify: interrupted" in err and "Traceback" not in err, err
     time.sleep(0.2)
-    assert not [p for p in ranks if _alive(p)]
+    assert not [p for p in ranks if alive(p)]

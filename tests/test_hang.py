@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.processes import alive
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
@@ -64,15 +65,6 @@ EXPECTED = {
 }  # fmt: skip
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie nobody reaped yet is dead too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _cli(*args: str, out: Path) -> dict:
@@ -157,7 +149,7 @@ def _scenario_problems(name: str, doc: dict) -> list[str]:
         "detection time": d["verdict"] != "hang" or d["detection_s"] < STALL_S + 10,
         "stacks captured": d["verdict"] != "hang"
         or any(f.endswith(".stack") for f in doc["files"]),
-        "no rank left": bool(doc["pids"]) and not [p for p in doc["pids"].values() if _alive(p)],
+        "no rank left": bool(doc["pids"]) and not [p for p in doc["pids"].values() if alive(p)],
         # The CLI keeps what it printed beside the data (the runs made through it).
         "report.txt": doc.get("via") != "cli"
         or (report / "report.txt").read_text().startswith("hang check:"),
@@ -186,13 +178,13 @@ def _all_reduce_line() -> int:
 def _check_slow_rank_user_script_and_student_ddp(runs):
     doc = runs["hang:slow-rank"]
     assert doc["exit"] == 0 and doc["diagnosis"]["verdict"] == "ok", doc["diagnosis"]
-    assert not [p for p in doc["pids"].values() if _alive(p)]
+    assert not [p for p in doc["pids"].values() if alive(p)]
     d = runs["script:skip"]["diagnosis"]  # a user's script that hangs, and one that does not
     assert runs["script:skip"]["exit"] == 1 and d["verdict"] == "hang", d["headline"]
     line = _all_reduce_line()
     assert d["culprit"] == 1 and f"hang_script.py:{line}" in d["site"], d["headline"]
     assert "skipped all_reduce" in d["headline"] and "barrier" in d["headline"]
-    assert not [p for p in runs["script:skip"]["pids"].values() if _alive(p)]
+    assert not [p for p in runs["script:skip"]["pids"].values() if alive(p)]
     ok = runs["script:ok"]
     assert ok["exit"] == 0 and ok["diagnosis"]["verdict"] == "ok", ok["diagnosis"]
     # docs/examples/student_ddp.py launches all-reduces in arrival order: on the `unused`

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.processes import alive
 from verify.launching import LaunchResult, RankContext, launch, thread_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,15 +94,6 @@ def _die(ctx: RankContext, pid_dir: str) -> None:
 # ---------------------------------------------------------------- helpers
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # an orphan may linger as a zombie if PID 1 does not reap: that is dead too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _pids(pid_dir: Path) -> list[int]:
@@ -110,7 +102,7 @@ def _pids(pid_dir: Path) -> list[int]:
 
 def _assert_none_alive(pids: list[int]) -> None:
     assert pids, "the ranks never started"
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
 
 
 # ---------------------------------------------------------------- tests
@@ -264,7 +256,7 @@ def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
     finally:
         proc.kill()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     _assert_none_alive(pids)
     assert "rank 1 failed (crashed): exited with code 3" in out, out + err
@@ -338,6 +330,6 @@ def test_processes_started_by_a_rank_do_not_outlive_the_launch(tmp_path: Path) -
     assert len(children) == 2
     # SIGKILL is delivered asynchronously: give the kernel a moment to end them.
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_none_alive(children)

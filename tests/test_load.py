@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.processes import alive
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
@@ -42,12 +43,6 @@ def hogs():
             p.wait()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_verdicts_hold_with_every_core_busy(tmp_path):
@@ -86,4 +81,4 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
-    assert pids and not [p for p in pids + hog_pids if _alive(p)]
+    assert pids and not [p for p in pids + hog_pids if alive(p)]

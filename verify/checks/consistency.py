@@ -108,14 +108,7 @@ class ConsistencyResult:
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports = run_check(
-        run_consistency_on_rank,
-        world_size=options.world_size,
-        args=(options.train_spec(), options.sanitize),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
-    )
+    run, reports = run_check(run_consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
     findings = collapse([f for r in reports for f in r.findings])
     notes = tuple(dict.fromkeys(n for r in reports for n in r.notes)) + run.notes

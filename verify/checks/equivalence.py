@@ -160,14 +160,7 @@ class EquivalenceResult:
 def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
     """Run the equivalence check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports = run_check(
-        run_equivalence_on_rank,
-        world_size=options.world_size,
-        args=(options.train_spec(), options.sanitize),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
-    )
+    run, reports = run_check(run_equivalence_on_rank, options)
     report = reports[0] if reports else None
     findings = report.findings if report is not None else ()
     verdict = verdict_of(findings, run)

@@ -95,26 +95,19 @@ class Refusal:
     message: str
 
 
-def run_check(
-    rank_fn: Callable[..., Any],
-    *,
-    world_size: int,
-    args: tuple,
-    timeout_s: float,
-    backend: str = "gloo",
-    threads_per_rank: int | None = None,
-) -> tuple[LaunchResult, list[Any]]:
-    """Launch `rank_fn(ctx, *args)` and return the run with every report a rank left: its
-    return value, or the partial report a failing rank attached to its exception.
+def run_check(rank_fn: Callable[..., Any], options) -> tuple[LaunchResult, list[Any]]:
+    """Launch `rank_fn(ctx, options.train_spec(), options.sanitize)` as `options` says, and
+    return the run with every report a rank left: its return value, or the partial report a
+    failing rank attached to its exception.
 
     Raises ValueError (one line, exit 2) when a rank refused (`Refusal`)."""
     run = launch(
         rank_fn,
-        world_size=world_size,
-        args=args,
-        timeout_s=timeout_s,
-        backend=backend,
-        threads_per_rank=threads_per_rank,
+        world_size=options.world_size,
+        args=(options.train_spec(), options.sanitize),
+        timeout_s=options.timeout_s,
+        backend=options.backend,
+        threads_per_rank=options.threads_per_rank,
     )
     reports = [o.value for o in run.outcomes if o.value is not None]
     refusals = [r for r in reports if isinstance(r, Refusal)]

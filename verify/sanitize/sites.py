@@ -15,40 +15,20 @@ from collections.abc import Iterable
 import torch
 
 from verify.sanitize.access import span
+from verify.watching.stacks import SiteFinder
 
-_SKIP_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # .../verify/
+# The user's code: every frame outside torch and this package (verify/).
+_find = SiteFinder(
+    (
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # .../verify/
+    )
 )
-_internal_code: dict[object, bool] = {}
-_labels: dict[tuple[object, int], str] = {}
 
 
 def user_site() -> str:
     """'file:line (function)' of the innermost frame of user code calling this one."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        internal = _internal_code.get(code)
-        if internal is None:
-            internal = os.path.abspath(code.co_filename).startswith(_SKIP_DIRS)
-            _internal_code[code] = internal
-        if not internal:
-            break
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    key = (frame.f_code, frame.f_lineno)
-    label = _labels.get(key)
-    if label is None:
-        path = frame.f_code.co_filename
-        try:
-            rel = os.path.relpath(path)
-            path = path if rel.startswith("..") else rel
-        except ValueError:  # another drive (Windows)
-            pass
-        label = _labels[key] = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
-    return label
+    return _find(sys._getframe(1))
 
 
 def describe(t: torch.Tensor) -> str:

@@ -39,6 +39,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from verify.watching.stacks import SiteFinder
 from verify.watching.trace_file import (
     COMPLETED,
     DEFAULT_CAPACITY,
@@ -84,7 +85,7 @@ UNEVEN_OPS = frozenset(
 ) | {op for op in _OPS if op.endswith(("_object", "_object_list"))}
 ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__))
+_find_site = SiteFinder((os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__)))
 
 
 _writer: Writer | None = None
@@ -95,8 +96,6 @@ _wrappers: dict[str, object] = {}
 _depth = 0
 _seq: dict[tuple, int] = {}
 _groups: dict[int, str] = {}
-_sites: dict[tuple, int] = {}
-_internal_code: dict[object, bool] = {}
 _tensor_kinds: dict[tuple, tuple[int, int]] = {}  # (dtype, shape) -> interned ids
 _in_flight: dict[int, tuple] = {}  # id(work) -> (work, [record, works left]) for async ops
 _work_wait = dist.Work.wait
@@ -144,7 +143,6 @@ def uninstall() -> None:
     _originals.clear()
     _wrappers.clear()
     _tensor_kinds.clear()
-    _sites.clear()
     _in_flight.clear()
     if _writer is not None:
         os.close(_writer.strings_fd)
@@ -254,28 +252,7 @@ def _group(writer, group) -> tuple[int, str]:
 
 def _site(writer) -> int:
     """Interned 'file:line (function)' of the innermost frame outside torch and this file."""
-    frame = sys._getframe(3)
-    while frame is not None:
-        code = frame.f_code
-        internal = _internal_code.get(code)
-        if internal is None:
-            internal = _internal_code[code] = code.co_filename.startswith(_SKIP_DIRS)
-        if not internal:
-            break
-        frame = frame.f_back
-    if frame is None:
-        return writer.intern("<unknown>")
-    key = (frame.f_code, frame.f_lineno)
-    sid = _sites.get(key)
-    if sid is None:
-        path = frame.f_code.co_filename
-        try:
-            rel = os.path.relpath(path)
-            path = path if rel.startswith("..") else rel
-        except ValueError:
-            pass
-        sid = _sites[key] = writer.intern(f"{path}:{frame.f_lineno} ({frame.f_code.co_name})")
-    return sid
+    return writer.intern(_find_site(sys._getframe(3)))
 
 
 def _complete_when_done(writer: Writer, rec: int, out) -> None:
