@@ -34,6 +34,10 @@ class DetectionOptions(ThreadOptions):
         600.0, "how long one launch may run once its ranks are up", flag="--timeout", unit="s",
         positive=True,
     )  # fmt: skip
+    backend: str = knob(
+        "gloo", "gloo (CPU) or nccl (one GPU per rank; rows wanting more ranks than GPUs are "
+        "n/a)", choices=("gloo", "nccl"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -119,6 +123,7 @@ def detect(options: DetectionOptions) -> DetectionResult:
         controls=CERTIFIED if options.controls else (),
         timeout_s=options.timeout_s,
         threads_per_rank=options.threads_per_rank,
+        backend=options.backend,
     )
 
 
@@ -130,6 +135,7 @@ def run_detection(
     named_check_only: bool = False,
     timeout_s: float = 600.0,
     threads_per_rank: int | None = None,
+    backend: str = "gloo",
 ) -> DetectionResult:
     """Run each faulty implementation (all, or `names`) on the behaviours where it shows, and
     the `controls` (correct implementations) on `control_rows` (default: all of those
@@ -152,6 +158,7 @@ def run_detection(
         rows=tuple(dict.fromkeys(rows + control_rows)),
         timeout_s=timeout_s,
         threads_per_rank=threads_per_rank,
+        backend=backend,
         command="faults",
     )
     plan = [(c, BEHAVIOUR[k], CHECKS) for c in controls for k in control_rows]

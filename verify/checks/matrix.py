@@ -23,6 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+import torch
+
 from impls.registry import names, resolve
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
@@ -52,6 +54,10 @@ class MatrixOptions(ThreadOptions):
         flag="--timeout", unit="s", positive=True,
     )  # fmt: skip
     same_init: bool = knob(False, "every rank builds the model from the same seed")
+    backend: str = knob(
+        "gloo", "gloo (CPU) or nccl (one GPU per rank; rows wanting more ranks than GPUs are "
+        "n/a)", choices=("gloo", "nccl"),
+    )  # fmt: skip
     sanitize: bool = knob(
         False, "check async collectives for races in every cell (docs/races.md)"
     )
@@ -139,9 +145,12 @@ def run_plan(
     start = time.perf_counter()
     results: dict[Cell, CellResult] = {}
     pending: list[Cell] = []
+    gpus = torch.cuda.device_count() if options.backend == "nccl" else 0
     for impl, b, checks in plan:
         for check in checks:
             why = not_applicable(resolve(impl), b, check)  # decided here: no launch needed
+            if why is None and options.backend == "nccl" and b.world_size > gpus:
+                why = f"{b.world_size} ranks need {b.world_size} GPUs for nccl ({gpus} here)"
             if why:
                 results[(impl, b.key, check)] = CellResult("n/a", why)
             else:
@@ -195,6 +204,7 @@ def _run_cells(
                 world_size=world_size,
                 args=(cells, journal, options.same_init, sanitized),
                 timeout_s=options.timeout_s,
+                backend=options.backend,
                 threads_per_rank=options.threads_per_rank,
                 ranks_at_once=at_once,
             )

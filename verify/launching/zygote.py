@@ -66,7 +66,9 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            # Nothing it says may reach the tool's stdout (a --json document); each rank it
+            # forks points its own output at its log file first thing.
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         theirs.close()
         self.sock = ours
