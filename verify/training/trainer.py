@@ -203,9 +203,11 @@ class Trainer:
         for step in range(1, self.spec.steps + 1):
             self.step(step)
 
-    def step(self, step: int) -> None:
-        """One training step (module docstring), with the hooks called in between."""
+    def step(self, step: int) -> torch.Tensor:
+        """One training step (module docstring), with the hooks called in between. Returns
+        this rank's loss of the step (detached: the sum of its micro-batches' scaled losses)."""
         s, ctx, ws = self.spec, self.ctx, self.ctx.world_size
+        step_loss = torch.zeros((), device=ctx.device)
         self.step_no = step
         for hook in self.hooks:
             hook.before_step(self, step)
@@ -224,6 +226,7 @@ class Trainer:
                     loss = self.workload.loss(self.wrapped, shard) / s.accumulate
                 with self.calling("the backward"), record_function("backward"):
                     loss.backward()
+                step_loss += loss.detach()
             for hook in self.hooks:
                 hook.after_backward(self, step, micro, batch)
         finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
@@ -240,6 +243,7 @@ class Trainer:
             hook.after_step(self, step)
         if step == s.round_trip_step:
             self.reload(step)
+        return step_loss
 
     def reload(self, step: int) -> None:
         """The optimizer state_dict round trip (`checkpoint.round_trip`), scheduler included.
