@@ -1,19 +1,20 @@
 """`python -m verify profile`: every variant under torch.profiler, traces for TensorBoard.
 
-Each rank trains the transformer workload under `torch.profiler.profile` with a
-wait / warm-up / active schedule (CPU activity always, CUDA activity on GPUs; shapes and memory
-recorded) and marks each step's phases with `record_function` ranges: `forward`, `backward`,
-`grad_sync` (the wrapper's `finish_gradient_synchronization()`, when it has one) and
-`optimizer_step` (the one trainer's ranges: `training/trainer.py`). The built-in variants add their own ranges inside those (`<Class>.launch[k]`
-when bucket k goes on the wire, `<Class>.wait[k]`, `zero1.step`, `zero1.sync_params`), and the
-backend adds one range per collective (`gloo:all_reduce`, ...) on its own threads, so a trace
-shows which bucket is on the wire while which layer computes.
+Each rank trains the transformer workload through the one trainer (`training/trainer.py`)
+under `torch.profiler.profile` with a wait / warm-up / active schedule (CPU activity always,
+CUDA activity on GPUs; shapes and memory recorded). The trainer marks each step's phases with
+`record_function` ranges: `forward`, `backward`, `grad_sync` (the wrapper's
+`finish_gradient_synchronization()`, when it has one) and `optimizer_step`. The built-in
+variants add their own ranges inside those (`<Class>.launch[k]` when bucket k goes on the
+wire, `<Class>.wait[k]`, `zero1.step`, `zero1.sync_params`), and the backend adds one range
+per collective (`gloo:all_reduce`, ...) on its own threads, so a trace shows which bucket is
+on the wire while which layer computes.
 
 Layout of a run (never written over; see `runs.new_run_dir`)::
 
     profiles/<impl>_<world>x<device>_<stamp>/
-        metadata.json               command, options, torch version, hardware, date
-        summary.json                the numbers printed (see verify/traces.py)
+        metadata.json               command, options, torch, hardware, date, thread budget
+        summary.json, summary.txt   the numbers printed (see traces.py)
         rank0.<n>.pt.trace.json     one trace per rank (TensorBoard worker "rank0", ...)
         rank1.<n>.pt.trace.json
 
