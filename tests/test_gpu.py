@@ -1,8 +1,10 @@
 """The CUDA/NCCL paths: every implementation on GPUs, one per rank. Skipped without CUDA.
 
-On CPU machines this file still checks the guard: asking for NCCL without enough GPUs is a
-one-line usage error (exit 2), never an attempt to use CUDA.
+On CPU machines this file still checks the guard: asking for NCCL or `--device cuda` without
+enough GPUs is a one-line usage error (exit 2), never an attempt to use CUDA.
 """
+
+import json
 
 import pytest
 import torch
@@ -29,3 +31,61 @@ def test_nccl_without_gpus_is_a_usage_error(capsys):
     assert main(["consistency", "--impl", "bucketed", "--backend", "nccl"]) == 2
     err = capsys.readouterr().err
     assert "backend nccl needs one GPU per rank" in err and err.count("\n") == 1
+
+
+# --- the measurement commands on GPUs (issue 9 item 4) ----------------------------------------
+# Each runs at world size 1 on one GPU (a lone NCCL rank: every collective must get a CUDA
+# tensor, which is what broke `bench --device cuda --world-size 1`), and at 2 where there are
+# two GPUs. bench-audit and bench-tracer compare ranks, so they need two.
+
+_TINY = ["--model-size", "0.5"]
+_PERF_RUNS = {
+    "profile": ["--impl", "bucketed", "--wait", "0", "--warmup", "1", "--steps", "1", *_TINY],
+    "bench": [
+        "--impls",
+        "bucketed,zero1,torch-ddp",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--sweep-mb",
+        "1",
+        "--sweep-repeats",
+        "1",
+        *_TINY,
+    ],
+    "scaling": ["--repeats", "2", *_TINY],
+    "train": ["--impl", "bucketed,zero1", "--steps", "3"],
+    "bench-audit": ["--repeats", "2", *_TINY],
+    "bench-tracer": ["--repeats", "1"],
+}
+
+
+def _gpu_worlds() -> list[int]:
+    return [1, 2] if torch.cuda.device_count() >= 2 else [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("command", [*_PERF_RUNS, "comm"])
+def test_every_measurement_runs_on_nccl(command, world, tmp_path, capsys):
+    if world not in _gpu_worlds():
+        pytest.skip(f"needs {world} GPUs")
+    if command in ("bench-audit", "bench-tracer") and world < 2:
+        pytest.skip(f"{command} compares ranks: needs two")
+    if command == "comm":
+        args = ["--world-sizes", str(world), "--max-mb", "4", "--repeats", "2", *_TINY]
+    else:
+        args = [*_PERF_RUNS[command], "--world-size", str(world)]
+    if command not in ("bench-audit", "bench-tracer"):
+        args += ["--out", str(tmp_path)]
+    code = main([command, *args, "--device", "cuda", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["verdict"] == "pass", doc.get("failure")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
+def test_device_cuda_without_gpus_is_a_usage_error(tmp_path, capsys):
+    assert main(["bench", "--device", "cuda", "--world-size", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda needs one GPU per rank" in err and err.count("\n") == 1

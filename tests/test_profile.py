@@ -27,7 +27,8 @@ from filelock import FileLock
 
 from verify import runs
 from verify.perf import traces
-from verify.perf.profiling import ProfileOptions, all_variants, run_profile
+from verify.perf.base import all_variants
+from verify.perf.profiling import ProfileOptions, run_profile
 
 BUCKET_MB = 0.02  # several buckets even in the tiny GPT (0.1M parameters)
 
@@ -127,8 +128,9 @@ def test_run_folders_are_never_reused(tmp_path):
 def test_every_rank_writes_a_trace_with_the_ranges(profiled):
     assert profiled.run_dir.name.startswith("all_2xcpu_")
     meta = json.loads((profiled.run_dir / "metadata.json").read_text())
-    assert {"command", "date", "options", "machine"} <= meta.keys()
+    assert {"command", "date", "options", "machine", "threads", "machine_line"} <= meta.keys()
     assert meta["machine"]["torch"] and meta["machine"]["cores"]
+    assert "per rank" in meta["threads"] and meta["threads"] in profiled.machine
     assert set(profiled.trace_dirs) == set(all_variants())
     for impl, folder in profiled.trace_dirs.items():
         found = traces.find_traces(folder)
@@ -163,7 +165,8 @@ def test_summary_numbers_are_consistent(profiled):
     assert by_impl["naive"].collectives == by_impl["overlap"].collectives > 10
     assert by_impl["naive"].exposed_ms == pytest.approx(by_impl["naive"].comm_ms, rel=0.05)
     written = json.loads((profiled.run_dir / "summary.json").read_text())
-    assert [s["impl"] for s in written["summaries"]] == all_variants()
+    assert [s["impl"] for s in written["summaries"]] == list(all_variants())
+    assert written["verdict"] == "pass" and (profiled.run_dir / "summary.txt").exists()
 
 
 # --- TensorBoard ----------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Where measurements land and what they say about the machine that made them.
 
-Every profile, benchmark and training run writes into a fresh folder
+Every profile, benchmark, training run and hang report writes into a fresh folder
 `<out>/<name>_<world>x<device>_<stamp>/` (never over an earlier run: a suffix `-2`, `-3`, ...
 is added if two runs start in the same second) holding a `metadata.json` with the command,
-torch version, hardware and date, so a table or chart found later says where it came from.
+options, torch version, hardware, load average and date, and, once the ranks have run, the
+thread budget they were given and the one-line description of all that (`machine_line`), so a
+table or chart found later says where it came from.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -16,7 +17,6 @@ import platform
 import re
 import shlex
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -46,15 +46,16 @@ def machine_info() -> dict:
     return info
 
 
-def describe_machine(info: dict) -> str:
-    """One line: 'Intel Xeon ..., 2 cores, torch 2.13.0+cpu, host'."""
+def describe_machine(info: dict, threads: str = "") -> str:
+    """One line: 'Intel Xeon ..., 2 cores, torch 2.13.0+cpu, load average 0.5 at the start;
+    1 thread per rank (2 cores / 2 ranks)' (`threads`: the ranks' thread budget, when known)."""
     parts = [info.get("cpu") or platform.machine(), f"{info.get('cores')} cores"]
     if info.get("gpus"):
         parts.append(f"{len(info['gpus'])}x {info['gpus'][0]}")
     parts.append(f"torch {info.get('torch')}")
     if info.get("load_avg_1m") is not None:
         parts.append(f"load average {info['load_avg_1m']:g} at the start")
-    return ", ".join(parts)
+    return ", ".join(parts) + (f"; {threads}" if threads else "")
 
 
 def _cpu_model() -> str | None:
@@ -84,18 +85,30 @@ def new_run_dir(out: str | os.PathLike, name: str, world_size: int, device: str)
             candidate = base.with_name(f"{base.name}-{n}")
 
 
-def write_metadata(run_dir: Path, options: dict) -> dict:
-    """Write `metadata.json` (command, options, machine, date) and return it."""
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(os.path.join("verify", "__main__.py")):
-        argv[:1] = ["-m", "verify"]  # how it was typed: python -m verify ...
-    meta = {
-        "command": " ".join(shlex.quote(a) for a in ["python", *argv]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "options": options,
-        "machine": machine_info(),
-    }
-    write_json(run_dir / "metadata.json", meta)
+def write_metadata(run_dir: Path, options: dict, threads: str = "") -> dict:
+    """Write `metadata.json` (command, options, machine, date) and return it.
+
+    Called again with `threads` (the ranks' thread budget, known once they have run), it keeps
+    what the first call recorded (the command, the date, the machine as it was at the start)
+    and adds `threads` and `machine_line`.
+    """
+    path = run_dir / "metadata.json"
+    if path.exists():
+        meta = json.loads(path.read_text())
+    else:
+        argv = list(sys.argv)
+        if argv and argv[0].endswith(os.path.join("verify", "__main__.py")):
+            argv[:1] = ["-m", "verify"]  # how it was typed: python -m verify ...
+        meta = {
+            "command": " ".join(shlex.quote(a) for a in ["python", *argv]),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "options": options,
+            "machine": machine_info(),
+        }
+    if threads:
+        meta["threads"] = threads
+    meta["machine_line"] = describe_machine(meta["machine"], meta.get("threads", ""))
+    write_json(path, meta)
     return meta
 
 
@@ -112,55 +125,3 @@ def default_device(world_size: int) -> str:
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
-
-
-# --- progress -------------------------------------------------------------------------------
-# Ranks' stdout and stderr belong to the launcher (it keeps them for diagnosis and keeps
-# --json output clean), so rank 0 reports progress by appending lines to a file in the run
-# folder, and the parent relays new lines to its own stderr while it waits for the launch.
-
-
-class Progress:
-    """Picklable: `say(msg)` appends a line to the progress file (rank 0 only, if enabled)."""
-
-    def __init__(self, path: str | os.PathLike | None) -> None:
-        self.path = str(path) if path else None
-
-    def __call__(self, msg: str, *, rank: int = 0) -> None:
-        if self.path and rank == 0:
-            with open(self.path, "a") as f:
-                f.write(msg.rstrip("\n") + "\n")
-
-
-@contextlib.contextmanager
-def relay_progress(progress: Progress, *, interval_s: float = 0.5):
-    """While the block runs, copy new lines of the progress file to stderr."""
-    if not progress.path:
-        yield
-        return
-    Path(progress.path).touch()
-    stop = threading.Event()
-
-    def pump(offset: int = 0) -> int:
-        with open(progress.path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]  # whole lines only
-        if complete:
-            sys.stderr.write(complete.decode("utf-8", "replace"))
-            sys.stderr.flush()
-        return offset + len(complete)
-
-    def loop() -> None:
-        offset = 0
-        while not stop.wait(interval_s):
-            offset = pump(offset)
-        pump(offset)
-
-    thread = threading.Thread(target=loop, name="progress-relay", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)

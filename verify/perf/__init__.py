@@ -1,0 +1,16 @@
+"""Measurements: what the variants and the tool itself cost. Every step is trained by the one
+trainer (`verify/training/trainer.py`), every rank started by the one launcher.
+
+    commands.py      the CLI rows: profile, bench, comm, scaling, train, bench-audit, bench-tracer
+    base.py          what they share: options base, run folder, verdict, progress from rank 0
+    timing.py        the slowest rank's time, interleaved rounds, paired ratios, decisions
+    profiling.py     profile: torch.profiler traces      traces.py   reading them back
+    bench.py         bench: the launch and the rank      bench_result.py  its result, the bars
+    bandwidth.py     bench's bucket all-reduce bandwidth bar
+    comm.py          comm: collective bandwidth          collectives.py  the pieces bench shares
+    alphabeta.py     the cost model: bus bandwidth, the alpha-beta fit, the best bucket
+    scaling.py       scaling: throughput at world sizes 1..N
+    train.py         train: loss curves against a single process
+    bench_audit.py   bench-audit: the audit's cost      bench_tracer.py  the tracer's cost
+    text.py, text_bench.py   the reports (results in, text out)      charts.py   the PNGs
+"""

@@ -1,62 +1,71 @@
-"""Benchmark: what the per-step audit costs, against the alternatives, measured side by side.
+"""`python -m verify bench-audit`: what the per-step audit costs, against the alternatives.
 
-In one launch, on the transformer workload (~50M parameters by default), each repeat times, in
-turn:
+In one launch, on the transformer workload (~50M parameters by default), three arms take
+turns every round, the order rotating (`timing.interleave`):
 
-- one training step (zero_grad, forward, backward, gradient sync, AdamW step);
-- the audit of that step (gradients after sync + parameters, buffers and optimizer state
-  after the step), exactly what `consistency` runs;
+- one training step of the one trainer (`training/trainer.py`: zero_grad, forward, backward,
+  gradient sync, AdamW step);
+- the audit of that state (gradients after sync, then parameters, buffers and optimizer
+  state), exactly what `consistency` runs (`checks/audit.py`);
 - an all-gather of every tensor the audit covers: the naive way to compare replicas, and a
   lower bound on its cost (it does not even compare yet).
 
-Kinds are interleaved within each repeat so machine noise hits all three alike; the report
-gives medians (and minimums) and the two ratios the project holds itself to: audit / all-gather
-at most 0.1, audit / step under 0.05. Every time is the slowest rank's (the step is as slow as
-its slowest rank).
+Every time is the slowest rank's. The two ratios the project holds itself to, audit /
+all-gather at most 0.1 and audit / step under 0.05, are paired per round with a 95% interval
+and decided three ways (`timing.decide`).
 """
 
 from __future__ import annotations
 
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
 
-from impls.registry import resolve
+from verify import runs
 from verify.checks.audit import Auditor
 from verify.launching import RankContext, launch
-from verify.training.workloads import get_workload
+from verify.options import knob
+from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.timing import Ratio, decide, interleave, paired, timed
+from verify.training.trainer import Trainer, TrainSpec
 
 GOAL_VS_ALLGATHER = 0.10
 GOAL_VS_STEP = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
-class AuditBenchOptions:
-    impl: str = "bucketed"
-    world_size: int = 2
-    model_size_m: float = 50.0
-    repeats: int = 5
-    timeout_s: float = 1800.0
+class AuditBenchOptions(MeasureOptions):
+    """What the audit is measured on, and how many rounds."""
+
+    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
+    world_size: int = knob(2, "ranks to start (the audit compares ranks: at least 2)", minimum=2)
+    model_size_m: float = knob(
+        50.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
+    )
+    repeats: int = knob(5, "interleaved rounds: a step, an audit, an all-gather each", minimum=1)
 
     def __post_init__(self) -> None:
-        if self.world_size < 2:
-            raise ValueError(
-                f"world size must be >= 2 to audit across ranks, got {self.world_size}"
-            )
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        resolve(self.impl)
+        super().__post_init__()
+        resolve_all((self.impl,), "bench-audit")
+
+    def train_spec(self) -> TrainSpec:
+        # Each rank seeded differently (the default): the wrapper's broadcast makes replicas
+        # agree, as in `consistency`.
+        return TrainSpec(
+            impl=self.impl,
+            workload="transformer",
+            model_size_m=self.model_size_m,
+            steps=1 + self.repeats,
+        )
 
 
 @dataclass(frozen=True)
 class AuditBenchResult:
+    """Every round's three times, and what the audit covered."""
+
     options: AuditBenchOptions
-    ok: bool
+    verdict: str
     parameters: int = 0
     audited_tensors: int = 0
     audited_bytes: int = 0
@@ -68,122 +77,92 @@ class AuditBenchResult:
     failure: str | None = None
 
     @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+    def bars(self) -> list[tuple[str, Ratio, float, str]]:
+        """(what, ratio paired per round, goal, decision) for both goals."""
+        out = []
+        for what, other, goal in (
+            ("audit / all-gather", self.allgather_s, GOAL_VS_ALLGATHER),
+            ("audit / step", self.step_s, GOAL_VS_STEP),
+        ):
+            r = paired(list(self.audit_s), list(other))
+            out.append((what, r, goal, decide(r, goal)))
+        return out
+
+    @property
     def audit_vs_allgather(self) -> float:
-        return statistics.median(self.audit_s) / statistics.median(self.allgather_s)
+        return self.bars()[0][1].value
 
     @property
     def audit_vs_step(self) -> float:
-        return statistics.median(self.audit_s) / statistics.median(self.step_s)
+        return self.bars()[1][1].value
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {**asdict(self), "ok": self.ok}
         if self.ok:
             d["audit_vs_allgather"] = self.audit_vs_allgather
             d["audit_vs_step"] = self.audit_vs_step
+            d["bars"] = [
+                {"what": w, **r.to_dict(), "goal": g, "decision": dec}
+                for w, r, g, dec in self.bars()
+            ]
         return d
 
 
 def run_audit_bench(options: AuditBenchOptions) -> AuditBenchResult:
+    info = runs.machine_info()
     run = launch(
-        _rank_main, world_size=options.world_size, args=(options,), timeout_s=options.timeout_s
+        audit_bench_on_rank,
+        world_size=options.world_size,
+        args=(options,),
+        timeout_s=options.timeout_s,
+        backend=options.backend,
+        threads_per_rank=options.threads_per_rank,
     )
+    machine = runs.describe_machine(info, run.threads)
     if not run.ok:
-        return AuditBenchResult(options, False, failure=run.summary())
-    return AuditBenchResult(options, True, **run.values[0])
+        return AuditBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
+    return AuditBenchResult(
+        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
+    )
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return _slowest(time.perf_counter() - start)
-
-
-def _rank_main(ctx: RankContext, options: AuditBenchOptions) -> dict:
-    impl = resolve(options.impl)
-    workload = get_workload("transformer", size_m=options.model_size_m)
-    torch.manual_seed(ctx.rank)
-    model = workload.build()
-    wrapped = impl.wrap(model)
-    optimizer = impl.make_optimizer(workload.param_groups(model), torch.optim.AdamW)
-    auditor = Auditor(model, None if impl.sharded else optimizer)
-    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
-    step_no = 0
-
-    def train_step():
-        nonlocal step_no
-        step_no += 1
-        optimizer.zero_grad()
-        batch = workload.batch(step_no, ctx.world_size).shard(ctx.rank, ctx.world_size)
-        workload.loss(wrapped, batch).backward()
-        finish()
-        optimizer.step()
+def audit_bench_on_rank(ctx: RankContext, options: AuditBenchOptions) -> dict:
+    trainer = Trainer(ctx, options.train_spec())
+    sharded = trainer.impl is not None and trainer.impl.sharded
+    auditor = Auditor(trainer.model, None if sharded else trainer.optimizer)
 
     def covered():
         return auditor.grad_tensors() + auditor.state_tensors()
 
-    def audit():
+    def audit() -> None:
         auditor.audit("grads", auditor.grad_tensors())
         auditor.audit("state", auditor.state_tensors())
 
-    def allgather():
+    def allgather() -> None:
         for _, t in covered():
             if t is not None:
-                out = [torch.empty_like(t) for _ in range(ctx.world_size)]
-                dist.all_gather(out, t.detach().contiguous())
+                t = t.detach().to(ctx.device).contiguous()  # optimizer `step` may be a CPU scalar
+                dist.all_gather([torch.empty_like(t) for _ in range(ctx.world_size)], t)
 
-    train_step()  # warm-up: allocates gradients and optimizer state
+    trainer.step(1)  # warm-up: allocates gradients and optimizer state
     audit()
-    steps, audits, gathers = [], [], []
-    for _ in range(options.repeats):
-        steps.append(_timed(train_step))
-        audits.append(_timed(audit))
-        gathers.append(_timed(allgather))
+    arms = {
+        "step": lambda: timed(lambda: trainer.step(trainer.step_no + 1), ctx.device),
+        "audit": lambda: timed(audit, ctx.device),
+        "allgather": lambda: timed(allgather, ctx.device),
+    }
+    samples = interleave(
+        arms, options.repeats, lambda r: say(ctx, f"bench-audit: round {r}/{options.repeats}")
+    )
     tensors = [t for _, t in covered() if t is not None]
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "audited_tensors": len(tensors),
         "audited_bytes": sum(t.numel() * t.element_size() for t in tensors),
-        "step_s": tuple(steps),
-        "audit_s": tuple(audits),
-        "allgather_s": tuple(gathers),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads/rank, "
-        f"{platform.node()}",
-        "torch_version": torch.__version__,
+        "step_s": tuple(samples["step"]),
+        "audit_s": tuple(samples["audit"]),
+        "allgather_s": tuple(samples["allgather"]),
     }
-
-
-def format_audit_bench(result: AuditBenchResult) -> str:
-    o = result.options
-    if not result.ok:
-        return f"bench-audit failed:\n{result.failure}"
-    head = (
-        f"audit benchmark: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
-        f"world size {o.world_size}, {o.repeats} interleaved repeats\n"
-        f"audited per step: {result.audited_tensors} tensors, "
-        f"{result.audited_bytes / 2**20:.0f} MiB per rank  (torch {result.torch_version}; "
-        f"{result.machine})\n"
-    )
-    rows = [
-        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
-        for name, v in [
-            ("training step", result.step_s),
-            ("audit (fingerprints)", result.audit_s),
-            ("all-gather of every tensor", result.allgather_s),
-        ]
-    ]
-    table = tabulate(rows, headers=["what", "median ms", "min ms"])
-    a, s = result.audit_vs_allgather, result.audit_vs_step
-    verdicts = (
-        f"audit / all-gather: {a:.4f}  (goal <= {GOAL_VS_ALLGATHER}: "
-        f"{'met' if a <= GOAL_VS_ALLGATHER else 'MISSED'})\n"
-        f"audit / step:       {s:.4f}  (goal < {GOAL_VS_STEP}: "
-        f"{'met' if s < GOAL_VS_STEP else 'MISSED'})"
-    )
-    return f"{head}\n{table}\n\n{verdicts}"

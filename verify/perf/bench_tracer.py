@@ -1,20 +1,27 @@
-"""Benchmark: what the collective tracer adds to a training step, measured side by side.
+"""`python -m verify bench-tracer`: what the collective tracer adds to a training step.
 
-In one launch (the launcher's own tracing off), on the transformer workload with the bucketed
-implementation (default bucket size; `--bucket-mb 0.1` gives several all-reduces per step, the
-hard case for a per-call cost), training steps rotate through three arms: untraced, traced, and
-untraced again (the control arm). The order rotates every step and the tracer is switched by
-swapping function references, so drifts in machine load hit all arms alike. Reported: median
-step time of each arm (the slowest rank's), the overhead (median over steps of traced /
-untraced, goal: under 5%), the same statistic between the two untraced arms (the noise floor
-of this machine at this moment, with its load average), and the tracer's CPU cost per
-collective call (its wrapper around a stand-in that does nothing), the price it is made of.
+In one launch (the launcher's own tracing off: this benchmark switches the tracer itself), the
+one trainer (`training/trainer.py`) trains the transformer workload with the bucketed
+implementation (default bucket size; `--bucket-mb 0.1` gives several all-reduces per step,
+the hard case for a per-call cost), its steps alternating between two arms, untraced and
+traced, the order swapping every round (`timing.interleave`). The tracer is switched by
+swapping function references, before either arm's step alike (a swap slows the next step a
+little, and the tracer in use is never swapped), so nothing else differs. Each sample is the
+slowest rank's step.
+
+The overhead is traced / untraced paired per round, with a 95% interval (`timing.paired`),
+and the decision against the goal (overhead under 5%) is three-way (`timing.decide`): "met"
+when the whole interval is below 5%, "missed" when it is wholly above, "undecided" when the
+machine's noise (the interval's half-width) is wider than the margin; more rounds
+(`--repeats`) narrow it as one over the square root of their number. Beside it: the tracer's
+CPU cost per collective call (its wrapper around a stand-in that does nothing), the price the
+overhead is made of, and that price times the calls per step over the step.
 """
 
 from __future__ import annotations
 
 import os
-import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -22,43 +29,74 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
 
-from impls.registry import DEFAULT_BUCKET_MB, resolve
+from impls.registry import DEFAULT_BUCKET_MB
+from verify import runs
 from verify.launching import RankContext, launch
-from verify.training.workloads import get_workload
+from verify.options import knob
+from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.timing import Ratio, decide, interleave, paired, timed_with_cpu
+from verify.training.trainer import Trainer, TrainSpec
 from verify.watching import tracer
 
-GOAL = 0.05
+GOAL = 0.05  # the tracer may add at most 5% to a step
 
 
 @dataclass(frozen=True, kw_only=True)
-class TracerBenchOptions:
-    impl: str = "bucketed"
-    world_size: int = 2
-    model_size_m: float | None = None  # None: the tiny default GPT (the per-call cost shows most)
-    bucket_mb: float = DEFAULT_BUCKET_MB  # --bucket-mb 0.1: 8 all-reduces a step, the worst case
-    repeats: int = 20
-    steps: int = 4
-    timeout_s: float = 1800.0
+class TracerBenchOptions(MeasureOptions):
+    """What the tracer is measured on, and for how long."""
+
+    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
+    world_size: int = knob(2, "ranks to start (collectives need two)", minimum=2)
+    model_size_m: float | None = knob(
+        None,
+        "the transformer's size (default: a tiny GPT, where a per-call cost shows most)",
+        flag="--model-size",
+        unit="M parameters",
+        positive=True,
+    )
+    bucket_mb: float = knob(
+        DEFAULT_BUCKET_MB,
+        "bucket size (0.1: 8 all-reduces a step, the hard case)",
+        unit="MB",
+        positive=True,
+    )
+    repeats: int = knob(
+        80, "repeats of 4 interleaved rounds (one untraced and one traced step each)", minimum=1
+    )
+    steps: int = knob(4, "rounds per repeat", minimum=1, cli=False)
 
     def __post_init__(self) -> None:
-        if self.world_size < 2:
-            raise ValueError(f"world size must be >= 2, got {self.world_size}")
-        if self.repeats < 1 or self.steps < 1:
-            raise ValueError("repeats and steps must be >= 1")
-        resolve(self.impl)
+        super().__post_init__()
+        resolve_all((self.impl,), "bench-tracer")
+
+    @property
+    def rounds(self) -> int:
+        return self.repeats * self.steps
+
+    def train_spec(self) -> TrainSpec:
+        return TrainSpec(
+            impl=self.impl,
+            workload="transformer",
+            model_size_m=self.model_size_m,
+            bucket_mb=self.bucket_mb,
+            steps=2 + 2 * self.rounds,
+            same_init=True,
+        )
 
 
 @dataclass(frozen=True)
 class TracerBenchResult:
+    """Every step's time in both arms, the per-call price, and the machine's load."""
+
     options: TracerBenchOptions
-    ok: bool
+    verdict: str
     parameters: int = 0
     collectives_per_step: int = 0
     plain_step_s: tuple[float, ...] = ()
     traced_step_s: tuple[float, ...] = ()
-    control_step_s: tuple[float, ...] = ()  # a second untraced arm: the noise floor
+    plain_cpu_s: tuple[float, ...] = ()  # the training thread's CPU time of the same steps
+    traced_cpu_s: tuple[float, ...] = ()
     load_avg: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after
     plain_call_us: float = 0.0
     traced_call_us: float = 0.0
@@ -67,162 +105,160 @@ class TracerBenchResult:
     failure: str | None = None
 
     @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+    @property
+    def ratio(self) -> Ratio:
+        """traced / untraced, paired per round, with its interval."""
+        return paired(list(self.traced_step_s), list(self.plain_step_s))
+
+    @property
+    def cpu_ratio(self) -> Ratio:
+        """The same on the training thread's CPU time: the tracer's own work per step, which
+        other processes' load does not inflate (a far narrower interval on a shared machine)."""
+        return paired(list(self.traced_cpu_s), list(self.plain_cpu_s))
+
+    @property
+    def in_situ_call_us(self) -> float:
+        """The training thread's extra CPU per traced collective, in the training loop (cold
+        caches and the bookkeeping of asynchronous work included, unlike `traced_call_us`)."""
+        extra_s = (self.cpu_ratio.value - 1) * statistics.median(self.plain_cpu_s)
+        return extra_s / max(1, self.collectives_per_step) * 1e6
+
+    @property
     def overhead(self) -> float:
-        """Median over adjacent (traced, untraced) pairs of traced / untraced, minus 1: a pair
-        shares the machine's load of the moment, which a ratio of medians would not."""
-        pairs = zip(self.traced_step_s, self.plain_step_s, strict=True)
-        return statistics.median(t / p for t, p in pairs) - 1
+        return self.ratio.value - 1
 
     @property
     def noise(self) -> float:
-        """The same statistic between the two untraced arms: what the machine alone does."""
-        pairs = zip(self.control_step_s, self.plain_step_s, strict=True)
-        return statistics.median(c / p for c, p in pairs) - 1
+        """How finely this run can tell: the interval's relative half-width."""
+        return self.ratio.noise
+
+    @property
+    def decision(self) -> str:
+        """The three-way decision against GOAL: met, missed or undecided (module docstring)."""
+        return decide(self.ratio, 1 + GOAL)
 
     @property
     def overhead_of_medians(self) -> float:
         return statistics.median(self.traced_step_s) / statistics.median(self.plain_step_s) - 1
 
+    @property
+    def per_call_share(self) -> float:
+        """The per-call price x calls per step, over the median untraced step."""
+        price_s = (self.traced_call_us - self.plain_call_us) * 1e-6
+        return price_s * self.collectives_per_step / statistics.median(self.plain_step_s)
+
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {**asdict(self), "ok": self.ok}
         if self.ok:
-            d["overhead"] = self.overhead
-            d["overhead_of_medians"] = self.overhead_of_medians
-            d["noise"] = self.noise
-            d["goal"] = GOAL
+            r = self.ratio
+            c = self.cpu_ratio
+            d.update(
+                overhead=self.overhead,
+                overhead_interval=[r.low - 1, r.high - 1],
+                noise=self.noise,
+                decision=self.decision,
+                goal=GOAL,
+                overhead_of_medians=self.overhead_of_medians,
+                cpu_overhead=c.value - 1,
+                cpu_overhead_interval=[c.low - 1, c.high - 1],
+            )
         return d
 
 
 def run_tracer_bench(options: TracerBenchOptions) -> TracerBenchResult:
+    """One launch, tracing off in the launcher (this benchmark installs the tracer itself)."""
+    info = runs.machine_info()
     run = launch(
-        _rank_main,
+        tracer_bench_on_rank,
         world_size=options.world_size,
         args=(options,),
         timeout_s=options.timeout_s,
-        stall_timeout_s=None,  # this benchmark switches the tracer itself
+        backend=options.backend,
+        threads_per_rank=options.threads_per_rank,
+        stall_timeout_s=None,
     )
+    machine = runs.describe_machine(info, run.threads)
     if not run.ok:
-        return TracerBenchResult(options, False, failure=run.summary())
-    return TracerBenchResult(options, True, **run.values[0])
+        return TracerBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
+    return TracerBenchResult(
+        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
+    )
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+def tracer_bench_on_rank(ctx: RankContext, options: TracerBenchOptions) -> dict:
+    """The interleaved rounds (module docstring), then the per-call price."""
+    trainer = Trainer(ctx, options.train_spec())
 
+    def step() -> None:
+        trainer.step(trainer.step_no + 1)
 
-def _rank_main(ctx: RankContext, options: TracerBenchOptions) -> dict:
-    impl = resolve(options.impl)
-    workload = get_workload("transformer", size_m=options.model_size_m)
-    torch.manual_seed(0)
-    model = workload.build()
-    wrapped = impl.wrap(model, bucket_size_mb=options.bucket_mb)
-    optimizer = impl.make_optimizer(workload.param_groups(model), torch.optim.AdamW)
-    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+
+    def arm(traced: bool) -> float:
+        # Both arms switch twice before their step, ending traced or not: swapping the
+        # functions costs the next step a few hundred microseconds (caches and specialized
+        # bytecode rebuilt), a cost the tracer does not have in use (installed once), so it
+        # must fall on both arms alike or it is counted as the tracer's.
+        first, last = (tracer.pause, tracer.resume) if traced else (tracer.resume, tracer.pause)
+        first()
+        last()
+        wall, thread_cpu = timed_with_cpu(step, ctx.device)
+        cpu[traced].append(thread_cpu)
+        return wall
+
     tmp = tempfile.mkdtemp(prefix="ddp-verify-bench-")
-    step_no = 0
-
-    def train_step() -> None:
-        nonlocal step_no
-        step_no += 1
-        optimizer.zero_grad()
-        batch = workload.batch(step_no, ctx.world_size).shard(ctx.rank, ctx.world_size)
-        workload.loss(wrapped, batch).backward()
-        finish()
-        optimizer.step()
-
-    def timed_step(traced: bool) -> float:
-        (tracer.resume if traced else tracer.pause)()
-        dist.barrier()
-        start = time.perf_counter()
-        train_step()
-        return _slowest(time.perf_counter() - start)
-
-    train_step()  # warm-up: gradients and optimizer state allocated
+    step()  # warm-up: gradients and optimizer state allocated
     tracer.install(os.path.join(tmp, "trace"), rank=ctx.rank)
     first = tracer._writer.written
-    train_step()
+    step()
     per_step = tracer._writer.written - first
-    # Steps rotate through untraced, traced and untraced again (the control arm, whose
-    # difference from the first is the noise floor); the order rotates every triple, so drifts in
-    # machine load hit both alike; the tracer is switched by swapping function references.
-    plain, traced, control = [], [], []
-    arms = ("plain", "traced", "control")
     load_before = os.getloadavg()[0]
-    for rep in range(options.repeats * options.steps):
-        times = {}
-        for arm in arms[rep % 3 :] + arms[: rep % 3]:
-            times[arm] = timed_step(arm == "traced")
-        plain.append(times["plain"])
-        traced.append(times["traced"])
-        control.append(times["control"])
-    tracer.uninstall()
+    rounds = options.rounds
 
-    # The per-call price, without the network: the tracer's wrapper around a stand-in
-    # all_reduce that does nothing, against the stand-in itself (CPU time a call costs).
+    def each_round(r: int) -> None:
+        if r % 40 == 1 or r == rounds:  # a line every 40 rounds, and the last
+            say(ctx, f"bench-tracer: round {r}/{rounds}")
+
+    samples = interleave(
+        {"plain": lambda: arm(False), "traced": lambda: arm(True)}, rounds, each_round
+    )
+    tracer.uninstall()
+    plain_us, traced_us = _per_call_us(ctx, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "collectives_per_step": per_step,
+        "plain_step_s": tuple(samples["plain"]),
+        "traced_step_s": tuple(samples["traced"]),
+        "plain_cpu_s": tuple(cpu[False]),
+        "traced_cpu_s": tuple(cpu[True]),
+        "load_avg": (load_before, os.getloadavg()[0]),
+        "plain_call_us": plain_us,
+        "traced_call_us": traced_us,
+    }
+
+
+def _per_call_us(ctx: RankContext, tmp: str) -> tuple[float, float]:
+    """The per-call price, without the network: the tracer's wrapper around a stand-in
+    all_reduce that does nothing, against the stand-in itself (CPU microseconds a call costs,
+    not the machine's load: process time)."""
+
     def stand_in(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return None
 
     tracer.install(os.path.join(tmp, "calls"), rank=ctx.rank)
-    wrapped_stand_in = tracer._make_wrapper("all_reduce", stand_in)
-    call = torch.ones(1)
+    wrapped = tracer._make_wrapper("all_reduce", stand_in)
+    call = torch.ones(1, device=ctx.device)
     calls: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(20):
-        for mode in (False, True):
-            fn = wrapped_stand_in if mode else stand_in
-            start = time.process_time()  # CPU time: what the tracer costs, not the machine's load
+        for traced in (False, True):
+            fn = wrapped if traced else stand_in
+            start = time.process_time()
             for _ in range(1000):
                 fn(call)
-            calls[mode].append((time.process_time() - start) / 1000 * 1e6)
+            calls[traced].append((time.process_time() - start) / 1000 * 1e6)
     tracer.uninstall()
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "collectives_per_step": per_step,
-        "plain_step_s": tuple(plain),
-        "traced_step_s": tuple(traced),
-        "control_step_s": tuple(control),
-        "load_avg": (load_before, os.getloadavg()[0]),
-        "plain_call_us": statistics.median(calls[False]),
-        "traced_call_us": statistics.median(calls[True]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads/rank, "
-        f"{platform.node()}",
-        "torch_version": torch.__version__,
-    }
-
-
-def format_tracer_bench(result: TracerBenchResult) -> str:
-    o = result.options
-    if not result.ok:
-        return f"bench-tracer failed:\n{result.failure}"
-    head = (
-        f"tracer benchmark: {o.impl} (bucket {o.bucket_mb:g} MB) on a "
-        f"{result.parameters / 1e6:.2f}M-parameter transformer, world size {o.world_size}, "
-        f"{result.collectives_per_step} traced collectives per step, {o.repeats} interleaved "
-        f"repeats of {o.steps} steps\n(torch {result.torch_version}; {result.machine})\n"
-    )
-    rows = [
-        [name, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}"]
-        for name, v in [
-            ("training step, untraced", result.plain_step_s),
-            ("training step, traced", result.traced_step_s),
-            ("training step, untraced (control arm)", result.control_step_s),
-        ]
-    ]
-    table = tabulate(rows, headers=["what", "median ms", "min ms"])
-    calls = (
-        f"tracer cost per collective call (CPU, no network): "
-        f"{result.traced_call_us - result.plain_call_us:.1f} us"
-    )
-    verdict = "met" if result.overhead < GOAL else "MISSED"
-    return (
-        f"{head}\n{table}\n\n{calls}\n"
-        f"ratio of the medians: {result.overhead_of_medians * 100:+.2f}%; per call x calls per "
-        f"step / median step: "
-        f"{(result.traced_call_us - result.plain_call_us) * result.collectives_per_step / 1e4 / statistics.median(result.plain_step_s):.2f}%\n"
-        f"noise floor (control arm vs untraced, same statistic): {result.noise * 100:+.2f}%; "
-        f"load average {result.load_avg[0]:.1f} -> {result.load_avg[1]:.1f} on "
-        f"{os.cpu_count()} cpus\n"
-        f"tracer overhead on a step (median of paired ratios): {result.overhead * 100:+.2f}%  "
-        f"(goal < {GOAL * 100:g}%: {verdict})"
-    )
+    return statistics.median(calls[False]), statistics.median(calls[True])

@@ -2,59 +2,67 @@
 
 Weak scaling, as data parallelism is used: every rank keeps its local batch, so N ranks
 process N times the examples per step. For each world size one launch trains the transformer
-workload with the chosen implementation; after warm-up, the median step time (slowest rank)
-gives throughput = N * local batch * sequence length / step time, speed-up = throughput(N) /
-throughput(1) and efficiency = speed-up / N.
+workload with the chosen implementation (the one trainer, `training/trainer.py`); after
+warm-up, the median step time (slowest rank, `timing.timed`) gives throughput = N x local
+batch x sequence length / step time, speed-up = throughput(N) / throughput(1) and
+efficiency = speed-up / N.
 
-Every rank gets the same number of compute threads at every world size (cores / N_max), so
-the curve shows what adding a rank costs, not what taking threads away from one rank costs.
-On a machine with fewer cores than N_max * threads, ranks share cores and efficiency says so.
+Every rank gets the same thread budget at every world size, the machine's cores shared among
+the largest world size's ranks (or `--threads-per-rank`), so the curve shows what adding a
+rank costs, not what taking threads away from one rank costs. On a machine with fewer cores
+than ranks x threads, ranks share cores and efficiency says so. The run folder holds
+scaling.json, scaling.txt and scaling.png.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import statistics
-import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
-import torch
-
-from verify import runs
+from impls.registry import DEFAULT_BUCKET_MB
+from verify import progress
 from verify.launching import RankContext, launch
-from verify.perf import charts
-from verify.perf.bench import _Trainer
-from verify.perf.comm import timed
-from verify.training.workloads import get_workload
+from verify.options import OutputOptions, knob
+from verify.perf import charts, text
+from verify.perf.base import MeasureOptions, RunFolder, failure_of, resolve_all, say, verdict_of
+from verify.perf.timing import timed
+from verify.training.trainer import Trainer, TrainSpec
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScalingOptions:
-    impl: str = "bucketed"
-    max_world_size: int = 2
-    model_size_m: float = 10.0
-    local_batch: int = 4
-    bucket_mb: float = 25.0
-    warmup: int = 2
-    repeats: int = 8
-    threads_per_rank: int | None = None  # None: cores // max_world_size (at least 1)
-    device: str | None = None
-    out: str = runs.DEFAULT_OUT
-    timeout_s: float = 1800.0
-    progress: bool = False
+class ScalingOptions(MeasureOptions, OutputOptions):
+    """What `scaling` trains, and up to how many ranks."""
+
+    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
+    max_world_size: int = knob(2, "world sizes 1 to this", flag="--world-size", minimum=1)
+    model_size_m: float = knob(
+        10.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
+    )
+    local_batch: int = knob(4, "sequences per rank and step", minimum=1)
+    bucket_mb: float = knob(
+        DEFAULT_BUCKET_MB, "bucket size given to wrappers that take one", unit="MB", positive=True
+    )
+    warmup: int = knob(2, "untimed steps first", minimum=1, cli=False)
+    repeats: int = knob(8, "timed steps per world size", minimum=1)
 
     def __post_init__(self) -> None:
-        for name in ("max_world_size", "local_batch", "warmup", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        resolve_all((self.impl,), "scaling")
 
     @property
-    def threads(self) -> int:
-        if self.threads_per_rank:
-            return self.threads_per_rank
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return max(1, (cores or os.cpu_count() or 1) // self.max_world_size)
+    def ranks(self) -> int:
+        return self.max_world_size
+
+    def train_spec(self) -> TrainSpec:
+        return TrainSpec(
+            impl=self.impl,
+            workload="transformer",
+            model_size_m=self.model_size_m,
+            local_batch=self.local_batch,
+            bucket_mb=self.bucket_mb,
+            steps=self.warmup + self.repeats,
+            same_init=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -70,24 +78,32 @@ class ScalingPoint:
 
 @dataclass(frozen=True)
 class ScalingResult:
+    """One point per world size; `threads` is the thread budget every rank had."""
+
     options: ScalingOptions
-    ok: bool
+    verdict: str
     points: tuple[ScalingPoint, ...] = ()
     run_dir: str | None = None
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
+    threads: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
 
     def speedup(self, p: ScalingPoint) -> float:
         return p.throughput / self.points[0].throughput
 
     def to_dict(self) -> dict:
         return {
+            "verdict": self.verdict,
             "ok": self.ok,
-            "options": dataclasses.asdict(self.options),
+            "options": self.options.to_dict(),
             "points": [
                 {
-                    **dataclasses.asdict(p),
+                    **asdict(p),
                     "tokens_per_s": p.throughput,
                     "speedup": self.speedup(p),
                     "efficiency": self.speedup(p) / p.world_size,
@@ -98,91 +114,63 @@ class ScalingResult:
             "machine": self.machine,
             "failure": self.failure,
             "notes": list(self.notes),
+            "threads": self.threads,
         }
 
 
 def run_scaling(options: ScalingOptions) -> ScalingResult:
-    device = options.device or runs.default_device(options.max_world_size)
-    run_dir = runs.new_run_dir(options.out, "scaling", options.max_world_size, device)
-    meta = runs.write_metadata(run_dir, dataclasses.asdict(options))
-    machine = runs.describe_machine(meta["machine"])
-    points = []
+    """One launch per world size, 1 to `max_world_size`; the result and its run folder."""
+    folder = RunFolder.start(options, "scaling", options.max_world_size)
+    points, launches = [], []
     for ws in range(1, options.max_world_size + 1):
-        if options.progress:
-            print(f"scaling: world size {ws}", file=sys.stderr, flush=True)
+        progress.say(f"scaling: world size {ws} ({ws}/{options.max_world_size})")
         run = launch(
-            _rank_main,
+            scaling_on_rank,
             world_size=ws,
             args=(options,),
             timeout_s=options.timeout_s,
-            backend=runs.backend_for(device),
+            backend=options.backend,
+            threads_per_rank=options.threads_per_rank,
+            ranks_at_once=options.max_world_size,  # the same budget at every world size
         )
+        launches.append(run)
         if not run.ok:
-            return ScalingResult(
-                options, False, tuple(points), str(run_dir), machine, run.summary()
-            )
+            break
         points.append(run.values[0])
-    result = ScalingResult(options, True, tuple(points), str(run_dir), machine)
-    chart = charts.curves(
-        run_dir / "scaling.png",
-        {
-            "ideal": ([p.world_size for p in points], [p.world_size for p in points]),
-            options.impl: ([p.world_size for p in points], [result.speedup(p) for p in points]),
-        },
-        xlabel="world size",
-        ylabel="speed-up (throughput / throughput at 1)",
-        title=f"weak scaling, {options.threads} thread(s) per rank",
+    machine = folder.machine(*launches)
+    last = launches[-1]
+    result = ScalingResult(
+        options,
+        verdict_of(last),
+        tuple(points),
+        str(folder.path),
+        machine,
+        failure_of(last),
+        threads=last.threads,
     )
-    result = dataclasses.replace(result, notes=tuple(n for n in [chart.note] if n))
-    runs.write_json(run_dir / "scaling.json", result.to_dict())
-    (run_dir / "scaling.txt").write_text(format_scaling(result) + "\n")
+    if result.ok:
+        sizes = [p.world_size for p in points]
+        chart = charts.curves(
+            folder.path / "scaling.png",
+            {"ideal": (sizes, sizes), options.impl: (sizes, [result.speedup(p) for p in points])},
+            xlabel="world size",
+            ylabel="speed-up (throughput / throughput at 1)",
+            title=f"weak scaling, {result.threads}",
+        )
+        result = replace(result, notes=tuple(n for n in [chart.note] if n))
+    folder.save("scaling", result, text.scaling)
     return result
 
 
-def _rank_main(ctx: RankContext, options: ScalingOptions) -> ScalingPoint:
-    torch.set_num_threads(options.threads)
-    workload = get_workload(
-        "transformer", size_m=options.model_size_m, local_batch=options.local_batch
-    )
-    trainer = _Trainer(options.impl, workload, ctx, options.bucket_mb)
-    batches = [
-        workload.batch(i, ctx.world_size).shard(ctx.rank, ctx.world_size).to(ctx.device)
-        for i in range(4)
-    ]
-    for i in range(options.warmup):
-        trainer.step(batches[i % 4])
-    times = [timed(lambda b=batches[i % 4]: trainer.step(b)) for i in range(options.repeats)]
-    tokens = ctx.world_size * options.local_batch * workload.cfg.block_size
+def scaling_on_rank(ctx: RankContext, options: ScalingOptions) -> ScalingPoint:
+    """Warm-up, then `repeats` timed steps of the one trainer: the median point."""
+    trainer = Trainer(ctx, options.train_spec())
+    for step in range(1, options.warmup + 1):
+        trainer.step(step)
+    times = []
+    for i in range(options.repeats):
+        say(ctx, f"scaling: world size {ctx.world_size}, step {i + 1}/{options.repeats}")
+        step = options.warmup + i + 1
+        times.append(timed(lambda step=step: trainer.step(step), ctx.device))
+    tokens = ctx.world_size * options.local_batch * trainer.workload.cfg.block_size
     return ScalingPoint(ctx.world_size, statistics.median(times), tokens)
-
-
-def format_scaling(result: ScalingResult) -> str:
-    from tabulate import tabulate
-
-    o = result.options
-    if not result.ok:
-        return f"scaling failed:\n{result.failure}"
-    rows = [
-        [
-            p.world_size,
-            f"{p.step_s * 1e3:.1f}",
-            f"{p.throughput:.0f}",
-            f"{result.speedup(p):.2f}",
-            f"{100 * result.speedup(p) / p.world_size:.0f}%",
-        ]
-        for p in result.points
-    ]
-    lines = [
-        f"scaling: {o.impl}, {o.model_size_m:g}M-parameter transformer, local batch "
-        f"{o.local_batch}, {o.threads} thread(s) per rank, median of {o.repeats} steps",
-        f"machine: {result.machine}",
-        "",
-        tabulate(
-            rows,
-            headers=["world", "step ms", "tokens/s", "speed-up", "efficiency"],
-            disable_numparse=True,
-        ),
-        "",
-        f"written to {result.run_dir}",
-    ]
-    return "\n".join(lines + [f"note: {n}" for n in result.notes])

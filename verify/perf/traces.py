@@ -43,7 +43,7 @@ from pathlib import Path
 
 Interval = tuple[float, float]
 
-#: the ranges the profiler harness marks each step with (see verify/profiling.py)
+#: the ranges the one trainer marks each step with (verify/training/trainer.py)
 PHASES = ("forward", "backward", "grad_sync", "optimizer_step")
 _COLLECTIVE = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):")
 _DTYPE_BYTES = {

@@ -219,9 +219,11 @@ class Trainer:
         for step in range(1, self.spec.steps + 1):
             self.step(step)
 
-    def step(self, step: int) -> None:
-        """One training step (module docstring), with the hooks called in between."""
+    def step(self, step: int) -> torch.Tensor:
+        """One training step (module docstring), with the hooks called in between. Returns
+        this rank's loss of the step (detached: the sum of its micro-batches' scaled losses)."""
         s, ctx, ws = self.spec, self.ctx, self.ctx.world_size
+        step_loss = torch.zeros((), device=ctx.device)
         self.step_no = step
         self._call("before_step", step)
         start_batch = getattr(self.wrapped, "on_train_batch_start", None)
@@ -239,6 +241,7 @@ class Trainer:
                     loss = self.workload.loss(self.wrapped, shard) / s.accumulate
                 with self.calling("the backward"), record_function("backward"):
                     loss.backward()
+                step_loss += loss.detach()
             self._call("after_backward", step, micro, batch)
         finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
         if finish is not None:
@@ -252,6 +255,7 @@ class Trainer:
         self._call("after_step", step)
         if step == s.round_trip_step:
             self.reload(step)
+        return step_loss
 
     def reload(self, step: int) -> None:
         """The optimizer state_dict round trip (`checkpoint.round_trip`), scheduler included.

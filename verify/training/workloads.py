@@ -352,8 +352,64 @@ class Transformer(Workload):
     loss = Tied.loss
 
 
+class Markov(Transformer):
+    """A language the GPT can learn (`python -m verify train`): sequences walked through a
+    fixed random Markov chain in which every token has `branching` possible successors, so
+    the loss falls from ln(vocab) towards ln(branching). The global batch of a step is what
+    the ranks' `DistributedSampler`s yield at that step (one shuffled permutation of the
+    examples per epoch, rank r taking every N-th index from r), in rank order: `shard(r)` is
+    rank r's own batch, and one process reading N x the local batch sees the same examples."""
+
+    name = "markov"
+    summary = "a GPT (GPT-2 initialization) on a learnable Markov-chain language"
+    branching, examples = 4, 8192
+
+    def __init__(self, *, local_batch: int = 8, seed: int = 0, size_m: float | None = None) -> None:
+        super().__init__(local_batch=local_batch, seed=seed, size_m=size_m)
+        vocab, seq = self.cfg.vocab_size, self.cfg.block_size
+        g = torch.Generator().manual_seed(seed)
+        successors = torch.randint(vocab, (vocab, self.branching), generator=g)
+        choice = torch.randint(self.branching, (self.examples, seq), generator=g)
+        self.tokens = torch.empty(self.examples, seq + 1, dtype=torch.long)
+        self.tokens[:, 0] = torch.randint(vocab, (self.examples,), generator=g)
+        for t in range(seq):
+            self.tokens[:, t + 1] = successors[self.tokens[:, t], choice[:, t]]
+
+    def build(self) -> nn.Module:
+        model = GPT(self.cfg)
+        for module in model.modules():  # GPT-2's initialization: the loss starts near ln(vocab)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        return model
+
+    def batch(self, step: int, world_size: int) -> Batch:
+        from torch.utils.data import DistributedSampler
+
+        per_epoch = self.examples // world_size // self.local_batch
+        if per_epoch < 1:
+            raise ValueError(f"{self.examples} examples cannot fill one global batch")
+        epoch, k = divmod(step - 1, per_epoch)
+        rows = []
+        for rank in range(world_size):
+            sampler = DistributedSampler(range(self.examples), num_replicas=world_size,
+                                         rank=rank, seed=self.seed, drop_last=True)  # fmt: skip
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            rows += list(sampler)[k * self.local_batch : (k + 1) * self.local_batch]
+        tokens = self.tokens[rows]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
+
+    def param_groups(self, module: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1):
+        """Weights decayed, biases and norms not, both at `lr` (as GPT-2 trains)."""
+        groups = super().param_groups(module, lr=lr, weight_decay=weight_decay)
+        for group in groups:
+            group["lr"] = lr
+        return groups
+
+
 WORKLOADS: dict[str, type[Workload]] = {
-    w.name: w for w in [Workload, Frozen, Tied, Unused, Buffers, Mixed, BF16, Transformer]
+    w.name: w for w in [Workload, Frozen, Tied, Unused, Buffers, Mixed, BF16, Transformer, Markov]
 }
 #: the workloads every implementation must get right (the test suite runs all of them)
 HARD_CASES = ("mlp", "frozen", "tied", "unused", "buffers", "mixed", "transformer")
@@ -363,6 +419,6 @@ def get_workload(name: str, **options) -> Workload:
     """Instantiate a workload by name; ValueError lists the valid names."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    if name != "transformer":
+    if name not in ("transformer", "markov"):
         options.pop("size_m", None)
     return WORKLOADS[name](**options)

@@ -1,0 +1,135 @@
+"""What every measurement command shares: its options, its run folder, its verdict, its voice.
+
+- `MeasureOptions`: where the ranks run (`--device`: cuda with NCCL when every rank can have a
+  GPU, else cpu with gloo), how long they may run (`--timeout`) and their thread budget
+  (`--threads-per-rank`). A command's options add their own knobs, say how many ranks run at
+  once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder.
+- `PERF_KINDS`: the implementations a measurement accepts: the built-in ladder, PyTorch's
+  references and a user's class; never a `faulty:*` or `hang:*` one (they are built to fail).
+- `RunFolder`: `<out>/<name>_<world>x<device>_<stamp>/`, never reused (`runs.new_run_dir`),
+  with `metadata.json` written before any rank starts; `save` adds the result as JSON, the
+  report as text, and the ranks' thread budget to the metadata's machine line.
+- `verdict_of`: "pass" when every rank finished, whatever the numbers; "fault" when a rank
+  failed; "timeout" when the time ran out first.
+- `say`: one progress line from rank 0 (the parent prints it once; `verify/progress.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from impls.registry import REGISTRY, resolve
+from verify import progress, runs
+from verify.checks.verdict import verdict_of as _verdict_of
+from verify.launching import LaunchResult, RankContext
+from verify.launching import rank as rank_side
+from verify.options import ThreadOptions, knob
+
+#: registered kinds a measurement runs (user classes by path are always accepted)
+PERF_KINDS = frozenset({"builtin", "reference"})
+ALL = "all"  # `--impl all`: every registered name of PERF_KINDS
+
+
+def all_variants() -> tuple[str, ...]:
+    """What `all` stands for: the built-in ladder and PyTorch's references, in registry order."""
+    return tuple(name for name, impl in REGISTRY.items() if impl.kind in PERF_KINDS)
+
+
+def resolve_all(names: tuple[str, ...], command: str) -> tuple[str, ...]:
+    """`names` with `all` expanded, each checked (ValueError, one line, before any rank)."""
+    expanded = tuple(v for name in names for v in (all_variants() if name == ALL else (name,)))
+    for name in expanded:
+        resolve(name, kinds=PERF_KINDS, command=command)
+    return tuple(dict.fromkeys(expanded))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureOptions(ThreadOptions):
+    """The knobs of every measurement command (module docstring)."""
+
+    device: str | None = knob(
+        None,
+        "where the ranks run (default: cuda, with NCCL, when every rank can have a GPU; "
+        "else cpu, with gloo)",
+        choices=("cpu", "cuda"),
+    )
+    timeout_s: float = knob(
+        1800.0,
+        "how long the ranks may run once all have started",
+        flag="--timeout",
+        unit="s",
+        positive=True,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        gpus = torch.cuda.device_count()
+        if self.device == "cuda" and gpus < self.ranks:
+            raise ValueError(
+                f"--device cuda needs one GPU per rank: {self.ranks} ranks, {gpus} GPU(s) visible"
+            )
+
+    @property
+    def ranks(self) -> int:
+        """The most ranks this command runs at once: `world_size` for the commands that start
+        one job (comm and scaling, which start several, override it)."""
+        return getattr(self, "world_size", 1)
+
+    @property
+    def device_type(self) -> str:
+        """The device kind the ranks use, cuda or cpu: `--device`, or the default (its help)."""
+        return self.device or runs.default_device(self.ranks)
+
+    @property
+    def backend(self) -> str:
+        return runs.backend_for(self.device_type)
+
+
+def set_field(options: Any, name: str, value: Any) -> None:
+    """Normalize a field of frozen options in their `__post_init__` (`all` expanded)."""
+    object.__setattr__(options, name, value)
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A run's folder (module docstring) and the metadata written into it at the start."""
+
+    path: Path
+    meta: dict
+
+    @classmethod
+    def start(cls, options: Any, name: str, world_size: int) -> RunFolder:
+        path = runs.new_run_dir(options.out, name, world_size, options.device_type)
+        return cls(path, runs.write_metadata(path, options.to_dict()))
+
+    def machine(self, *launches: LaunchResult) -> str:
+        """The machine line with the thread budget the ranks of `launches` used (recorded in
+        metadata.json as `threads` and `machine_line`)."""
+        threads = "; ".join(dict.fromkeys(r.threads for r in launches if r.threads))
+        return runs.write_metadata(self.path, self.meta["options"], threads)["machine_line"]
+
+    def save(self, stem: str, result: Any, text: Callable[[Any], str]) -> None:
+        """`<stem>.json` (the result's `to_dict()`) and `<stem>.txt` (the report `text` makes)."""
+        runs.write_json(self.path / f"{stem}.json", result.to_dict())
+        (self.path / f"{stem}.txt").write_text(text(result) + "\n")
+
+
+def verdict_of(run: LaunchResult) -> str:
+    """The verdict of a measurement's launch (module docstring)."""
+    return _verdict_of((), run)
+
+
+def say(ctx: RankContext, text: str) -> None:
+    """A progress line, from rank 0 only (every rank saying it would print it N times)."""
+    if ctx.rank == 0:
+        (rank_side.say if ctx.spawned else progress.say)(text)
+
+
+def failure_of(run: LaunchResult) -> str | None:
+    """The launcher's summary of a run that did not end with every rank returning."""
+    return None if run.ok else run.summary()

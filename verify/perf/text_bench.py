@@ -1,0 +1,230 @@
+"""The reports of `bench`, `bench-audit` and `bench-tracer`: a result in, text out, nothing run.
+
+Every goal is printed with the number it rests on, its 95% interval and the decision: "met"
+(the whole interval within the goal), "MISSED" (wholly outside), or "undecided (noise +-x%)"
+(the interval straddles the goal; x is its half-width: what more rounds or a quieter machine
+would have to shrink). A report says what the run shows, and no more.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+from verify.perf.alphabeta import MiB, bus_factor
+from verify.perf.bench_result import LOCAL, MEMORY_VARIANTS, REFERENCE
+from verify.perf.bench_tracer import GOAL as TRACER_GOAL
+from verify.perf.text import best_bucket_line, failed
+from verify.perf.timing import MET, MISSED, Ratio
+
+if TYPE_CHECKING:
+    from verify.perf.bench_audit import AuditBenchResult
+    from verify.perf.bench_result import BenchResult
+    from verify.perf.bench_tracer import TracerBenchResult
+
+
+def decision(decided: str, ratio: Ratio | None = None) -> str:
+    """'met', 'MISSED' or 'undecided (noise +-3.1%)'."""
+    if decided == MET:
+        return "met"
+    if decided == MISSED:
+        return "MISSED"
+    noise = "" if ratio is None else f" (noise +-{100 * ratio.noise:.1f}%)"
+    return f"undecided{noise}"
+
+
+def interval(low: float, high: float, scale: float = 1.0, fmt: str = ".3f") -> str:
+    return f"[{low * scale:{fmt}}, {high * scale:{fmt}}]"
+
+
+def bench(result: BenchResult) -> str:
+    o = result.options
+    if not result.ok:
+        return failed("bench", result)
+    lines = [
+        f"bench: {result.parameters / 1e6:.1f}M-parameter transformer, world size "
+        f"{o.world_size}, local batch {o.local_batch}, bucket {o.bucket_mb:g} MB; "
+        f"{o.repeats} interleaved rounds after {o.warmup} warm-up, slowest rank",
+        f"machine: {result.machine}",
+        "",
+        _steps_table(result),
+        "(exposed comm = (step - local step) / step, median over rounds of the same round's "
+        "steps: the step's share spent in communication not hidden by compute)",
+        "",
+    ]
+    if result.sweep:
+        lines += _sweep(result) + [""]
+    if result.memory and any(MEMORY_VARIANTS[0] in m for m in result.memory):
+        lines += ["memory (tensor bytes):", _memory_table(result), ""]
+    if result.bandwidth:
+        lines += [_bandwidth_line(result), ""]
+    rows = [
+        [
+            b.what,
+            f"{b.value:.4f}",
+            "exact" if b.ratio is None else interval(b.ratio.low, b.ratio.high),
+            b.goal,
+            decision(b.decision, b.ratio),
+            b.detail,
+        ]
+        for b in result.bars()
+    ]
+    lines += [
+        "bars (step-time and bandwidth ratios paired per round: geometric mean over rounds of "
+        "each round's ratio, 95% interval):",
+        tabulate(
+            rows, headers=["what", "value", "interval", "goal", "", ""], disable_numparse=True
+        ),
+        "",
+        f"written to {result.run_dir}",
+    ]
+    return "\n".join(lines + [f"note: {n}" for n in result.notes])
+
+
+def _steps_table(result: BenchResult) -> str:
+    ref = REFERENCE if REFERENCE in result.steps else None
+    rows = []
+    for name, samples in result.steps.items():
+        med = statistics.median(samples)
+        rows.append(
+            [
+                name,
+                f"{med * 1e3:.1f}",
+                f"{min(samples) * 1e3:.1f}",
+                "-" if ref is None else f"{med / result.median(ref):.3f}",
+                "-" if ref is None else f"{min(samples) / min(result.steps[ref]):.3f}",
+                "-" if name == LOCAL else f"{100 * result.exposed_share(name):.0f}%",
+            ]
+        )
+    headers = ["variant", "median ms", "min ms", "/ torch-ddp", "min / min", "exposed comm"]
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def _sweep(result: BenchResult) -> list[str]:
+    o = result.options
+    rows = []
+    for mb in o.sweep_sizes:
+        row = [f"{mb:g}"]
+        for impl in o.sweep_impls:
+            key = f"{impl}@{mb:g}"
+            row += [
+                f"{result.median(key, 'sweep') * 1e3:.1f}",
+                f"{result.sweep_exposed(key) * 1e3:.1f}",
+            ]
+        pred = result.predicted_exposed(mb)
+        rows.append(row + ["-" if pred is None else f"{pred * 1e3:.1f}"])
+    headers = ["bucket MB"]
+    for impl in o.sweep_impls:
+        headers += [f"{impl} ms", "exposed ms"]
+    out = [
+        f"bucket sweep ({o.sweep_repeats} rounds; local step "
+        f"{result.median(LOCAL, 'sweep') * 1e3:.1f} ms; exposed = step - local step, median "
+        "over rounds of the same round's pair):",
+        tabulate(rows, headers=headers + ["predicted exposed ms"], disable_numparse=True),
+    ]
+    if result.fit is not None:
+        out.append(best_bucket_line(result.fit, result.grad_bytes, result.backward_s))
+    return out
+
+
+def _memory_table(result: BenchResult) -> str:
+    rows = []
+    for rank, per_impl in enumerate(result.memory):
+        for impl, phases in per_impl.items():
+            for phase, m in phases.items():
+                rows.append(
+                    [impl, rank, phase]
+                    + [f"{m[k] / MiB:.2f}" for k in ("params", "grads", "optimizer")]
+                    + ["-" if m["allocated"] is None else f"{m['allocated'] / MiB:.1f}"]
+                )
+    headers = ["impl", "rank", "when", "params MiB", "grads MiB", "opt state MiB", "alloc MiB"]
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def _bandwidth_line(result: BenchResult) -> str:
+    b = result.bandwidth
+    total = sum(b["buckets"])
+    factor = bus_factor("all_reduce", result.options.world_size)
+    ours, raw = statistics.median(b["ours_s"]), statistics.median(b["raw_s"])
+    sync = statistics.median(b["ours_sync_s"])
+    return (
+        f"bucket all-reduces on the wire ({len(b['buckets'])} buckets, {total / MiB:.1f} MiB, "
+        f"from the last rank's first launch to the last completion): ours {ours * 1e3:.1f} ms "
+        f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce {raw * 1e3:.1f} ms "
+        f"({total * factor / raw / 1e9:.2f} GB/s busbw); the whole synchronization with "
+        f"copy-in/out and the usage map: {sync * 1e3:.1f} ms"
+    )
+
+
+def audit(result: AuditBenchResult) -> str:
+    o = result.options
+    if not result.ok:
+        return failed("bench-audit", result)
+    rows = [
+        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
+        for name, v in [
+            ("training step", result.step_s),
+            ("audit (fingerprints)", result.audit_s),
+            ("all-gather of every tensor", result.allgather_s),
+        ]
+    ]
+    goals = [
+        f"{what + ':':20s}{r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})"
+        for what, r, goal, decided in result.bars()
+    ]
+    return "\n".join(
+        [
+            f"audit benchmark: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
+            f"world size {o.world_size}, {o.repeats} interleaved rounds",
+            f"audited per step: {result.audited_tensors} tensors, {result.audited_bytes / MiB:.0f} "
+            f"MiB per rank",
+            f"machine: {result.machine}",
+            "",
+            tabulate(rows, headers=["what", "median ms", "min ms"]),
+            "",
+            "paired per round (geometric mean of each round's ratio):",
+            *goals,
+        ]
+    )
+
+
+def tracer(result: TracerBenchResult) -> str:
+    o = result.options
+    if not result.ok:
+        return failed("bench-tracer", result)
+    r = result.ratio
+    rows = [
+        [name, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}"]
+        for name, v in [
+            ("training step, untraced", result.plain_step_s),
+            ("training step, traced", result.traced_step_s),
+        ]
+    ]
+    c = result.cpu_ratio
+    return "\n".join(
+        [
+            f"tracer benchmark: {o.impl} (bucket {o.bucket_mb:g} MB) on a "
+            f"{result.parameters / 1e6:.2f}M-parameter transformer, world size {o.world_size}, "
+            f"{result.collectives_per_step} traced collectives per step, {o.rounds} interleaved "
+            "rounds (one untraced and one traced step each)",
+            f"machine: {result.machine}; load average {result.load_avg[0]:.1f} -> "
+            f"{result.load_avg[1]:.1f} on {os.cpu_count()} cpus during the rounds",
+            "",
+            tabulate(rows, headers=["what", "median ms", "min ms"]),
+            "",
+            f"tracer cost per collective call (CPU, no network): "
+            f"{result.traced_call_us - result.plain_call_us:.1f} us; x calls per step / median "
+            f"step: {100 * result.per_call_share:.2f}%",
+            f"ratio of the medians: {100 * result.overhead_of_medians:+.2f}%",
+            f"on the training thread's CPU time (paired per round): {100 * (c.value - 1):+.2f}%, "
+            f"95% interval {interval(c.low - 1, c.high - 1, 100, '+.2f')}% (about "
+            f"{result.in_situ_call_us:.0f} us a collective in the training loop)",
+            f"tracer overhead on a step (paired per round): {100 * result.overhead:+.2f}%, 95% "
+            f"interval {interval(r.low - 1, r.high - 1, 100, '+.2f')}%  (goal < "
+            f"{100 * TRACER_GOAL:g}%: {decision(result.decision, r)})",
+        ]
+    )
