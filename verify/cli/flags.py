@@ -46,7 +46,6 @@ def add_flags(parser: argparse.ArgumentParser, options_cls: type, skip: tuple[st
             type=_parser(f, kind, many and not repeat),
             action="append" if repeat else "store",
             default=argparse.SUPPRESS,
-            required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
             help=help_text,
             metavar=_metavar(f, kind, many and not repeat),
         )

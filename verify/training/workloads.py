@@ -18,91 +18,16 @@ Conventions every checker relies on:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verify.training.data import MLP, Batch, Workload, token_loss
+from verify.training.language import GPT, GPTConfig, Markov, Transformer
 
-@dataclass(frozen=True)
-class Batch:
-    """A batch: positional inputs, targets, and keyword inputs (tensors are split by rows)."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    kwargs: dict = field(default_factory=dict)
-
-    def shard(self, rank: int, world_size: int) -> Batch:
-        rows = self.inputs.shape[0]
-        assert rows % world_size == 0, "global batch must split evenly"
-        size = rows // world_size
-        sl = slice(rank * size, (rank + 1) * size)
-        kwargs = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in self.kwargs.items()}
-        return Batch(self.inputs[sl], self.targets[sl], kwargs)
-
-    def to(self, device: torch.device) -> Batch:
-        kwargs = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.kwargs.items()
-        }
-        return Batch(self.inputs.to(device), self.targets.to(device), kwargs)
-
-
-class Workload:
-    """Base workload: an MLP regression on seeded Gaussian data."""
-
-    name = "mlp"
-    summary = "MLP with LayerNorm; the plain case"
-    #: hint for wrappers that must be told (PyTorch DDP's find_unused_parameters)
-    has_unused_parameters = False
-    d_in, d_hidden, d_out = 16, 32, 4
-
-    def __init__(self, *, local_batch: int = 8, seed: int = 0) -> None:
-        self.local_batch = local_batch
-        self.seed = seed
-
-    def build(self) -> nn.Module:
-        return MLP(self.d_in, self.d_hidden, self.d_out)
-
-    def _generator(self, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(1_000_003 * self.seed + step)
-
-    def batch(self, step: int, world_size: int) -> Batch:
-        g = self._generator(step)
-        rows = self.local_batch * world_size
-        return Batch(
-            torch.randn(rows, self.d_in, generator=g), torch.randn(rows, self.d_out, generator=g)
-        )
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        out = model(batch.inputs, **batch.kwargs)
-        return F.mse_loss(out.float(), batch.targets.float())
-
-    def param_groups(
-        self, module: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1
-    ) -> list[dict]:
-        params = [p for p in module.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "lr": lr, "weight_decay": weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "lr": lr * 0.5, "weight_decay": 0.0})
-        return groups
-
-    def describe(self) -> str:
-        return f"{self.name}: {self.summary}"
-
-
-class MLP(nn.Module):
-    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, d_hidden)
-        self.norm = nn.LayerNorm(d_hidden)
-        self.fc2 = nn.Linear(d_hidden, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.norm(self.fc1(x))))
+__all__ = ["GPT", "HARD_CASES", "WORKLOADS", "Batch", "GPTConfig", "Workload", "get_workload"]
 
 
 # --- the hard cases ------------------------------------------------------------------------
@@ -161,11 +86,7 @@ class Tied(Workload):
         )
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        logits = model(batch.inputs)
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), batch.targets.reshape(-1)
-        )
+    loss = staticmethod(token_loss)
 
 
 class RoutedMLP(MLP):
@@ -267,145 +188,6 @@ class BF16(Workload):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         out = model(batch.inputs.to(torch.bfloat16))
         return F.mse_loss(out.float(), batch.targets)
-
-
-# --- a small GPT ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 32
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-
-    @classmethod
-    def with_params(cls, millions: float) -> GPTConfig:
-        """A config of roughly `millions` M parameters (8 layers, 8k vocabulary, 64-wide
-        heads): solves 12 * n_layer * d^2 + vocab * d = N for the width d."""
-        vocab, layers = 8192, 8
-        n = millions * 1e6
-        d = (-vocab + math.sqrt(vocab**2 + 4 * 12 * layers * n)) / (2 * 12 * layers)
-        d = max(64, int(round(d / 64)) * 64)
-        return cls(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    """nanoGPT-shaped decoder: token and position embeddings, pre-norm blocks, tied head."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-class Transformer(Workload):
-    name = "transformer"
-    summary = "a GPT-style decoder (tied embeddings); --model-size sets millions of parameters"
-
-    def __init__(self, *, local_batch: int = 4, seed: int = 0, size_m: float | None = None) -> None:
-        super().__init__(local_batch=local_batch, seed=seed)
-        self.cfg = GPTConfig() if size_m is None else GPTConfig.with_params(size_m)
-
-    def build(self) -> nn.Module:
-        return GPT(self.cfg)
-
-    def batch(self, step: int, world_size: int) -> Batch:
-        g = self._generator(step)
-        shape = (self.local_batch * world_size, self.cfg.block_size + 1)
-        tokens = torch.randint(self.cfg.vocab_size, shape, generator=g)
-        return Batch(tokens[:, :-1], tokens[:, 1:])
-
-    loss = Tied.loss
-
-
-class Markov(Transformer):
-    """A language the GPT can learn (`python -m verify train`): sequences walked through a
-    fixed random Markov chain in which every token has `branching` possible successors, so
-    the loss falls from ln(vocab) towards ln(branching). The global batch of a step is what
-    the ranks' `DistributedSampler`s yield at that step (one shuffled permutation of the
-    examples per epoch, rank r taking every N-th index from r), in rank order: `shard(r)` is
-    rank r's own batch, and one process reading N x the local batch sees the same examples."""
-
-    name = "markov"
-    summary = "a GPT (GPT-2 initialization) on a learnable Markov-chain language"
-    branching, examples = 4, 8192
-
-    def __init__(self, *, local_batch: int = 8, seed: int = 0, size_m: float | None = None) -> None:
-        super().__init__(local_batch=local_batch, seed=seed, size_m=size_m)
-        vocab, seq = self.cfg.vocab_size, self.cfg.block_size
-        g = torch.Generator().manual_seed(seed)
-        successors = torch.randint(vocab, (vocab, self.branching), generator=g)
-        choice = torch.randint(self.branching, (self.examples, seq), generator=g)
-        self.tokens = torch.empty(self.examples, seq + 1, dtype=torch.long)
-        self.tokens[:, 0] = torch.randint(vocab, (self.examples,), generator=g)
-        for t in range(seq):
-            self.tokens[:, t + 1] = successors[self.tokens[:, t], choice[:, t]]
-
-    def build(self) -> nn.Module:
-        model = GPT(self.cfg)
-        for module in model.modules():  # GPT-2's initialization: the loss starts near ln(vocab)
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        return model
-
-    def batch(self, step: int, world_size: int) -> Batch:
-        from torch.utils.data import DistributedSampler
-
-        per_epoch = self.examples // world_size // self.local_batch
-        if per_epoch < 1:
-            raise ValueError(f"{self.examples} examples cannot fill one global batch")
-        epoch, k = divmod(step - 1, per_epoch)
-        rows = []
-        for rank in range(world_size):
-            sampler = DistributedSampler(range(self.examples), num_replicas=world_size,
-                                         rank=rank, seed=self.seed, drop_last=True)  # fmt: skip
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            rows += list(sampler)[k * self.local_batch : (k + 1) * self.local_batch]
-        tokens = self.tokens[rows]
-        return Batch(tokens[:, :-1], tokens[:, 1:])
-
-    def param_groups(self, module: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1):
-        """Weights decayed, biases and norms not, both at `lr` (as GPT-2 trains)."""
-        groups = super().param_groups(module, lr=lr, weight_decay=weight_decay)
-        for group in groups:
-            group["lr"] = lr
-        return groups
 
 
 WORKLOADS: dict[str, type[Workload]] = {
