@@ -20,7 +20,12 @@ from typing import TextIO
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
 from verify.launching.rank import RankJob
-from verify.launching.supervisor import STARTUP_CAP_S, check_interrupted, supervise
+from verify.launching.supervisor import (
+    STARTUP_CAP_S,
+    check_interrupted,
+    interrupted,
+    supervise,
+)
 from verify.watching import capture, trace_file
 from verify.watching.diagnose import diagnose
 from verify.watching.watchdog import Watchdog
@@ -101,7 +106,7 @@ def run(
         # pending collective as failed, and the diagnosis is of the run as it stood.
         traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
     finally:
-        end_all(ranks)
+        end_all(ranks, grace_s=0.0 if interrupted() else 0.5)  # interrupted: now, not politely
         for rank in ranks:
             with contextlib.suppress(OSError):
                 os.remove(rank.job_path)

@@ -52,9 +52,9 @@ STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (sc
 DEFAULT_STALL_TIMEOUT_S = 10.0
 # The parent's deadline must come first, so a hang yields stacks rather than a gloo error.
 _PG_TIMEOUT_SLACK_S = 10.0
-# Variables torch reads when it is imported: a launch that sets them cannot fork its ranks
-# from the zygote (which imported torch long ago); they start fresh interpreters.
-_READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_")
+# Variables torch may read when it is imported: a launch that sets them forks its ranks from a
+# zygote started with them (the thread budget's are applied in the rank, after the fork).
+_READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_", "GLOO_")
 NO_ZYGOTE_ENV = "DDP_VERIFY_NO_ZYGOTE"  # "1": always start fresh interpreters
 
 
@@ -134,9 +134,9 @@ def launch(
     ]
     child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
     zygote = None
-    if backend == "gloo" and not any(k.startswith(_READ_AT_IMPORT) for k in env or {}):
-        if os.environ.get(NO_ZYGOTE_ENV) != "1":
-            zygote = Zygote.get()
+    if backend == "gloo" and os.environ.get(NO_ZYGOTE_ENV) != "1":
+        import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
+        zygote = Zygote.get(import_env)
     if stall_timeout_s is not None:
         child_env[STALL_ENV] = repr(stall_timeout_s)
     try:

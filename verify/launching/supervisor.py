@@ -62,6 +62,10 @@ def reset_interrupt() -> None:
     _INTERRUPTED.clear()
 
 
+def interrupted() -> bool:
+    return _INTERRUPTED.is_set()
+
+
 def check_interrupted() -> None:
     if _INTERRUPTED.is_set():
         raise Interrupted()

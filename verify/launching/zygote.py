@@ -12,9 +12,11 @@ a thread at import, is held to one thread (OPENBLAS_NUM_THREADS=1). Before every
 checks that it still has exactly one thread, and refuses (the launcher then starts a fresh
 interpreter) otherwise.
 
-When it is used (`spawn.launch` decides): function ranks on gloo whose launch adds no variable
-torch reads at import (TORCH_*, NCCL_*, the hang report's debug logging). A user's script
-always gets a fresh interpreter, exactly as `python train.py` would.
+When it is used (`spawn.launch` decides): function ranks on gloo. Variables torch reads when
+it is imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the hang report's debug logs)
+cannot be set after the fork, so each set of them gets a zygote of its own, started with them
+(`Zygote.get(import_env)`). A user's script always gets a fresh interpreter, exactly as
+`python train.py` would.
 
 Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
 launch's environment and working directory, and dies with the zygote, which dies with the
@@ -45,24 +47,27 @@ _MAX_MSG = 1 << 20
 class Zygote:
     """The tool's side: ask for a rank, learn its exit status (module docstring)."""
 
-    _instance: Zygote | None = None
+    _instances: dict[frozenset, Zygote] = {}
     _failed = False
     _class_lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> Zygote | None:
-        """The process's zygote, started on first use; None if it cannot run here."""
+    def get(cls, import_env: dict[str, str] | None = None) -> Zygote | None:
+        """The process's zygote for these import-time variables, started on first use; None
+        if it cannot run here."""
+        key = frozenset((import_env or {}).items())
         with cls._class_lock:
-            if cls._instance is None and not cls._failed:
+            if key not in cls._instances and not cls._failed:
                 try:
-                    cls._instance = cls()
+                    cls._instances[key] = cls(dict(key))
                 except OSError:
                     cls._failed = True
-            return cls._instance
+            return cls._instances.get(key)
 
-    def __init__(self) -> None:
+    def __init__(self, import_env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "ZYGOTE_PARENT": str(os.getpid())}
+        env = {**os.environ, **import_env, "OPENBLAS_NUM_THREADS": "1"}
+        env["ZYGOTE_PARENT"] = str(os.getpid())
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
