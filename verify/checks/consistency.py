@@ -43,6 +43,7 @@ from verify.checks.verdict import (
     verdict_of,
 )
 from verify.launching import RankContext
+from verify.options import knob
 from verify.training.interface import InterfaceError
 from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
 
@@ -54,7 +55,7 @@ NO_BROADCAST = (
 
 @dataclass(frozen=True, kw_only=True)
 class ConsistencyOptions(CheckOptions):
-    command: str = "consistency"
+    command: str = knob("consistency", cli=False)
 
 
 @dataclass(frozen=True)

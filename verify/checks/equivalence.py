@@ -62,7 +62,7 @@ class EquivalenceOptions(CheckOptions):
                            negate="--no-scheduler")  # fmt: skip
     round_trip: bool = knob(True, "save and reload the optimizer's state_dict midway",
                             negate="--no-round-trip")  # fmt: skip
-    command: str = "equivalence"
+    command: str = knob("equivalence", cli=False)
 
     @property
     def round_trip_step(self) -> int | None:
