@@ -52,3 +52,15 @@ def test_commands_that_cannot_use_it_refuse_it(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_cost_benchmark_runs_every_arm(capsys):
+    """`bench-sanitize`: every arm timed side by side, the slowdown with its interval, and
+    where the time went (the figures themselves are for docs/races.md, not asserted)."""
+    assert main(["bench-sanitize", "--model-size", "0.5", "--repeats", "3", "--json"]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "pass" and set(doc["slowdown"]) == {"sanitized", "check-only"}
+    assert all(len(v) == 3 for v in doc["steps_s"].values())
+    assert doc["stats"]["sanitized"]["tracked"] > 0 and doc["stats"]["plain"]["tracked"] == 0

@@ -12,6 +12,7 @@ from verify.cli.command import Command
 from verify.perf import text, text_bench
 from verify.perf.bench import BenchOptions, run_bench
 from verify.perf.bench_audit import AuditBenchOptions, run_audit_bench
+from verify.perf.bench_sanitize import SanitizeBenchOptions, run_sanitize_bench
 from verify.perf.bench_tracer import TracerBenchOptions, run_tracer_bench
 from verify.perf.comm import CommOptions, run_comm
 from verify.perf.profiling import ProfileOptions, run_profile
@@ -61,5 +62,12 @@ PERF_COMMANDS: tuple[Command, ...] = (
         TracerBenchOptions,
         run_tracer_bench,
         text_bench.tracer,
+    ),
+    Command(
+        "bench-sanitize",
+        "benchmark --sanitize (the race sanitizer) against a training step",
+        SanitizeBenchOptions,
+        run_sanitize_bench,
+        text_bench.sanitize,
     ),
 )

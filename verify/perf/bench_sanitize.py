@@ -1,0 +1,146 @@
+"""`python -m verify bench-sanitize`: what `--sanitize` costs a training step, and where.
+
+In one launch the one trainer (`training/trainer.py`) trains the transformer workload with
+the bucketed implementation; its steps rotate through three arms, one step each per round,
+the order rotating every round (`timing.interleave`): plain; sanitized (access checking and
+adversarial completion, what `--sanitize` runs); and check-only (access checking without the
+copies of adversarial completion). Each arm installs its sanitizer just before its step and
+removes it just after (the plain arm installs and removes one too, before its step, so the
+cost of swapping functions falls on every arm alike). Each sample is the slowest rank's step.
+
+The costs are sanitized / plain and check-only / plain, paired per round with 95% intervals
+(`timing.paired`). Beside them, where the time went, from the sanitizer's own accounting
+(`SanitizerStats`): collectives tracked, operators checked while one was in flight, seconds
+classifying and comparing, seconds copying.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import asdict, dataclass
+
+from verify import runs
+from verify.launching import RankContext, launch
+from verify.options import knob
+from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.timing import Ratio, interleave, paired, timed
+from verify.training.trainer import Trainer, TrainSpec
+
+ARMS = ("plain", "sanitized", "check-only")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SanitizeBenchOptions(MeasureOptions):
+    """What the sanitizer is measured on, and for how long."""
+
+    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
+    world_size: int = knob(2, "ranks to start (collectives need two)", minimum=2)
+    model_size_m: float | None = knob(
+        5.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
+    )
+    bucket_mb: float = knob(4.0, "bucket size (several buckets a step)", unit="MB", positive=True)
+    repeats: int = knob(15, "interleaved rounds (one step of each arm per round)", minimum=2)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        resolve_all((self.impl,), "bench-sanitize")
+
+    def train_spec(self) -> TrainSpec:
+        return TrainSpec(
+            impl=self.impl, workload="transformer", model_size_m=self.model_size_m,
+            bucket_mb=self.bucket_mb, steps=1 + len(ARMS) * self.repeats, same_init=True,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SanitizeBenchResult:
+    """Every step's time in every arm, and the sanitizer's accounting per step."""
+
+    options: SanitizeBenchOptions
+    verdict: str
+    parameters: int = 0
+    steps_s: dict | None = None  # arm -> seconds per step (slowest rank)
+    stats: dict | None = None  # arm -> SanitizerStats fields summed over its steps (rank 0)
+    load_avg: tuple[float, float] = (0.0, 0.0)
+    machine: str = ""
+    failure: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+    def ratio(self, arm: str) -> Ratio:
+        return paired(list(self.steps_s[arm]), list(self.steps_s["plain"]))
+
+    def per_step(self, arm: str, key: str) -> float:
+        return self.stats[arm][key] / len(self.steps_s[arm])
+
+    def to_dict(self) -> dict:
+        d = {**asdict(self), "ok": self.ok}
+        if self.ok:
+            d["slowdown"] = {arm: self.ratio(arm).to_dict() for arm in ARMS[1:]}
+            d["median_step_s"] = {arm: statistics.median(v) for arm, v in self.steps_s.items()}
+        return d
+
+
+def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
+    info = runs.machine_info()
+    run = launch(
+        sanitize_bench_on_rank, world_size=options.world_size, args=(options,),
+        timeout_s=options.timeout_s, backend=options.backend,
+        threads_per_rank=options.threads_per_rank,
+    )  # fmt: skip
+    machine = runs.describe_machine(info, run.threads)
+    if not run.ok:
+        return SanitizeBenchResult(
+            options, verdict_of(run), machine=machine, failure=failure_of(run)
+        )
+    return SanitizeBenchResult(options, "pass", machine=machine, **run.values[0])
+
+
+def sanitize_bench_on_rank(ctx: RankContext, options: SanitizeBenchOptions) -> dict:
+    """The interleaved rounds (module docstring); rank 0's accounting comes back."""
+    from verify.sanitize import Sanitizer
+
+    trainer = Trainer(ctx, options.train_spec())
+    trainer.step(1)  # warm-up: gradients and optimizer state allocated
+    sanitizers = {
+        "plain": Sanitizer(rank=ctx.rank),
+        "sanitized": Sanitizer(rank=ctx.rank),
+        "check-only": Sanitizer(rank=ctx.rank, adversarial=False),
+    }
+
+    def arm(name: str) -> float:
+        sanitizer = sanitizers[name]
+
+        def step() -> None:
+            if name == "plain":  # the swap's cost, without the sanitizer in the step
+                sanitizer.install()
+                sanitizer.uninstall()
+                trainer.step(trainer.step_no + 1)
+                return
+            sanitizer.install()
+            sanitizer.name_tensors(trainer.model.named_parameters())
+            try:
+                trainer.step(trainer.step_no + 1)
+                sanitizer.end_step()
+            finally:
+                sanitizer.uninstall()
+
+        return timed(step, ctx.device)
+
+    def each_round(r: int) -> None:
+        if r % 5 == 1 or r == options.repeats:
+            say(ctx, f"bench-sanitize: round {r}/{options.repeats}")
+
+    load_before = os.getloadavg()[0]
+    samples = interleave(
+        {name: (lambda n=name: arm(n)) for name in ARMS}, options.repeats, each_round
+    )
+    return {
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "steps_s": {name: tuple(v) for name, v in samples.items()},
+        "stats": {name: asdict(s.stats) for name, s in sanitizers.items()},
+        "load_avg": (load_before, os.getloadavg()[0]),
+    }
