@@ -170,7 +170,7 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
         def sharded(params, optimizer_cls, *, process_group=None, **defaults):
             return cls(params, optimizer_cls, **defaults)
 
-        doc = (inspect.getdoc(cls) or "user sharded optimizer").splitlines()[0]
+        doc = _summary(cls, "user sharded optimizer")
         return Implementation(name, doc, torch_ddp, sharded, kind, cls)
     if issubclass(cls, nn.Module):
         keyword = takes_bucket_size(cls)
@@ -180,7 +180,7 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
                 return cls(module, **{keyword: bucket_size_mb})
             return cls(module)
 
-        doc = (inspect.getdoc(cls) or "user DDP wrapper").splitlines()[0]
+        doc = _summary(cls, "user DDP wrapper")
         return Implementation(name, doc, wrap, None, kind, cls)
     raise ImplError(
         f"--impl {name!r}: {cls.__name__} is neither an nn.Module DDP wrapper nor a "
@@ -238,3 +238,10 @@ def interface_problem(impl: Implementation) -> str | None:
                 f"the tool constructs {expected} (see {GUIDE})"
             )
     return None
+
+
+def _summary(cls: type, default: str) -> str:
+    """The first sentence of the class docstring's first paragraph (`list` shows it)."""
+    paragraph = " ".join((inspect.getdoc(cls) or default).split("\n\n", 1)[0].split())
+    sentence, dot, _ = paragraph.partition(". ")
+    return sentence + ("." if dot else "")

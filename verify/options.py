@@ -46,7 +46,8 @@ def knob(
         minimum / positive: the value must be >= minimum / > 0.
         choices: the accepted values.
         negate: for a bool that defaults to True, the flag that turns it off
-            ("--keep-grads" for set_to_none); the field's own flag is not offered.
+            ("--keep-grads" for set_to_none); the field's own flag is not offered, and
+            `help` describes the negated flag.
         repeat: a tuple field given by repeating the flag (`--impl a --impl b`) rather than
             as one comma-separated value.
         cli: False keeps the field out of the command line (set in code only).

@@ -35,7 +35,7 @@ from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
 from verify.training.trainer import Hooks, Trainer
 
 CHECKS = ("consistency", "equivalence", "shard")
-STATUSES = ("pass", "fail", "not claimed", "n/a", "refused")
+STATUSES = ("pass", "fail", "not claimed", "n/a", "refused", "timeout")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class CellResult:
     raised, crashed or hung), "not claimed" (the implementation does not offer what the
     behaviour needs: no `no_sync()`, no bucket size), "n/a" (the check or the behaviour does
     not apply, or the tool could not measure), or "refused" (the class cannot be driven as
-    the contract says: a usage error for the whole run). `detail` says why (the finding, the
+    the contract says: a usage error for the whole run), or "timeout" (its launch ran out of
+    time before the cell could decide: no verdict). `detail` says why (the finding, the
     launcher's diagnosis of a failed run, or what is not claimed); `headline` is one line;
     `where` is the user's file:line when an exception was raised.
     """
@@ -164,7 +165,8 @@ def run_cell_on_rank(
 def _findings_text(findings) -> str:
     lines = [f.describe() for f in findings]
     if len(lines) > 1:
-        lines[0] += f" (and {len(lines) - 1} more distinct findings)"
+        more = len(lines) - 1
+        lines[0] += f" (and {more} more distinct finding{'s' if more > 1 else ''})"
     return "\n".join(lines)
 
 

@@ -95,8 +95,9 @@ class ConsistencyResult:
                 f"all {n} checkpoints"
             )
         if self.findings:
-            more = f" (and {len(self.findings) - 1} more findings)" if len(self.findings) > 1 else ""
-            return f"FAULT: {self.findings[0].describe()}{more}"
+            more = len(self.findings) - 1
+            tail = f" (and {more} more distinct finding{'s' if more > 1 else ''})" if more else ""
+            return f"FAULT: {self.findings[0].describe()}{tail}"
         if self.verdict == FAULT:
             return f"FAULT: {self.failure.splitlines()[0]}"
         return f"TIMEOUT: {self.failure.splitlines()[0]}"
@@ -159,6 +160,8 @@ class AuditHooks(Hooks):
         self.auditor = Auditor(run.model, None if sharded else run.optimizer)
         if sharded:
             self.notes.append("optimizer state is sharded: audited parameters, buffers and gradients")
+        if run.spec.same_init:
+            self.notes.append("--same-init: every rank built the model from the same seed")
         found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
         if any(m.tensor.startswith("param:") for m in found):
             last = self.findings[-1]

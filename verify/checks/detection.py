@@ -27,7 +27,7 @@ class DetectionOptions(ThreadOptions):
         repeat=True,
     )  # fmt: skip
     controls: bool = knob(
-        True, "run the built-ins and the references on the same behaviours",
+        True, "skip running the built-ins and the references on the same behaviours",
         negate="--no-controls",
     )  # fmt: skip
     timeout_s: float = knob(

@@ -57,11 +57,18 @@ class EquivalenceOptions(CheckOptions):
     weight_decay: float = knob(0.1, "weight decay of the first parameter group", minimum=0)
     accumulate: int = knob(1, "micro-batches per step, all but the last under no_sync()",
                            minimum=1)  # fmt: skip
-    set_to_none: bool = knob(True, "zero_grad(set_to_none=True)", negate="--keep-grads")
-    scheduler: bool = knob(True, "step a StepLR (halving the lr) after every step",
-                           negate="--no-scheduler")  # fmt: skip
-    round_trip: bool = knob(True, "save and reload the optimizer's state_dict midway",
-                            negate="--no-round-trip")  # fmt: skip
+    set_to_none: bool = knob(
+        True, "zero_grad(set_to_none=False): keep zeroed gradient tensors instead of None",
+        negate="--keep-grads",
+    )  # fmt: skip
+    scheduler: bool = knob(
+        True, "no StepLR after each step (by default the lr halves after every step)",
+        negate="--no-scheduler",
+    )  # fmt: skip
+    round_trip: bool = knob(
+        True, "no optimizer state_dict round trip (by default: saved and reloaded midway)",
+        negate="--no-round-trip",
+    )  # fmt: skip
     command: str = knob("equivalence", cli=False)
 
     @property
@@ -208,7 +215,7 @@ def run_equivalence_on_rank(
 
 def _local(reference: Reference, sanitize, spec: TrainSpec) -> EquivalenceReport:
     """This rank's report, with the race sanitizer's findings and notes when it ran."""
-    findings, notes = list(reference.findings), list(_notes(spec))
+    findings, notes = list(reference.findings), [*_notes(spec), *reference.notes]
     if sanitize is not None:
         findings += sanitize.findings
         notes += sanitize.notes

@@ -21,7 +21,7 @@ import pickle
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -97,7 +97,13 @@ class MatrixResult:
 
     @property
     def verdict(self) -> str:
-        return "fault" if any(r.failed for r in self.results.values()) else "pass"
+        """"fault" if a cell failed; else "timeout" if a launch ran out of time before some
+        cell could decide; else "pass" (not claimed and n/a are not fails)."""
+        if any(r.failed for r in self.results.values()):
+            return "fault"
+        if any(r.status == "timeout" for r in self.results.values()):
+            return "timeout"
+        return "pass"
 
     @property
     def passed(self) -> bool:
@@ -177,13 +183,13 @@ def run_plan(
 
 
 def _settle_refusals(results: dict[Cell, CellResult]) -> None:
-    """A class the tool cannot construct in any cell cannot be certified: a usage error. One
-    that refuses some behaviours only (PyTorch's ZeroRedundancyOptimizer and a model of
-    several dtypes) does not claim them."""
+    """A user's class the tool cannot construct in any cell cannot be certified: a usage
+    error. One that refuses some behaviours only, or a registered implementation (PyTorch's
+    ZeroRedundancyOptimizer and a model of several dtypes), does not claim them."""
     for impl in dict.fromkeys(i for i, _, _ in results):
         cells = [(c, r) for c, r in results.items() if c[0] == impl and r.status != "n/a"]
         refused = [(c, r) for c, r in cells if r.status == "refused"]
-        if refused and len(refused) == len(cells):
+        if refused and len(refused) == len(cells) and resolve(impl).kind == "user":
             raise ValueError(refused[0][1].detail)
         for cell, r in refused:
             results[cell] = CellResult("not claimed", f"the class refused it: {r.where}")
@@ -217,7 +223,8 @@ def _run_cells(
         broken = cells[len(done)]
         root = run.first_failure
         where = root.where() if root is not None else None
-        results[broken] = CellResult("fail", run.summary(), run.elapsed_s, where or None)
+        status = "timeout" if run.timed_out else "fail"  # out of time is no verdict
+        results[broken] = CellResult(status, run.summary(), run.elapsed_s, where or None)
         # The same implementation's other cells are the likeliest to break the next launch
         # too: run them last, so a crash there ends a launch with nothing left to rerun.
         rest = cells[len(done) + 1 :]
@@ -238,7 +245,7 @@ def run_cells_on_rank(
         result = run_cell_on_rank(
             ctx, impl, BEHAVIOUR[key], check, same_init, sanitize=impl in sanitized
         )
-        result = CellResult(result.status, result.detail, time.perf_counter() - start)
+        result = replace(result, seconds=time.perf_counter() - start)
         if ctx.rank == 0:
             path = os.path.join(journal, f"{index}.pkl")
             with open(path + ".tmp", "wb") as f:

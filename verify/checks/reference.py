@@ -116,6 +116,7 @@ class Reference(Hooks):
     def __init__(self) -> None:
         self.checked: list[TensorError] = []
         self.findings: list[Finding] = []
+        self.notes: list[str] = []
         self.tau: dict[str, float] = {}  # per parameter: largest gradient tolerance so far
         self.updates: dict[str, int] = {}  # per parameter: optimizer steps that updated it
 
@@ -230,6 +231,8 @@ class Reference(Hooks):
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is None:
+            kind, why = run.round_trip.kind, run.round_trip.note
+            self.notes.append(f"the checkpoint was played as {kind}" + (f": {why}" if why else ""))
             return
         message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
         self.findings.append(Finding("equivalence", "checkpoint", step, message, ranks=(self.rank,)))

@@ -5,9 +5,12 @@ under test is constructed (a sharded optimizer may issue async broadcasts in its
 names the model's parameters and gradients for the reports, marks each step, reports at the
 end of each step every work never waited on, and runs the checks' own hooks quietly (what the
 audit and the reference read is the tool's, not the code under test's). Its race findings
-become the check's findings ("race" phase), beside what the check itself found: under
-adversarial completion a race also changes the numbers, so equivalence confirms it as a
-wrong result on every run.
+become the check's findings ("race" phase), beside what the check itself found. Under
+adversarial completion most races also change the numbers the same way on every run (a
+division or a step before `wait()`, a broadcast never waited on), so equivalence or
+consistency confirms them as wrong results too; a staging buffer refilled while in flight
+keeps its right numbers there (the collective read its input at issue) and is caught by the
+access report alone.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def describe(f: dataclasses.Field, kind: type | None = None) -> str:
         extras.append(meta["unit"])
     default = _default(f)
     if meta.get("negate"):
-        extras.append(f"turns off {f.name.replace('_', '-')}")
+        pass  # the help describes the negated flag itself
     elif kind is bool:
         extras.append("off by default" if not default else "on by default")
     elif default not in (None, "", ()):

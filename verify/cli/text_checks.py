@@ -25,17 +25,21 @@ def consistency(result: ConsistencyResult) -> str:
         rows = [[c.label, c.tensors, c.mismatched, f"{c.seconds * 1e3:.1f}"] for c in result.checkpoints]
         lines += [tabulate(rows, headers=["checkpoint", "tensors", "mismatched", "audit ms"]), ""]
     if result.mismatches:
+        shown = result.mismatches[:20]
+        detail = any(m.detail for m in shown)
         rows = [
             [
                 m.checkpoint, m.tensor, ",".join(map(str, m.ranks)), m.reference_rank,
                 "-" if m.max_abs_diff is None else f"{m.max_abs_diff:.3g}",
                 "-" if m.num_different is None else f"{m.num_different}/{m.numel}",
-                "-" if m.first_index is None else str(list(m.first_index)), m.detail,
-            ]
-            for m in result.mismatches[:20]
+                "-" if m.first_index is None else str(list(m.first_index)),
+            ] + ([m.detail] if detail else [])
+            for m in shown
         ]  # fmt: skip
-        headers = ["checkpoint", "tensor", "ranks", "vs rank", "max |diff|", "differ", "first", ""]
-        lines += [tabulate(rows, headers=headers), ""]
+        headers = ["checkpoint", "tensor", "ranks", "vs rank", "max |diff|", "differ", "first"]
+        lines += [tabulate(rows, headers=headers + ([""] if detail else [])), ""]
+        if len(result.mismatches) > len(shown):
+            lines += [f"(and {len(result.mismatches) - len(shown)} more mismatches)", ""]
     return "\n".join(lines + _tail(result))
 
 
@@ -128,7 +132,7 @@ def scenarios(result: ScenariosResult) -> str:
         detect = "-" if d.detection_s is None or d.verdict == "desync" else f"{d.detection_s:.1f}"
         rows.append([
             r.options.impl, hang_scenarios.SCENARIOS[r.options.impl][2], d.verdict,
-            "-" if d.culprit is None else d.culprit, kind, (d.collective or "-")[:40], detect,
+            "-" if d.culprit is None else d.culprit, kind, (d.collective or "-")[:60], detect,
             f"{r.elapsed_s:.1f}", "yes" if as_expected(r) else "NO",
         ])  # fmt: skip
     headers = ["scenario", "built to", "verdict", "culprit", "finding", "collective",

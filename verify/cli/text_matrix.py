@@ -11,8 +11,9 @@ from verify.checks.detection import DetectionResult
 from verify.checks.matrix import MatrixResult
 from verify.training.workloads import WORKLOADS
 
-SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a"}
-COMPACT = {"pass": "✓", "fail": "✗", "not claimed": "–", "n/a": "·"}
+SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a",
+          "timeout": "TIMEOUT"}  # fmt: skip
+COMPACT = {"pass": "✓", "fail": "✗", "not claimed": "–", "n/a": "·", "timeout": "?"}
 
 
 def matrix(result: MatrixResult) -> str:
@@ -42,7 +43,8 @@ def matrix(result: MatrixResult) -> str:
             for b in behaviours
         ]
         legend = (
-            "✓ pass  ✗ fail  – not claimed  · n/a   (the shard check for sharded optimizers only)"
+            "✓ pass  ✗ fail  – not claimed  · n/a  ? timed out   (the shard check for sharded "
+            "optimizers only)"
         )
         table = tabulate(rows, headers=["behaviour", *o.impl_names])
         lines = [f"certification matrix ({header})", "", table, "", legend]
@@ -60,21 +62,28 @@ def matrix(result: MatrixResult) -> str:
         lines += ["", "not claimed:"]
         lines += [f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in claims]
     counts = _counts(result)
-    verdict = "FAULT" if failures else "PASS"
-    lines += [
-        "",
-        f"{verdict}: {counts}  ({result.elapsed_s:.0f}s, {result.launches} launch"
-        f"{'es' if result.launches != 1 else ''})",
-    ]
+    if o.sanitize:
+        lines += ["", _SANITIZED]
+    verdict = result.verdict.upper()
+    lines += ["", f"{verdict}: {counts}  ({result.elapsed_s:.0f}s, {_launches(result.launches)})"]
     return "\n".join(lines)
+
+
+_SANITIZED = (
+    "note: every cell ran under --sanitize; it cannot see the collectives PyTorch DDP's C++ "
+    "reducer issues (torch-ddp, torch-zero and the sharded optimizers that run over them)"
+)
+
+
+def _launches(n: int) -> str:
+    return f"{n} launch{'es' if n != 1 else ''}"
 
 
 def _counts(result: MatrixResult) -> str:
     """Cells by status, over the columns shown (no shard column for DDP wrappers)."""
     statuses = [r.status for (i, _, c), r in result.results.items() if c in result.checks_for(i)]
-    parts = [f"{statuses.count(s)} {s}" for s in ("pass", "fail", "not claimed", "n/a")]
+    parts = [f"{statuses.count(s)} {s}" for s in ("pass", "fail", "not claimed", "n/a", "timeout")]
     return ", ".join(p for p in parts if not p.startswith("0 "))
-
 
 
 def detection(result: DetectionResult) -> str:
@@ -109,7 +118,7 @@ def detection(result: DetectionResult) -> str:
     caught = sum(d.caught for d in result.detections)
     lines.append(
         f"{verdict}: {caught}/{len(result.detections)} faulty implementations caught by their "
-        f"check  ({result.matrix.elapsed_s:.0f}s, {result.matrix.launches} launches)"
+        f"check  ({result.matrix.elapsed_s:.0f}s, {_launches(result.matrix.launches)})"
     )
     return "\n".join(lines)
 

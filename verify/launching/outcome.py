@@ -120,7 +120,10 @@ class LaunchResult:
 
     def _failure_summary(self) -> str:
         if self.timed_out:
-            lines = [f"timed out after {self.elapsed_s:.1f}s before a verdict; each rank was:"]
+            lines = [
+                f"timed out before a verdict ({self.elapsed_s:.1f}s in all, starting included), "
+                "with each rank at"
+            ]
             for o in self.outcomes:
                 where = stacks.innermost_frames(o.stack) or o.error or ""
                 lines.append(f"  rank {o.rank} [{o.status}]: {where}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import signal
 import struct
 import subprocess
@@ -225,7 +226,13 @@ def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
 _ECHO_LOCK = threading.Lock()
 
 
+# The backend's INFO log lines (TORCH_CPP_LOG_LEVEL=INFO, which a hang report turns on) go to
+# the rank's file only: the console shows what the script itself says.
+_INFO = re.compile(rb"^\[?I\d{4} \d\d:\d\d:\d\d")
+
+
 def _echo(console: TextIO, rank: int, lines: list[bytes]) -> None:
+    lines = [line for line in lines if not _INFO.match(line)]
     if not lines:
         return
     text = "".join(f"[rank {rank}] {line.decode('utf-8', 'replace')}\n" for line in lines)

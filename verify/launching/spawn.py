@@ -3,9 +3,11 @@
 `launch` runs `fn(ctx, *args)` in N ranks with an initialized process group and returns a
 `LaunchResult` with one `RankOutcome` per rank. The guarantees:
 
-- Ranks are fresh interpreters (never forks), one process each, world size 1 included
-  (`process.py`). They meet at a `file://` store in a fresh temp dir, so any number of
-  launches (`pytest -n auto`, threads) can run at once: there is no port to collide on.
+- Each rank is a process of its own, world size 1 included (`process.py`): forked from a
+  zygote that has imported torch and nothing else (`zygote.py`: milliseconds instead of the
+  seconds an import costs), or a fresh interpreter where a zygote cannot serve (NCCL).
+  They meet at a `file://` store in a fresh temp dir, so any number of launches
+  (`pytest -n auto`, threads) can run at once: there is no port to collide on.
 - Each rank takes its thread budget (`threads.py`): the machine's cores shared among the
   ranks running at once, as torchrun does.
 - Each rank sends back its return value (pickled, returned exactly) or its formatted

@@ -17,12 +17,12 @@ import torch
 from verify.sanitize.access import span
 from verify.watching.stacks import SiteFinder
 
-# The user's code: every frame outside torch and this package (verify/).
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# The user's code: every frame outside torch and this package (verify/); when the tool's own
+# loop called torch (the trainer's `optimizer.step()`), the tool's line that did.
 _find = SiteFinder(
-    (
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # .../verify/
-    )
+    (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep),
+    fallback_skip=(_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep),
 )
 
 

@@ -108,14 +108,19 @@ def frame_site(frame: types.FrameType | None) -> str | None:
 class SiteFinder:
     """`path:line (function)` of the innermost frame outside the `skip` directories, cached
     per code object and line: a few microseconds on a hot path (the tracer and the race
-    sanitizer ask at every collective)."""
+    sanitizer ask at every collective). When every frame is skipped (the tool's own loop
+    called torch: `optimizer.step()` from the trainer), the innermost frame outside
+    `fallback_skip` (default: `skip`). Frames of code compiled from strings (`<string>`,
+    `<frozen ...>`) are never a site."""
 
-    def __init__(self, skip: tuple[str, ...]) -> None:
-        self.skip = skip
+    def __init__(self, skip: tuple[str, ...], fallback_skip: tuple[str, ...] | None = None) -> None:
+        self.skip = skip + ("<",)
+        self.fallback_skip = (fallback_skip or skip) + ("<",)
         self._internal: dict[object, bool] = {}
         self._labels: dict[tuple[object, int], str] = {}
 
     def __call__(self, frame: types.FrameType | None) -> str:
+        start = frame
         while frame is not None:
             code = frame.f_code
             internal = self._internal.get(code)
@@ -124,6 +129,10 @@ class SiteFinder:
             if not internal:
                 break
             frame = frame.f_back
+        if frame is None:  # nothing but skipped frames: the innermost outside fallback_skip
+            frame = start
+            while frame is not None and frame.f_code.co_filename.startswith(self.fallback_skip):
+                frame = frame.f_back
         if frame is None:
             return "<unknown>"
         key = (frame.f_code, frame.f_lineno)

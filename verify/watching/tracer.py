@@ -85,7 +85,15 @@ UNEVEN_OPS = frozenset(
 ) | {op for op in _OPS if op.endswith(("_object", "_object_list"))}
 ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
 
-_find_site = SiteFinder((os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__)))
+# The user's call site: outside torch, this file, and the race sanitizer that may wrap it.
+_find_site = SiteFinder(
+    (
+        os.path.dirname(torch.__file__) + os.sep,
+        os.path.abspath(__file__),
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitize")
+        + os.sep,
+    )
+)
 
 
 _writer: Writer | None = None
