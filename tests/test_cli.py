@@ -1,11 +1,14 @@
 """The CLI end to end: verdicts, exit codes (0 pass, 1 fault, 2 cannot run), one-line errors.
 
-Bad-input cases run `main()` in-process (they fail before any rank starts); the cases that
-train run `python -m verify` as a user would, in a subprocess.
+The cases run `main()` in this process, as `python -m verify` runs it (the ranks are real,
+forked from this worker's zygote: no interpreter to start and import torch into per case).
+One case runs a real shell command, to see what a user's terminal gets (no traceback), and
+one runs under a real torchrun.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,14 +23,24 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = "tests/fixtures/user_classes.py"
 
 
-def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "verify", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+@dataclasses.dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """`python -m verify ARGS` from the repository's root, in this process."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> Ran:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -58,7 +71,10 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, monkeypatch):
 
 
 def test_bad_input_from_the_shell_has_no_traceback():
-    proc = run_cli("consistency", "--impl", "no_such_module:Cls")
+    proc = subprocess.run(
+        [sys.executable, "-m", "verify", "consistency", "--impl", "no_such_module:Cls"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert (
@@ -85,26 +101,26 @@ def test_bad_input_from_the_shell_has_no_traceback():
         ),
     ],
 )
-def test_a_module_that_fails_to_import_is_one_line_and_exit_2(tmp_path, source, message):
+def test_a_module_that_fails_to_import_is_one_line_and_exit_2(
+    tmp_path, source, message, run_cli, monkeypatch
+):
     (tmp_path / "userpkg_bad.py").write_text(source)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "verify", "consistency", "--impl", "userpkg_bad:MyDDP"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "userpkg_bad", raising=False)
+    proc = run_cli("consistency", "--impl", "userpkg_bad:MyDDP")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert message in proc.stderr
 
 
-def test_consistency_passes_for_bucketed_and_prints_table_and_verdict():
+def test_consistency_passes_for_bucketed_and_prints_table_and_verdict(run_cli):
     proc = run_cli("consistency", "--impl", "bucketed", "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checkpoint" in proc.stdout and "step 2 gradients" in proc.stdout
     assert "PASS: replicas bitwise identical on all 2 ranks at all 5 checkpoints" in proc.stdout
 
 
-def test_json_output_is_one_document():
+def test_json_output_is_one_document(run_cli):
     proc = run_cli("consistency", "--impl", "zero1", "--world-size", "3", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -117,13 +133,13 @@ def test_json_output_is_one_document():
     ]
 
 
-def test_json_stays_clean_when_the_user_class_prints():
+def test_json_stays_clean_when_the_user_class_prints(run_cli):
     proc = run_cli("consistency", "--impl", f"{FIXTURES}:Chatty", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["passed"] is True
 
 
-def test_user_class_from_a_file_passes():
+def test_user_class_from_a_file_passes(run_cli):
     proc = run_cli(
         "consistency", "--impl", "docs/examples/student_ddp.py:StudentDDP", "--steps", "2"
     )
@@ -131,7 +147,7 @@ def test_user_class_from_a_file_passes():
     assert "PASS" in proc.stdout
 
 
-def test_user_class_that_forgets_buffers_is_caught_at_construction():
+def test_user_class_that_forgets_buffers_is_caught_at_construction(run_cli):
     proc = run_cli(
         "consistency",
         "--impl",
@@ -143,14 +159,14 @@ def test_user_class_that_forgets_buffers_is_caught_at_construction():
     assert "FAULT: construction: buffer:offset differs on rank 1 (vs rank 0)" in proc.stdout
 
 
-def test_a_rank_that_raises_exits_1_with_its_traceback_summarized():
+def test_a_rank_that_raises_exits_1_with_its_traceback_summarized(run_cli):
     proc = run_cli("consistency", "--impl", f"{FIXTURES}:RaisesOnRankOne")
     assert proc.returncode == 1
     assert "rank 1" in proc.stdout and "rank one exploded in forward" in proc.stdout
     assert "user_classes.py" in proc.stdout  # the user's frame is named
 
 
-def test_a_user_class_taking_bucket_size_mb_gets_the_cli_value():
+def test_a_user_class_taking_bucket_size_mb_gets_the_cli_value(run_cli):
     ok = run_cli(
         "consistency",
         "--impl",
@@ -170,7 +186,7 @@ def test_a_user_class_taking_bucket_size_mb_gets_the_cli_value():
     assert wrong.stderr.count("\n") == 1 and "user_classes.py:" in wrong.stderr
 
 
-def test_a_user_sharded_optimizer_by_import_path():
+def test_a_user_sharded_optimizer_by_import_path(run_cli):
     proc = run_cli(
         "consistency", "--impl", "impls.zero:ShardedOptimizer", "--world-size", "3", "--steps", "2"
     )

@@ -137,7 +137,7 @@ def test_a_timeout_is_not_a_fault():
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["verdict"] == "timeout" and doc["passed"] is False
-    assert doc["headline"].startswith("TIMEOUT: timed out after"), doc["headline"]
+    assert doc["headline"].startswith("TIMEOUT: timed out before a verdict"), doc["headline"]
     assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
 
 
