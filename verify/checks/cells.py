@@ -128,7 +128,9 @@ def run_cell_on_rank(
         return CellResult("n/a", why)
     spec = behaviour.spec(impl_name, same_init=same_init)
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
-    judge = AuditHooks() if check == "consistency" else Reference() if check == "equivalence" else None
+    judge = (
+        AuditHooks() if check == "consistency" else Reference() if check == "equivalence" else None
+    )
     hooks = [ClaimHooks(behaviour)] + ([judge] if judge is not None else [])
     guard = None
     with torch.random.fork_rng(devices=devices):

@@ -159,7 +159,9 @@ class AuditHooks(Hooks):
         sharded = run.impl is not None and run.impl.sharded
         self.auditor = Auditor(run.model, None if sharded else run.optimizer)
         if sharded:
-            self.notes.append("optimizer state is sharded: audited parameters, buffers and gradients")
+            self.notes.append(
+                "optimizer state is sharded: audited parameters, buffers and gradients"
+            )
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
         found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
@@ -180,7 +182,9 @@ class AuditHooks(Hooks):
             message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
             self.findings.append(Finding("consistency", "checkpoint", step, message))
         elif run.round_trip is not None and run.round_trip.note:
-            self.notes.append(f"optimizer state_dict round trip after step {step}: {run.round_trip.note}")
+            self.notes.append(
+                f"optimizer state_dict round trip after step {step}: {run.round_trip.note}"
+            )
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
         label = f"step {step} after the state_dict round trip"
@@ -194,7 +198,9 @@ class AuditHooks(Hooks):
             more = f" (and {len(found) - 1} more tensors there)" if len(found) > 1 else ""
             tensor = found[0].tensor.split(":", 1)[-1]
             message = found[0].describe() + more
-            self.findings.append(Finding("consistency", phase, step, message, tensor, _ranks(found)))
+            self.findings.append(
+                Finding("consistency", phase, step, message, tensor, _ranks(found))
+            )
             _resync(dict(named), found, self.auditor.process_group)
         return found
 

@@ -85,7 +85,7 @@ class DetectionResult:
 
     @property
     def verdict(self) -> str:
-        """"pass": every fault caught by its check, and no correct implementation flagged."""
+        """ "pass": every fault caught by its check, and no correct implementation flagged."""
         ok = all(d.caught for d in self.detections) and not self.false_alarms
         return "pass" if ok else "fault"
 

@@ -302,7 +302,11 @@ def _divergences(failed: list[TensorError]) -> list[Finding]:
         phase = "construction" if step == 0 else "gradients" if kind == "gradients" else "step"
         out.append(
             Finding(
-                "equivalence", phase, step, e.describe() + more, e.tensor,
+                "equivalence",
+                phase,
+                step,
+                e.describe() + more,
+                e.tensor,
                 tuple(sorted(set().union(*(ranks[k] for k in keys)))),
                 tuple(sorted(set().union(*(steps[k] for k in keys)))),
             )  # fmt: skip

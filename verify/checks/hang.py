@@ -84,9 +84,7 @@ class HangOptions(RunOptions, OutputOptions):
                 f"unexpected arguments {' '.join(self.script)} (did you mean --nproc N --?)"
             )
         if sum([bool(self.impl), bool(self.script), self.scenarios]) != 1:
-            raise ValueError(
-                "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"
-            )
+            raise ValueError("give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS")
         if self.sanitize and not self.script:
             raise ValueError("--sanitize applies to a script: --nproc N --sanitize -- train.py")
         if self.impl:
@@ -262,7 +260,9 @@ def run_scenarios(options: HangOptions) -> ScenariosResult:
     def one(name: str) -> HangResult:
         result = check_hang(replace(options, impl=name, scenarios=False, threads_per_rank=threads))
         done.append(name)
-        progress.say(f"hang scenarios: {len(done)}/{total} done ({name}: {result.diagnosis.verdict})")
+        progress.say(
+            f"hang scenarios: {len(done)}/{total} done ({name}: {result.diagnosis.verdict})"
+        )
         return result
 
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:

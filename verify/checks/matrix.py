@@ -58,9 +58,7 @@ class MatrixOptions(ThreadOptions):
         "gloo", "gloo (CPU) or nccl (one GPU per rank; rows wanting more ranks than GPUs are "
         "n/a)", choices=("gloo", "nccl"),
     )  # fmt: skip
-    sanitize: bool = knob(
-        False, "check async collectives for races in every cell (docs/races.md)"
-    )
+    sanitize: bool = knob(False, "check async collectives for races in every cell (docs/races.md)")
     command: str = knob("matrix", cli=False)
 
     def __post_init__(self) -> None:
@@ -71,7 +69,9 @@ class MatrixOptions(ThreadOptions):
             resolve(name, kinds=CHECK_KINDS, command=self.command)
         unknown = [r for r in self.rows if r not in BEHAVIOUR]
         if unknown:
-            raise ValueError(f"unknown behaviour {unknown[0]!r}; choose from {', '.join(BEHAVIOUR)}")
+            raise ValueError(
+                f"unknown behaviour {unknown[0]!r}; choose from {', '.join(BEHAVIOUR)}"
+            )
         if any(c not in CHECKS for c in self.checks):
             raise ValueError(f"checks must be among {', '.join(CHECKS)}")
 
@@ -97,7 +97,7 @@ class MatrixResult:
 
     @property
     def verdict(self) -> str:
-        """"fault" if a cell failed; else "timeout" if a launch ran out of time before some
+        """ "fault" if a cell failed; else "timeout" if a launch ran out of time before some
         cell could decide; else "pass" (not claimed and n/a are not fails)."""
         if any(r.failed for r in self.results.values()):
             return "fault"
@@ -195,9 +195,7 @@ def _settle_refusals(results: dict[Cell, CellResult]) -> None:
             results[cell] = CellResult("not claimed", f"the class refused it: {r.where}")
 
 
-def _run_cells(
-    cells: list[Cell], world_size: int, options: MatrixOptions, at_once: int, sanitized
-):
+def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_once: int, sanitized):
     """Run `cells` in as few launches as failures allow: their results, and the launches."""
     results: dict[Cell, CellResult] = {}
     launches = 0

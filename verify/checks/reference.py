@@ -196,22 +196,29 @@ class Reference(Hooks):
             if not parts:  # no shard used it: its gradient is what zero_grad left
                 p.grad = self.start[name]
                 found.append(
-                    compare("gradients", name, mine[name].grad, p.grad, 0.0, step=step,
-                            rank=self.rank)  # fmt: skip
+                    compare(
+                        "gradients", name, mine[name].grad, p.grad, 0.0, step=step, rank=self.rank
+                    )  # fmt: skip
                 )
                 continue
             # Shards that did not use it contribute zeros (they count in the average).
             total = torch.stack([g.double() for g in parts]).sum(0)
             mean = total / self.world
             abs_mean = torch.stack([g.double().abs() for g in parts]).sum(0) / self.world
-            tol = tolerances.gradient_tolerance(
-                p.dtype, self.world, abs_mean, mean, cuda=self.cuda
-            )
+            tol = tolerances.gradient_tolerance(p.dtype, self.world, abs_mean, mean, cuda=self.cuda)
             self.tau[name] = max(self.tau.get(name, 0.0), float(tol.max()))
             p.grad = mean.to(p.dtype)
             found.append(
-                compare("gradients", name, mine[name].grad, mean, tol, step=step, rank=self.rank,
-                        dtype=p.dtype)  # fmt: skip
+                compare(
+                    "gradients",
+                    name,
+                    mine[name].grad,
+                    mean,
+                    tol,
+                    step=step,
+                    rank=self.rank,
+                    dtype=p.dtype,
+                )  # fmt: skip
             )
         self.checked.extend(found)
         # The lr each parameter's step uses, before the scheduler moves it.
@@ -234,8 +241,12 @@ class Reference(Hooks):
             kind, why = run.round_trip.kind, run.round_trip.note
             self.notes.append(f"the checkpoint was played as {kind}" + (f": {why}" if why else ""))
             return
-        message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
-        self.findings.append(Finding("equivalence", "checkpoint", step, message, ranks=(self.rank,)))
+        message = (
+            f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
+        )
+        self.findings.append(
+            Finding("equivalence", "checkpoint", step, message, ranks=(self.rank,))
+        )
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
         self.optimizer, self.scheduler = self._optimizer(run)  # both sides restart
         if sched is not None:

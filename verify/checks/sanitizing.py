@@ -53,7 +53,13 @@ class SanitizeHooks(Hooks):
     def findings(self) -> list[Finding]:
         return [
             Finding(
-                "sanitize", "race", r.step, r.message, r.tensor, (r.rank,), (r.step,),
+                "sanitize",
+                "race",
+                r.step,
+                r.message,
+                r.tensor,
+                (r.rank,),
+                (r.step,),
                 r.accessed_at or r.issued_at,
             )  # fmt: skip
             for r in self.sanitizer.findings

@@ -119,4 +119,3 @@ def run_check(rank_fn: Callable[..., Any], options) -> tuple[LaunchResult, list[
 def failure_text(run: LaunchResult) -> str | None:
     """The launcher's summary of a run that did not end with every rank returning."""
     return None if run.ok else run.summary()
-

@@ -65,8 +65,9 @@ CHECK_COMMANDS: tuple[Command, ...] = (
         script=True,
         fixed=_hang_fixed,
     ),
-    Command("list", "list implementations and workloads", None, lambda _: None,
-            text_matrix.listing),  # fmt: skip
+    Command(
+        "list", "list implementations and workloads", None, lambda _: None, text_matrix.listing
+    ),  # fmt: skip
 )
 
 

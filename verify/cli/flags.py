@@ -118,7 +118,9 @@ def _parser(f: dataclasses.Field, kind: type, many: bool) -> Callable[[str], Any
             try:
                 value = int(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+                raise argparse.ArgumentTypeError(
+                    f"{name} must be an integer, got {text!r}"
+                ) from None
         elif kind is float:
             try:
                 value = float(text)

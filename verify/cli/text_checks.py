@@ -22,7 +22,9 @@ def consistency(result: ConsistencyResult) -> str:
         "",
     ]
     if result.checkpoints:
-        rows = [[c.label, c.tensors, c.mismatched, f"{c.seconds * 1e3:.1f}"] for c in result.checkpoints]
+        rows = [
+            [c.label, c.tensors, c.mismatched, f"{c.seconds * 1e3:.1f}"] for c in result.checkpoints
+        ]
         lines += [tabulate(rows, headers=["checkpoint", "tensors", "mismatched", "audit ms"]), ""]
     if result.mismatches:
         shown = result.mismatches[:20]
