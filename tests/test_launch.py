@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,10 @@ def _sum_of_ranks(ctx: RankContext, tag: str) -> dict:
         "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         "extra": os.environ.get("DDP_VERIFY_TEST_VAR"),
     }
+
+
+def _parent_pid(ctx: RankContext) -> int:
+    return os.getppid()
 
 
 def _raise_on_rank_1(ctx: RankContext, pid_dir: str) -> None:
@@ -92,8 +97,6 @@ def _die(ctx: RankContext, pid_dir: str) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-
-
 
 
 def _pids(pid_dir: Path) -> list[int]:
@@ -333,3 +336,29 @@ def test_processes_started_by_a_rank_do_not_outlive_the_launch(tmp_path: Path) -
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_none_alive(children)
+
+
+def test_the_zygote_outlives_the_thread_that_started_it_and_is_replaced_when_killed():
+    """PR_SET_PDEATHSIG fires when the thread that started a process exits: a zygote started
+    by a launch run in a pool thread must not die with that thread (every later launch would
+    start fresh interpreters, silently, at ~3 s of CPU a rank). And one that was killed (the
+    OOM killer) is replaced, not given up on. A variable of its own gives this test a zygote
+    of its own."""
+    env = {"TORCH_DDP_VERIFY_TEST": f"zygote-{os.getpid()}-{time.monotonic_ns()}"}
+
+    def forked_by() -> set[int]:
+        result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
+        assert result.ok, result.summary()
+        return set(result.values)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        (zygote,) = pool.submit(forked_by).result()
+    assert zygote != os.getpid() and alive(zygote)  # the ranks were forked, by a zygote
+    time.sleep(0.5)  # the pool's thread has exited: PDEATHSIG would have fired by now
+    assert forked_by() == {zygote} and alive(zygote)
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(zygote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (replacement,) = forked_by()
+    assert replacement not in (zygote, os.getpid())

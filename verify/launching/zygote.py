@@ -34,14 +34,27 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = (
     f"import sys; sys.path.insert(0, {_ROOT!r}); "
     "from verify.launching.zygote import serve; serve(int(sys.argv[1]))"
 )
-_PRELOAD = ("torch", "torch.distributed", "verify.launching.rank", "verify.checks.cells")
+# torch._dynamo: PyTorch's DDP imports it when constructed, and optimizers when they first
+# step: ~1.7 s of CPU that every rank would pay again after the fork.
+_PRELOAD = (
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim",
+    "verify.launching.rank", "verify.checks.cells",
+)  # fmt: skip
 _MAX_MSG = 1 << 20
+
+# The zygote dies with the tool through PR_SET_PDEATHSIG, which fires when the *thread* that
+# started it exits, not the process: a zygote started from a pool thread (a check run among
+# others in threads) would be SIGKILLed when that pool shut down, and every later launch
+# would start fresh interpreters. So zygotes are started from this one thread, which lives
+# as long as the tool.
+_starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-verify-zygote-starter")
 
 
 class Zygote:
@@ -57,6 +70,8 @@ class Zygote:
         if it cannot run here."""
         key = frozenset((import_env or {}).items())
         with cls._class_lock:
+            if key in cls._instances and not cls._instances[key].alive:
+                del cls._instances[key]  # killed (the OOM killer, say): start another
             if key not in cls._instances and not cls._failed:
                 try:
                     cls._instances[key] = cls(dict(key))
@@ -68,13 +83,14 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, **import_env, "OPENBLAS_NUM_THREADS": "1"}
         env["ZYGOTE_PARENT"] = str(os.getpid())
-        self.proc = subprocess.Popen(
+        self.proc = _starter.submit(
+            subprocess.Popen,
             [sys.executable, "-c", _BOOT, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
             # Nothing it says may reach the tool's stdout (a --json document); each rank it
             # forks points its own output at its log file first thing.
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        ).result()  # fmt: skip
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()  # one request at a time
