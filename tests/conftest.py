@@ -2,17 +2,32 @@
 
 - Tests marked `gpu` need CUDA and NCCL and skip cleanly without them (every CPU-only machine,
   CI included).
+- `run_cli(*args)` runs `python -m verify ARGS` as `main()` in the test's process, from the
+  repository's root: the ranks are real (forked from this worker's zygote), but no
+  interpreter starts and imports torch per case (~6 s of CPU a case saved). Tests that need
+  a terminal's view (no traceback on a real shell) or a signal start a real process instead.
 - Under `pytest -n auto` several workers launch ranks at once: each worker tells the tool how
   many jobs share the machine (DDP_VERIFY_JOBS), so every rank's thread budget is its share of
   the cores among all of them (`verify/launching/threads.py`), not of one worker's ranks.
+- Tests marked `alone` run while no other test does. The load test is one: its CPU hogs keep
+  every core busy for its whole run, which would slow every test of the other workers three
+  times over (a third of the suite's CPU went to the hogs). Every test holds a shared lock on
+  a file of the session; an `alone` test holds it exclusively. (Session fixtures are set up
+  outside it: they may overlap, which only adds load.)
 """
 
+import dataclasses
+import fcntl
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from verify.cli import main
 from verify.launching.threads import JOBS_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault(JOBS_ENV, os.environ["PYTEST_XDIST_WORKER_COUNT"])
@@ -25,3 +40,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@dataclasses.dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """`python -m verify ARGS` from the repository's root, in this process (module docstring)."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> Ran:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request, tmp_path_factory):
+    """The session's lock: shared by every test, exclusive for one marked `alone`."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    with open(root / "machine.lock", "w") as lock:
+        alone = request.node.get_closest_marker("alone") is not None
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield

@@ -8,7 +8,6 @@ one runs under a real torchrun.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -21,26 +20,6 @@ from verify.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = "tests/fixtures/user_classes.py"
-
-
-@dataclasses.dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def run_cli(capsys, monkeypatch):
-    """`python -m verify ARGS` from the repository's root, in this process."""
-    monkeypatch.chdir(ROOT)
-
-    def run(*args: str) -> Ran:
-        code = main(list(args))
-        out = capsys.readouterr()
-        return Ran(code, out.out, out.err)
-
-    return run
 
 
 @pytest.mark.parametrize(

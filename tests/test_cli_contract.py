@@ -126,23 +126,18 @@ def test_a_bad_out_is_one_line_and_exit_2(command, tmp_path, capsys):
     assert "cannot write there" in capsys.readouterr().err
 
 
-def test_a_timeout_is_not_a_fault():
+def test_a_timeout_is_not_a_fault(run_cli):
     """Out of time before a verdict: exit 2 and "timeout" in the JSON, with what each rank was
     doing, never "FAULT"."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "verify", "consistency", "--impl", "bucketed", "--workload",
-         "transformer", "--model-size", "2", "--steps", "100", "--timeout", "1", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    proc = run_cli(
+        "consistency", "--impl", "bucketed", "--workload", "transformer", "--model-size", "2",
+        "--steps", "100", "--timeout", "1", "--json",
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["verdict"] == "timeout" and doc["passed"] is False
     assert doc["headline"].startswith("TIMEOUT: timed out before a verdict"), doc["headline"]
     assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
-
-
-
-
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

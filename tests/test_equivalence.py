@@ -23,8 +23,6 @@ import functools
 import json
 import pickle
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -164,27 +162,24 @@ def test_accumulation_keep_grads_and_sgd_pass_and_a_wrapper_without_no_sync_is_n
 # --- the CLI -------------------------------------------------------------------------------
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "verify", "equivalence", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-
-
-def test_cli_pass_prints_the_table_and_exits_0():
-    proc = run_cli("--impl", "zero1", "--world-size", "1", "--steps", "2")
+def test_cli_pass_prints_the_table_and_exits_0(run_cli):
+    proc = run_cli("equivalence", "--impl", "zero1", "--world-size", "1", "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^gradients +fc1\.weight ", proc.stdout, re.MULTILINE), proc.stdout
     assert "PASS: gradients and parameters match one process on all 1 ranks" in proc.stdout
 
 
-def test_cli_fault_exits_1_naming_step_tensor_and_phase_in_json():
+def test_cli_fault_exits_1_naming_step_tensor_and_phase_in_json(run_cli):
     # On one rank, dividing by a hard-coded 2 halves every gradient.
     proc = run_cli(
-        "--impl", f"{BROKEN}:DividesByTwo", "--world-size", "1", "--steps", "1", "--json"
+        "equivalence",
+        "--impl",
+        f"{BROKEN}:DividesByTwo",
+        "--world-size",
+        "1",
+        "--steps",
+        "1",
+        "--json",
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)

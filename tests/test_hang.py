@@ -65,8 +65,6 @@ EXPECTED = {
 }  # fmt: skip
 
 
-
-
 def _cli(*args: str, out: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "verify", "hang", "--json", "--out", str(out), *args],
@@ -111,7 +109,7 @@ def _run_all(out: Path) -> dict:
     jobs = {name: (impl, name) for name in EXPECTED if name != "hang:deadlock"}
     jobs["hang:deadlock"] = (_cli, "--impl", "hang:deadlock", "--stall-timeout", "3")
     jobs["hang:bucket-order"] = (impl, "hang:bucket-order", STALL_S, 3)
-    jobs["hang:slow-rank"] = (_cli, "--impl", "hang:slow-rank", "--stall-timeout", "4")
+    jobs["hang:slow-rank"] = (impl, "hang:slow-rank", 4.0)
     jobs["script:skip"] = (script, "skip")
     jobs["script:ok"] = (script, "ok")
     jobs["student"] = (impl, "docs/examples/student_ddp.py:StudentDDP")
@@ -266,7 +264,10 @@ def test_launch_watchdog_and_pytest_helper():
         (["hang"], "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"),
         (["hang", "--scenarios", "--impl", "naive"], "--scenarios and --impl cannot be used"),
         (["hang", "--nproc", "2", "--world-size", "3", "--", "x.py"], "--nproc and --world-size"),
-        (["hang", "--impl", "faulty:no-divide"], "unknown implementation 'faulty:no-divide' for hang"),
+        (
+            ["hang", "--impl", "faulty:no-divide"],
+            "unknown implementation 'faulty:no-divide' for hang",
+        ),
         (["hang", "--impl", "nope"], "unknown implementation 'nope'"),
         (["hang", "--nproc", "2", "--", "missing.py"], "script missing.py does not exist"),
         (["hang", "--impl", "bucketed", "--stall-timeout", "0"], "--stall-timeout must be > 0"),
@@ -319,7 +320,9 @@ def test_same_count_different_shape_is_a_desync():
 
 def test_majority_and_missing_ranks():
     ok = [_rec(1, "a.py:1")]
-    states = [RankOutcome(r, "timeout") for r in range(3)] + [RankOutcome(3, "crashed", error="killed")]
+    states = [RankOutcome(r, "timeout") for r in range(3)] + [
+        RankOutcome(3, "crashed", error="killed")
+    ]
     traces = [
         _trace(0, ok + [_rec(2, "a.py:2", 4, "issued")]),
         _trace(1, ok + [_rec(2, "a.py:2", 4, "issued")]),

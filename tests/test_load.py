@@ -3,7 +3,9 @@ a rank that computes for a long time, a script that hangs, and a consistency and
 equivalence run give exactly the verdicts they give on an idle machine, and nothing is left
 running afterwards.
 
-The hogs are started and killed by the test (bounded by its own time limit). Under them each
+The hogs are started and killed by the test (bounded by its own time limit), and the test runs
+alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
+do not slow the rest of the suite). Under them each
 rank gets a fraction of a core, so everything is slower: a rank that works must still read as
 working (its CPU time advances), never as hung, and a hang must still be called.
 """
@@ -16,6 +18,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from tests.processes import alive
 from verify.checks.consistency import ConsistencyOptions, check_consistency
@@ -43,8 +47,7 @@ def hogs():
             p.wait()
 
 
-
-
+@pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
 def test_verdicts_hold_with_every_core_busy(tmp_path):
     out = str(tmp_path)
 
@@ -57,15 +60,17 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     with hogs() as hog_pids:
         with ThreadPoolExecutor(max_workers=3) as pool:
             scenarios = pool.submit(
-                check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=2)
+                check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             )
-            computing = pool.submit(script, "compute", str(3 * STALL_S))
+            computing = pool.submit(script, "compute", str(2 * STALL_S))
             skipping = pool.submit(script, "skip")
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
             scenarios, computing, skipping = (
-                scenarios.result(), computing.result(), skipping.result()
+                scenarios.result(),
+                computing.result(),
+                skipping.result(),
             )
     problems = [
         f"{r.options.impl}: {r.diagnosis.verdict} ({r.diagnosis.headline})"

@@ -5,8 +5,6 @@ that cannot use it refusing it in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RACY = "tests/fixtures/race_script.py"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "verify", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=180,
-    )  # fmt: skip
-
-
-def test_a_racy_script_is_caught_under_hang_nproc_sanitize(tmp_path):
-    proc = _cli("hang", "--nproc", "2", "--sanitize", "--out", str(tmp_path), "--json", "--", RACY)
+def test_a_racy_script_is_caught_under_hang_nproc_sanitize(run_cli, tmp_path):
+    proc = run_cli(
+        "hang", "--nproc", "2", "--sanitize", "--out", str(tmp_path), "--json", "--", RACY
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["verdict"] == "fault" and doc["diagnosis"]["verdict"] == "ok"  # no hang: a race

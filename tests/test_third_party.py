@@ -14,8 +14,6 @@ The cells share launches (one matrix run per seeding), so this costs a few launc
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
@@ -106,11 +104,8 @@ def test_one_finding_does_not_hide_the_next():
     ]
 
 
-def test_a_class_needing_a_frameworks_setup_is_a_usage_error():
-    proc = subprocess.run(
-        [sys.executable, "-m", "verify", "consistency", "--impl", f"{MORE}:NeedsGlobalSetup"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_a_class_needing_a_frameworks_setup_is_a_usage_error(run_cli):
+    proc = run_cli("consistency", "--impl", f"{MORE}:NeedsGlobalSetup")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "constructing the wrapper raised AttributeError" in proc.stderr

@@ -10,7 +10,6 @@ a real run shows that the route works.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -186,14 +185,11 @@ def test_an_import_error_inside_a_package_is_one_line(tmp_path, monkeypatch):
     assert f"importing it as {name}.ddp (from {tmp_path}) failed: ModuleNotFoundError" in message
 
 
-def test_the_cli_trains_a_package_member_on_two_ranks(tmp_path):
-    """The ranks import the class again by the same route: the real proof it works."""
+def test_the_cli_trains_a_package_member_on_two_ranks(run_cli, tmp_path):
+    """The ranks (forked from a zygote that never saw the package) import the class again by
+    the same route: the real proof it works."""
     path = _package(tmp_path, f"regpkg_cli_{abs(hash(str(tmp_path))) % 10**8}", "relative")
-    proc = subprocess.run(
-        [sys.executable, "-m", "verify", "consistency", "--impl", f"{path}:PkgDDP",
-         "--steps", "1", "--bucket-mb", "0.75"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_cli("consistency", "--impl", f"{path}:PkgDDP", "--steps", "1", "--bucket-mb", "0.75")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
 
