@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,11 @@ def test_a_timeout_is_not_a_fault(run_cli):
     assert doc["verdict"] == "timeout" and doc["passed"] is False
     assert doc["headline"].startswith("TIMEOUT: timed out before a verdict"), doc["headline"]
     assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
+    # Where each rank was: a frame even when none is the user's (a built-in inside backward).
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} \[timeout\]: \w+ \(\S+\.py:\d+\)", doc["failure"]), doc[
+            "failure"
+        ]
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

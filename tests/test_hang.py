@@ -335,6 +335,19 @@ def test_majority_and_missing_ranks():
     assert d.culprit == 2 and d.findings[0].kind == "count mismatch"
 
 
+def test_a_rank_behind_at_the_deadline_is_not_a_desync():
+    """Cut short by --timeout (no hang called), rank 0 computes towards #2 while rank 1 waits
+    in it: rank 0 is behind, not missing it. Only a rank that stopped never issued it."""
+    done = [_rec(1, "a.py:1")]
+    traces = [_trace(0, done), _trace(1, done + [_rec(2, "a.py:2", 4, "issued")])]
+    cut = [RankOutcome(0, "timeout"), RankOutcome(1, "timeout")]
+    d = diagnose(traces, cut, timed_out=True)
+    assert d.verdict == "timeout" and not d.faulty and not d.findings, d.text()
+    finished = [RankOutcome(0, "ok"), RankOutcome(1, "timeout")]  # rank 0 left the loop
+    d = diagnose(traces, finished, timed_out=True)
+    assert d.faulty and (d.culprit, d.findings[0].kind) == (0, "missing"), d.text()
+
+
 def test_torchrun_node_watchdog(tmp_path):
     """Under torchrun, verify.hang_run's node watchdog ends a hung job and writes the report."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -121,8 +121,8 @@ class LaunchResult:
     def _failure_summary(self) -> str:
         if self.timed_out:
             lines = [
-                f"timed out before a verdict ({self.elapsed_s:.1f}s in all, starting included), "
-                "with each rank at"
+                "timed out before a verdict",
+                f"each rank was at ({self.elapsed_s:.1f}s in all, starting included):",
             ]
             for o in self.outcomes:
                 where = stacks.innermost_frames(o.stack) or o.error or ""

@@ -135,17 +135,24 @@ def _members(group: str, world: int) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", group)]
 
 
+_CUT_SHORT = ("timeout", "killed")  # outcome statuses of ranks ended while still running
+
+
 def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
     colls = {r: traces[r].collectives(group) for r in members if r < len(traces) and traces[r]}
     if len(colls) < 2:
         return []
     first = {r: min(c) if c else 1 for r, c in colls.items()}  # older ones fell off the ring
     last = {r: max(c) if c else 0 for r, c in colls.items()}
+    # A rank still running when the run was cut short (the deadline, or ended after a peer
+    # failed) may only be behind, still computing towards collective k: it "never issued" k
+    # only if it stopped (finished, raised, crashed) or the watchdog called a hang.
+    behind = {r for r in colls if not stalled and r < len(ranks) and ranks[r].status in _CUT_SHORT}
     findings = []
     for k in sorted(set().union(*colls.values())):
         present = {r: c[k] for r, c in colls.items() if k in c}
         known = [r for r in colls if first[r] <= k]
-        absent = [r for r in known if r not in present and k > last[r]]
+        absent = [r for r in known if r not in present and k > last[r] and r not in behind]
         if absent:
             findings.append(_missing(k, present, absent, traces, ranks, colls))
             break

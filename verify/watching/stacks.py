@@ -83,17 +83,25 @@ def _traceback_frames(tb: str | None) -> list[tuple[str, str, str, str]]:
 def innermost_frames(stack: str | None, depth: int = 3) -> str:
     """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
     rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
-    the last dump when the file holds several)."""
+    the last dump when the file holds several). With no user frame on it (a built-in
+    implementation inside torch's backward, say), the innermost frames of torch and of this
+    tool: where it was is worth more than nothing."""
     if not stack:
         return ""
     threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
     mains = [t for t in threads if f'"{_PACKAGE}launching' in t or 'File "<string>"' in t]
     main = (mains or threads or [""])[-1]
-    frames = []
-    for path, line, name in _DUMP_FRAME.findall(main):
-        if not is_plumbing(path):
-            frames.append(f"{name} ({relpath(path)}:{line})")
-    return " <- ".join(frames[:depth])
+    found = _DUMP_FRAME.findall(main)  # innermost first
+    frames = [f for f in found if not is_plumbing(f[0])]
+    if not frames:  # torch's frames only where this tool's code entered torch
+        kept = [
+            f for f in found if not f[0].startswith((_STDLIB, "<")) and "/launching/" not in f[0]
+        ]
+        frames = [
+            f for f, outer in zip(kept, [*kept[1:], None])
+            if not (f[0].startswith(_TORCH) and outer is not None and outer[0].startswith(_TORCH))
+        ]  # fmt: skip
+    return " <- ".join(f"{name} ({relpath(path)}:{line})" for path, line, name in frames[:depth])
 
 
 def frame_site(frame: types.FrameType | None) -> str | None:
