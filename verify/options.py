@@ -131,6 +131,16 @@ class ThreadOptions(Options):
     )  # fmt: skip
 
 
+def launch_knobs(options: ThreadOptions) -> dict[str, Any]:
+    """The launcher's keywords every command's options set alike: the time limit, the backend
+    and the thread budget, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`."""
+    return {
+        "timeout_s": options.timeout_s,
+        "backend": options.backend,
+        "threads_per_rank": options.threads_per_rank,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(ThreadOptions):
     """The knobs of every command that starts one job of ranks."""

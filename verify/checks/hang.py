@@ -33,7 +33,7 @@ from impls.registry import resolve
 from verify import progress, runs
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script, thread_budget
 from verify.launching.torchrun import joining
-from verify.options import OutputOptions, RunOptions, knob
+from verify.options import OutputOptions, RunOptions, knob, launch_knobs
 from verify.training.trainer import Trainer, TrainSpec
 from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
@@ -182,10 +182,9 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
         )  # fmt: skip
     else:
         run = launch(
-            run_hang_on_rank, world_size=options.ranks, args=(options,),
-            timeout_s=options.timeout_s, backend=options.backend, env=env,
+            run_hang_on_rank, world_size=options.ranks, args=(options,), env=env,
             stall_timeout_s=options.stall_timeout_s, report_dir=report_dir,
-            threads_per_rank=options.threads_per_rank,
+            **launch_knobs(options),
         )  # fmt: skip
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.ranks)

@@ -30,7 +30,7 @@ from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
 from verify.checks.options import CHECK_KINDS
 from verify.launching import RankContext, check_interrupted, launch, rank
-from verify.options import ThreadOptions, knob
+from verify.options import ThreadOptions, knob, launch_knobs
 
 #: what `--impl all` certifies: the built-ins and PyTorch's references
 CERTIFIED = tuple(names({"builtin", "reference"}))
@@ -207,9 +207,7 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
                 run_cells_on_rank,
                 world_size=world_size,
                 args=(cells, journal, options.same_init, sanitized),
-                timeout_s=options.timeout_s,
-                backend=options.backend,
-                threads_per_rank=options.threads_per_rank,
+                **launch_knobs(options),
                 ranks_at_once=at_once,
             )
             done = _read_journal(journal, len(cells))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from verify.launching import LaunchResult, launch
+from verify.options import launch_knobs
 
 PASS, FAULT, TIMEOUT = "pass", "fault", "timeout"
 VERDICTS = (PASS, FAULT, TIMEOUT)
@@ -105,9 +106,7 @@ def run_check(rank_fn: Callable[..., Any], options) -> tuple[LaunchResult, list[
         rank_fn,
         world_size=options.world_size,
         args=(options.train_spec(), options.sanitize),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
     )
     reports = [o.value for o in run.outcomes if o.value is not None]
     refusals = [r for r in reports if isinstance(r, Refusal)]

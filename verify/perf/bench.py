@@ -31,7 +31,7 @@ import torch
 
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext, launch
-from verify.options import OutputOptions, knob
+from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, collectives, text_bench
 from verify.perf.bandwidth import bucket_bandwidth
 from verify.perf.base import (
@@ -110,9 +110,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
         bench_on_rank,
         world_size=options.world_size,
         args=(options,),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
     )
     machine = folder.machine(run)
     if not run.ok:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from verify import runs
 from verify.checks.audit import Auditor
 from verify.launching import RankContext, launch
-from verify.options import knob
+from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import Ratio, decide, interleave, paired, timed
 from verify.training.trainer import Trainer, TrainSpec
@@ -117,9 +117,7 @@ def run_audit_bench(options: AuditBenchOptions) -> AuditBenchResult:
         audit_bench_on_rank,
         world_size=options.world_size,
         args=(options,),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
     )
     machine = runs.describe_machine(info, run.threads)
     if not run.ok:

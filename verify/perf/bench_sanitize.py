@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from verify import runs
 from verify.launching import RankContext, launch
-from verify.options import knob
+from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import Ratio, interleave, paired, timed
 from verify.training.trainer import Trainer, TrainSpec
@@ -88,8 +88,7 @@ def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
     info = runs.machine_info()
     run = launch(
         sanitize_bench_on_rank, world_size=options.world_size, args=(options,),
-        timeout_s=options.timeout_s, backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
     )  # fmt: skip
     machine = runs.describe_machine(info, run.threads)
     if not run.ok:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from impls.registry import DEFAULT_BUCKET_MB
 from verify import runs
 from verify.launching import RankContext, launch
-from verify.options import knob
+from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import Ratio, decide, interleave, paired, timed_with_cpu
 from verify.training.trainer import Trainer, TrainSpec
@@ -175,9 +175,7 @@ def run_tracer_bench(options: TracerBenchOptions) -> TracerBenchResult:
         tracer_bench_on_rank,
         world_size=options.world_size,
         args=(options,),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
         stall_timeout_s=None,
     )
     machine = runs.describe_machine(info, run.threads)

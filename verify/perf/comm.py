@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from verify import progress
 from verify.launching import RankContext, launch
-from verify.options import OutputOptions, knob
+from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
 from verify.perf.alphabeta import MiB, best_bucket, bus_factor, fit_alpha_beta
 from verify.perf.base import MeasureOptions, RunFolder, failure_of, say, verdict_of
@@ -165,9 +165,7 @@ def run_comm(options: CommOptions) -> CommResult:
             comm_on_rank,
             world_size=ws,
             args=(options,),
-            timeout_s=options.timeout_s,
-            backend=options.backend,
-            threads_per_rank=options.threads_per_rank,
+            **launch_knobs(options),
         )
         launches.append(run)
         if not run.ok:

@@ -33,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from verify.launching import RankContext, launch
-from verify.options import OutputOptions, knob
+from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text, traces
 from verify.perf.base import (
     ALL,
@@ -139,9 +139,7 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
         profile_on_rank,
         world_size=options.world_size,
         args=(options, {k: str(v) for k, v in trace_dirs.items()}),
-        timeout_s=options.timeout_s,
-        backend=options.backend,
-        threads_per_rank=options.threads_per_rank,
+        **launch_knobs(options),
     )
     machine = folder.machine(run)
     if not run.ok:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
-from verify.options import OutputOptions, knob
+from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
 from verify.perf.base import MeasureOptions, RunFolder, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import timed
@@ -128,9 +128,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
             scaling_on_rank,
             world_size=ws,
             args=(options,),
-            timeout_s=options.timeout_s,
-            backend=options.backend,
-            threads_per_rank=options.threads_per_rank,
+            **launch_knobs(options),
             ranks_at_once=options.max_world_size,  # the same budget at every world size
         )
         launches.append(run)

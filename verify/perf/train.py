@@ -26,7 +26,7 @@ import torch.distributed as dist
 from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
-from verify.options import OutputOptions, knob
+from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
 from verify.perf.base import (
     MeasureOptions,
@@ -143,9 +143,7 @@ def run_training(options: TrainOptions) -> TrainResult:
             train_on_rank,
             world_size=ws,
             args=(options, names),
-            timeout_s=options.timeout_s,
-            backend=options.backend,
-            threads_per_rank=options.threads_per_rank,
+            **launch_knobs(options),
             # The same thread budget per process in both launches: a lone rank given every
             # core spins OpenMP threads on a tiny GPT's ops, 10x slower on a loaded machine.
             ranks_at_once=options.world_size,
