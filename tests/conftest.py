@@ -12,8 +12,9 @@
 - Tests marked `alone` run while no other test does. The load test is one: its CPU hogs keep
   every core busy for its whole run, which would slow every test of the other workers three
   times over (a third of the suite's CPU went to the hogs). Every test holds a shared lock on
-  a file of the session; an `alone` test holds it exclusively. (Session fixtures are set up
-  outside it: they may overlap, which only adds load.)
+  a file of the session; an `alone` test holds it exclusively. (Session- and module-scoped
+  fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
+  new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)
 """
 
 import dataclasses

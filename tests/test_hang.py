@@ -348,6 +348,41 @@ def test_a_rank_behind_at_the_deadline_is_not_a_desync():
     assert d.faulty and (d.culprit, d.findings[0].kind) == (0, "missing"), d.text()
 
 
+def test_a_rank_killed_after_its_peer_timed_out_waiting_for_it_is_the_culprit():
+    """Rank 1 never issues #2; rank 0's own collective timeout fails #2 and it raises; the
+    launcher then kills rank 1. Rank 1 is not merely behind: rank 0 was waiting for it."""
+    done = [_rec(1, "a.py:1")]
+    traces = [_trace(0, done + [_rec(2, "a.py:2", 4, "failed")]), _trace(1, done)]
+    states = [RankOutcome(0, "error", error="RuntimeError: timed out"), RankOutcome(1, "killed")]
+    d = diagnose(traces, states, failure_order=(0,))
+    missing = [f for f in d.findings if f.kind == "missing"]
+    assert d.verdict == "crash" and missing and missing[0].rank == 1, d.text()
+    assert d.culprit == 1, d.text()
+
+
+@pytest.mark.parametrize("site_packages_below_stdlib", [False, True])
+def test_where_a_rank_is_when_no_frame_is_the_users(monkeypatch, site_packages_below_stdlib):
+    """A built-in implementation inside torch's backward: this tool's frames and torch's entry
+    frame, not nothing (also where site-packages lies below the standard library's folder,
+    as in Docker's python images and conda)."""
+    from verify.watching import stacks
+
+    if site_packages_below_stdlib:
+        monkeypatch.setattr(stacks, "_STDLIB", os.path.dirname(stacks._TORCH.rstrip(os.sep)))
+    torch_dir, tool = stacks._TORCH, stacks._PACKAGE
+    dump = "\n".join([
+        "Current thread 0x01 (most recent call first):",
+        f'  File "{torch_dir}autograd/graph.py", line 979 in _engine_run_backward',
+        f'  File "{torch_dir}_tensor.py", line 623 in backward',
+        f'  File "{tool}training/trainer.py", line 243 in step',
+        f'  File "{tool}launching/rank.py", line 143 in call',
+        '  File "<string>", line 1 in <module>',
+    ])  # fmt: skip
+    where = stacks.innermost_frames(dump)
+    assert where.startswith("backward (") and "_tensor.py:623) <- step (" in where, where
+    assert "graph.py" not in where and "rank.py" not in where, where
+
+
 def test_torchrun_node_watchdog(tmp_path):
     """Under torchrun, verify.hang_run's node watchdog ends a hung job and writes the report."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -362,3 +362,28 @@ def test_the_zygote_outlives_the_thread_that_started_it_and_is_replaced_when_kil
         time.sleep(0.05)
     (replacement,) = forked_by()
     assert replacement not in (zygote, os.getpid())
+
+
+def test_a_launch_in_a_thread_runs_to_its_end_after_the_main_thread_returned(tmp_path):
+    """The program's main thread returns while another (non-daemon) thread launches: Python
+    waits for that thread, and its ranks must run to the end. (The zygote is started by a
+    daemon thread that lasts until the process ends; a pool's worker would be shut down
+    first, and the zygote and its ranks with it.)"""
+    result = tmp_path / "result"
+    script = textwrap.dedent(f"""
+        import threading
+        import test_launch as t
+        from verify.launching import launch
+
+        def go():
+            run = launch(t._parent_pid, world_size=2, timeout_s=60)
+            open({str(result)!r}, "w").write(run.summary())
+
+        threading.Thread(target=go).start()
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=_clean_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result.read_text().startswith("ok: 2 rank(s) finished"), result.read_text()

@@ -131,9 +131,11 @@ class ThreadOptions(Options):
     )  # fmt: skip
 
 
-def launch_knobs(options: ThreadOptions) -> dict[str, Any]:
+def launch_knobs(options: Any) -> dict[str, Any]:
     """The launcher's keywords every command's options set alike: the time limit, the backend
-    and the thread budget, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`."""
+    and the thread budget, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
+    `options`: any command's options that start ranks (a `ThreadOptions` with `timeout_s` and
+    `backend`: `RunOptions` and the checks', `MeasureOptions` and the measurements')."""
     return {
         "timeout_s": options.timeout_s,
         "backend": options.backend,

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = (
@@ -52,30 +52,63 @@ _MAX_MSG = 1 << 20
 # The zygote dies with the tool through PR_SET_PDEATHSIG, which fires when the *thread* that
 # started it exits, not the process: a zygote started from a pool thread (a check run among
 # others in threads) would be SIGKILLed when that pool shut down, and every later launch
-# would start fresh interpreters. So zygotes are started from this one thread, which lives
-# as long as the tool.
-_starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-verify-zygote-starter")
+# would start fresh interpreters. So zygotes are started by one daemon thread, which lasts
+# until the process ends (a pool's worker would not: pools are shut down at interpreter exit,
+# before the program's other threads are waited for).
+_starts: queue.SimpleQueue = queue.SimpleQueue()
+_starter: threading.Thread | None = None
+
+
+def _start_process(*args, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen(*args, **kwargs)`, run by the lasting starter thread (called under
+    `Zygote._class_lock`, so the thread is started once)."""
+    global _starter
+    if _starter is None:
+        _starter = threading.Thread(target=_serve_starts, name="ddp-verify-zygote-starter",
+                                    daemon=True)  # fmt: skip
+        _starter.start()
+    done, box = threading.Event(), []
+    _starts.put((args, kwargs, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _serve_starts() -> None:
+    while True:
+        args, kwargs, box, done = _starts.get()
+        try:
+            box.append(subprocess.Popen(*args, **kwargs))
+        except BaseException as exc:  # handed back to the caller
+            box.append(exc)
+        done.set()
 
 
 class Zygote:
     """The tool's side: ask for a rank, learn its exit status (module docstring)."""
 
-    _instances: dict[frozenset, Zygote] = {}
+    _instances: dict[frozenset, Zygote | None] = {}  # None: it never worked, do not retry
     _failed = False
     _class_lock = threading.Lock()
 
     @classmethod
     def get(cls, import_env: dict[str, str] | None = None) -> Zygote | None:
         """The process's zygote for these import-time variables, started on first use; None
-        if it cannot run here."""
+        if it cannot run here. One that died after it had forked ranks (the OOM killer, say)
+        is replaced; one that died before forking any (its preload failed) is not retried."""
         key = frozenset((import_env or {}).items())
         with cls._class_lock:
-            if key in cls._instances and not cls._instances[key].alive:
-                del cls._instances[key]  # killed (the OOM killer, say): start another
+            old = cls._instances.get(key)
+            if old is not None and old.gone():
+                old.close()
+                cls._instances[key] = None
+                if old.forked:
+                    del cls._instances[key]
             if key not in cls._instances and not cls._failed:
                 try:
                     cls._instances[key] = cls(dict(key))
-                except OSError:
+                except (OSError, RuntimeError):  # RuntimeError: no new thread at shutdown
                     cls._failed = True
             return cls._instances.get(key)
 
@@ -83,27 +116,40 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, **import_env, "OPENBLAS_NUM_THREADS": "1"}
         env["ZYGOTE_PARENT"] = str(os.getpid())
-        self.proc = _starter.submit(
-            subprocess.Popen,
-            [sys.executable, "-c", _BOOT, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-            # Nothing it says may reach the tool's stdout (a --json document); each rank it
-            # forks points its own output at its log file first thing.
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        ).result()  # fmt: skip
-        theirs.close()
+        try:
+            self.proc = _start_process(
+                [sys.executable, "-c", _BOOT, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                # Nothing it says may reach the tool's stdout (a --json document); each rank
+                # it forks points its own output at its log file first thing.
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.sock = ours
         self.lock = threading.Lock()  # one request at a time
         self.changed = threading.Condition()
         self.exits: dict[int, int] = {}
         self.replies: dict[int, int | None] = {}
         self.alive = True
+        self.forked = False  # it has forked a rank: it worked here once
         self._next = 0
         threading.Thread(target=self._read, name="ddp-verify-zygote", daemon=True).start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def gone(self) -> bool:
+        """Dead: its socket closed, or its process already exited (the reader may lag)."""
+        return not self.alive or self.proc.poll() is not None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
     def spawn(self, job_path: str, env: dict, log_path: str, report_fd: int) -> int | None:
         """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
@@ -121,14 +167,15 @@ class Zygote:
             return self.replies.pop(ident, None)
 
     def exitcode(self, pid: int) -> int | None:
-        """The rank's exit status as Popen gives it (negative: killed by that signal)."""
+        """The rank's exit status as Popen gives it (negative: killed by that signal). A rank
+        of a zygote that is gone died with it (PR_SET_PDEATHSIG: SIGKILL)."""
         with self.changed:
-            return self.exits.get(pid)
+            return self.exits.get(pid, None if self.alive else -signal.SIGKILL)
 
     def wait(self, pid: int, timeout: float) -> int | None:
         with self.changed:
             self.changed.wait_for(lambda: pid in self.exits or not self.alive, timeout=timeout)
-            return self.exits.get(pid)
+        return self.exitcode(pid)
 
     def _read(self) -> None:
         while True:
@@ -144,6 +191,7 @@ class Zygote:
                 kind, a, b = pickle.loads(data)
                 if kind == "started":
                     self.replies[a] = b
+                    self.forked = self.forked or b is not None
                 else:
                     self.exits[a] = b
                 self.changed.notify_all()

@@ -144,15 +144,24 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
         return []
     first = {r: min(c) if c else 1 for r, c in colls.items()}  # older ones fell off the ring
     last = {r: max(c) if c else 0 for r, c in colls.items()}
-    # A rank still running when the run was cut short (the deadline, or ended after a peer
-    # failed) may only be behind, still computing towards collective k: it "never issued" k
-    # only if it stopped (finished, raised, crashed) or the watchdog called a hang.
-    behind = {r for r in colls if not stalled and r < len(ranks) and ranks[r].status in _CUT_SHORT}
+    # A rank still running when the run was cut short may only be behind, still computing
+    # towards collective k: at the deadline (no failure, no hang called) it never "missed" k.
+    # Killed after a peer failed, it is behind unless that peer was waiting in k for it
+    # (k issued and never completed there: then it is the one that never came).
+    failed = [q for q in colls if q < len(ranks) and ranks[q].status in ("error", "crashed")]
+
+    def behind(r: int, k: int) -> bool:
+        status = ranks[r].status if r < len(ranks) else None
+        if stalled or status not in _CUT_SHORT:
+            return False
+        waited = any(k in colls[q] and colls[q][k].state != "completed" for q in failed)
+        return status == "timeout" or not waited
+
     findings = []
     for k in sorted(set().union(*colls.values())):
         present = {r: c[k] for r, c in colls.items() if k in c}
         known = [r for r in colls if first[r] <= k]
-        absent = [r for r in known if r not in present and k > last[r] and r not in behind]
+        absent = [r for r in known if r not in present and k > last[r] and not behind(r, k)]
         if absent:
             findings.append(_missing(k, present, absent, traces, ranks, colls))
             break

@@ -84,8 +84,8 @@ def innermost_frames(stack: str | None, depth: int = 3) -> str:
     """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
     rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
     the last dump when the file holds several). With no user frame on it (a built-in
-    implementation inside torch's backward, say), the innermost frames of torch and of this
-    tool: where it was is worth more than nothing."""
+    implementation inside torch's backward, say), this tool's frames and torch's entry frame
+    (the outermost of each run of torch frames): where it was is worth more than nothing."""
     if not stack:
         return ""
     threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
@@ -95,8 +95,11 @@ def innermost_frames(stack: str | None, depth: int = 3) -> str:
     frames = [f for f in found if not is_plumbing(f[0])]
     if not frames:  # torch's frames only where this tool's code entered torch
         kept = [
-            f for f in found if not f[0].startswith((_STDLIB, "<")) and "/launching/" not in f[0]
-        ]
+            f for f in found
+            # torch first: site-packages often lies below the standard library's folder
+            if f[0].startswith(_TORCH)
+            or not f[0].startswith((_STDLIB, "<", _PACKAGE + "launching" + os.sep))
+        ]  # fmt: skip
         frames = [
             f for f, outer in zip(kept, [*kept[1:], None])
             if not (f[0].startswith(_TORCH) and outer is not None and outer[0].startswith(_TORCH))
