@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from verify.launching.process import alive
 
-def alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie nobody reaped yet is dead too."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+__all__ = ["alive", "descendants"]
 
 
 def descendants(pid: int) -> set[int]:

@@ -239,3 +239,18 @@ def _echo(console: TextIO, rank: int, lines: list[bytes]) -> None:
     with _ECHO_LOCK, contextlib.suppress(OSError, ValueError):
         console.write(text)
         console.flush()
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie nobody reaped yet is dead too."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from verify.launching import rank as rank_side
 from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
+from verify.launching.process import alive
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
@@ -183,7 +184,7 @@ def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
     watchdog = Watchdog(paths, stall_timeout_s, where=where)
     while True:
         headers = [trace_file.read_header(p) for p in paths]
-        pids = [h.pid if h is not None and _alive(h.pid) else None for h in headers]
+        pids = [h.pid if h is not None and alive(h.pid) else None for h in headers]
         if watchdog.poll(pids):
             break
         time.sleep(0.1)
@@ -221,13 +222,3 @@ def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
