@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import deadline_loops
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import thread_budget
 from verify.launching.threads import JOBS_ENV
@@ -97,3 +98,12 @@ def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):
     from verify.cli.text_checks import hang
 
     assert "NO COLLECTIVES: no collective was observed" in hang(result)
+
+
+def test_cut_short_a_rank_behind_is_no_fault_and_one_that_skipped_is_named():
+    """Student-style loops never seen elsewhere (tests/fixtures/deadline_loops.py): a correct
+    one cut short by the deadline while rank 0 evaluates is a timeout with no finding (it
+    was reported "DESYNC: never issued"); a buggy one whose rank 1 skipped a collective, and
+    was killed after rank 0 gave up waiting for it, still names rank 1."""
+    problems = deadline_loops.verdict_problems()
+    assert not problems, "\n".join(problems)

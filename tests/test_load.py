@@ -1,13 +1,14 @@
 """Verdicts that hold under load (issue 9): with a CPU hog on every core, the hang scenarios,
-a rank that computes for a long time, a script that hangs, and a consistency and an
-equivalence run give exactly the verdicts they give on an idle machine, and nothing is left
-running afterwards.
+a rank that computes for a long time, a script that hangs, a consistency and an equivalence
+run, and two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+collective: tests/fixtures/deadline_loops.py) give exactly the verdicts they give on an idle
+machine, and nothing is left running afterwards.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
-do not slow the rest of the suite). Under them each
-rank gets a fraction of a core, so everything is slower: a rank that works must still read as
-working (its CPU time advances), never as hung, and a hang must still be called.
+do not slow the rest of the suite). Under them each rank gets a fraction of a core, so
+everything is slower: a rank that works must still read as working (its CPU time advances),
+never as hung, and a hang must still be called.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import deadline_loops
 from tests.processes import alive
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
@@ -67,6 +69,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
+            cut_short = deadline_loops.verdict_problems()
             scenarios, computing, skipping = (
                 scenarios.result(),
                 computing.result(),
@@ -85,5 +88,6 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert consistency.verdict == "pass", consistency.headline + (consistency.failure or "")
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
+    assert not cut_short, "\n".join(cut_short)
     pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
     assert pids and not [p for p in pids + hog_pids if alive(p)]
