@@ -58,9 +58,11 @@ def run(
     check_interrupted()
     n = len(jobs)
     base = {**os.environ, **env}
-    if "GLOO_SOCKET_IFNAME" not in base:
-        # Gloo binds to whatever the hostname resolves to; our ranks are all local.
-        base["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        # Gloo listens on whatever the hostname resolves to, NCCL's bootstrap on the first
+        # interface that is not loopback: our ranks are all local, so nothing they open need
+        # be reachable from the network (a variable the user set wins).
+        base.setdefault(name, _loopback_ifname())
     ranks = []
     for job in jobs:
         job_path = os.path.join(folder, f"rank{job.rank}.job")

@@ -6,7 +6,8 @@ script's own `init_process_group()` (env://) works unchanged. The rendezvous can
 with another run: this process hosts the key-value store on a port the OS picked and keeps it
 open for the run, and the ranks connect to it as clients (torchrun's agent store,
 TORCHELASTIC_USE_AGENT_STORE), where picking a free port and letting rank 0 bind it later
-could lose the port to a concurrent run.
+could lose the port to a concurrent run. The store listens on 127.0.0.1 only
+(`_loopback_store`), and the ranks' gloo on the loopback interface (`runner.py`).
 
 The supervisor, the watchdog and the diagnosis are the ones every launch uses; the ranks'
 output goes to `rank<r>.stdout` / `rank<r>.stderr` in the report folder and, line by line with
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from typing import TextIO
 
@@ -62,10 +64,7 @@ def run_script(
     budget = thread_budget(nproc, threads_per_rank)
     start = time.monotonic()
     # Held open for the whole run: the port can only be ours.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s + 60),
-    )  # fmt: skip
+    store = _loopback_store(nproc, timeout_s + 60)
     try:
         rank_env = {
             "MASTER_ADDR": "127.0.0.1",
@@ -106,3 +105,23 @@ def run_script(
         )
     finally:
         del store
+
+
+def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The run's rendezvous store, listening on 127.0.0.1 and nowhere else.
+
+    Whatever host name it is given, TCPStore's server binds every interface (`::` or
+    `0.0.0.0`, torch 2.13, both backends); the name only tells its own client where to
+    connect. The store takes unauthenticated connections, so anyone who could reach the
+    machine could read or write the run's rendezvous keys. So the socket is bound to loopback
+    here and handed over (`master_listen_fd`): the store listens on it, owns it, and closes
+    it when it is deleted or fails to start.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store's from here on: closing it here would close it twice
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd,
+    )  # fmt: skip
