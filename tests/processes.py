@@ -1,12 +1,18 @@
-"""What the tests ask about processes: is one still alive, and what runs below one."""
+"""What the tests ask about processes: is one still alive, what runs below one, and what it
+listens on."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from verify.launching.process import alive
 
-__all__ = ["alive", "descendants"]
+__all__ = ["Listener", "alive", "descendants", "listeners"]
 
 
 def descendants(pid: int) -> set[int]:
@@ -26,3 +32,43 @@ def descendants(pid: int) -> set[int]:
         out.update(kids)
         todo.extend(kids)
     return out
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket, as the system's socket table has it."""
+
+    pid: int
+    address: str  # "127.0.0.1", "::1", "0.0.0.0", "::", ...
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback or self.address == "::ffff:7f00:1"
+
+
+def listeners(pids: set[int]) -> set[Listener]:
+    """Every TCP socket in the LISTEN state held by one of `pids`, read from /proc/net/tcp and
+    tcp6 (the kernel's table, whatever created the socket: Python, torch, gloo, a server a
+    process started) and matched to its holders through the socket inodes in /proc/PID/fd."""
+    table: dict[str, tuple[str, int]] = {}  # inode -> (address, port)
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/net", name).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                addr, port = fields[1].split(":")
+                raw = bytes.fromhex(addr)  # 32-bit words, each in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                table[fields[9]] = (socket.inet_ntop(family, raw), int(port, 16))
+    found = set()
+    for pid in pids:
+        fd_dir = Path("/proc", str(pid), "fd")
+        with contextlib.suppress(OSError):  # gone, or not ours to read
+            for fd in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in table:
+                        found.add(Listener(pid, *table[target[8:-1]]))
+    return found

@@ -26,6 +26,7 @@ import urllib.request
 import pytest
 from filelock import FileLock
 
+from tests.processes import descendants, listeners
 from verify import runs
 from verify.perf import traces
 from verify.perf.base import all_variants
@@ -211,6 +212,9 @@ def test_tensorboard_lists_the_runs_and_ranks(profiled, tmp_path):
             port = m and int(m.group(1))
             time.sleep(0.2)
         assert port, "TensorBoard did not print its address:\n" + log.read_text()[-2000:]
+        # It, and the data server it may start, listen on loopback only (test_listening.py).
+        served = listeners({proc.pid} | descendants(proc.pid))
+        assert served and all(x.loopback for x in served), served
         base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
         expected = set(TENSORBOARD_RUNS)
         runs: dict = {}

@@ -1,0 +1,75 @@
+"""Nothing the tool starts listens beyond loopback (docs/design.md, "What listens, and where").
+
+While each kind of launch runs, a thread reads the system's socket table every 50 ms, and
+every listening socket of this process or of a process below it (the zygote, the ranks) must
+be bound to 127.0.0.1 or ::1. Each launch must also show the listeners it is known to open,
+so the check cannot pass by sampling nothing. TensorBoard, the one server the suite starts
+itself, is checked the same way while it serves (tests/test_profile.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+from tests.processes import Listener, descendants, listeners
+from verify.launching import RankContext, launch
+
+SCRIPT = "tests/fixtures/hang_script.py"
+
+
+@contextlib.contextmanager
+def _listening():
+    """The listeners of this process's tree seen while the block runs (not those before)."""
+    me = os.getpid()
+    before = listeners({me} | descendants(me))
+    seen: set[Listener] = set()
+    stop = threading.Event()
+
+    def sample() -> None:
+        while True:
+            seen.update(listeners({me} | descendants(me)) - before)
+            if stop.wait(0.05):
+                return
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _hold(ctx: RankContext, seconds: float) -> None:
+    dist.barrier()  # every rank's gloo is up, and listening
+    time.sleep(seconds)  # long enough for the sampler to see it
+
+
+def test_nothing_a_launch_opens_listens_beyond_loopback(run_cli, tmp_path):
+    """Function ranks (zygote-forked, file store, gloo), then a user's script under the
+    sanitizer (the script path: the store this process hosts, the ranks' gloo; the sanitizer
+    only adds checks inside the ranks). Before the fix the script's store showed as `::` or
+    `0.0.0.0`, whatever host name it was given."""
+    with _listening() as seen:
+        result = launch(_hold, world_size=2, args=(0.5,))
+    assert result.ok, result.outcomes
+    ranks = {o.pid for o in result.outcomes}
+    assert {x.pid for x in seen} >= ranks, seen  # gloo listens in every rank
+    assert all(x.loopback for x in seen), sorted(seen, key=str)
+
+    with _listening() as seen:
+        ran = run_cli(
+            "hang", "--nproc", "2", "--sanitize", "--json", "--out", str(tmp_path),
+            "--", SCRIPT, "compute", "0.5",
+        )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    ranks = set(json.loads(ran.stdout)["pids"].values())
+    assert os.getpid() in {x.pid for x in seen}, seen  # the ranks' rendezvous store
+    assert {x.pid for x in seen} >= ranks, seen
+    assert all(x.loopback for x in seen), sorted(seen, key=str)
