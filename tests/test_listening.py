@@ -66,7 +66,7 @@ def test_nothing_a_launch_opens_listens_beyond_loopback(run_cli, tmp_path):
     with _listening() as seen:
         ran = run_cli(
             "hang", "--nproc", "2", "--sanitize", "--json", "--out", str(tmp_path),
-            "--", SCRIPT, "compute", "0.5",
+            "--", SCRIPT, "sleep", "0.5",
         )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     ranks = set(json.loads(ran.stdout)["pids"].values())
