@@ -91,6 +91,19 @@ def test_a_parked_rank_is_hung_in_seconds(tmp_path):
     assert result.elapsed_s < 40  # not the 60 s sleep, not the 600 s timeout
 
 
+def test_ranks_blocked_inside_pytorch_ddp_where_the_trace_is_blind_are_a_hang(tmp_path):
+    """PyTorch DDP all-reduces from C++, where the trace sees nothing: rank 0 waits in its
+    reducer while rank 1 sleeps. No traced collective is pending, yet the run is hung, and the
+    parked rank is named (it used to run to the timeout with no verdict)."""
+    result = _script(tmp_path, "ddp-sleep", "60", console="none")
+    d = result.diagnosis
+    assert result.verdict == "fault" and d.verdict == "hang" and d.culprit == 1, d.text()
+    assert d.headline.startswith("rank 1 at ddp_sleep"), d.headline
+    assert "parked outside any collective" in d.headline, d.headline
+    assert "rank 0 at ddp_sleep" in d.headline and "PyTorch DDP's reducer" in d.headline
+    assert result.elapsed_s < 40  # not the 60 s sleep, not the timeout
+
+
 def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):
     result = _script(tmp_path, "local", console="none")
     d = result.diagnosis

@@ -17,9 +17,13 @@ that is None):
 Integer addition is associative, so the fingerprint does not depend on how the reduction is
 ordered or threaded, nor on where the tensor sits in memory.
 
-All ranks gather every rank's fingerprints (one small all-gather), so all ranks agree on
-which tensors mismatch. Only for those (at most `max_detail`) do they gather the tensor itself
-to say which ranks differ, by how much, in how many elements, and where first.
+The ranks agree first on which tensors they hold (one fixed-size reduction of a count and a
+digest of the names; the names are gathered only when they differ), then take the min and the
+max of every fingerprint over the ranks (one all-reduce, whose size does not grow with the
+world size): equal means every rank holds the same bits. Only for the tensors that mismatch
+do they gather every rank's fingerprint (to find the majority value), and for at most
+`max_detail` of those the tensor itself, to say which ranks differ, by how much, in how many
+elements, and where first.
 """
 
 from __future__ import annotations
@@ -178,26 +182,71 @@ class Auditor:
     def audit(
         self, label: str, named: list[tuple[str, torch.Tensor | None]]
     ) -> tuple[Checkpoint, list[Mismatch]]:
-        """Compare `named` tensors across ranks; every rank returns the same answer."""
+        """Compare `named` tensors across ranks; every rank returns the same answer.
+
+        The tool's own collectives never depend on what a rank holds: the ranks first agree
+        on the names (a tensor some ranks hold and others do not, such as optimizer state
+        for a parameter that got a gradient on one rank only, is a mismatch of its own),
+        then compare the fingerprints of the names every rank holds."""
         if self.world_size > 1:
             # Ranks arrive at different times; the timer must not count waiting for the slowest.
             dist.barrier(group=self.process_group)
         start = time.perf_counter()
-        local = torch.stack([fingerprint(t) for _, t in named]) if named else torch.zeros(0, 3)
-        local = local.to(torch.int64)
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
-        device = _comm_device(self.process_group)
-        gathered = [torch.empty_like(local, device=device) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local.to(device), group=self.process_group)
-        prints = torch.stack([g.cpu() for g in gathered])  # [rank, tensor, 3]
-        bad = [i for i in range(len(named)) if not bool((prints[:, i] == prints[0, i]).all())]
-        mismatches = [
-            self._explain(label, named[i], prints[:, i], detailed=k < self.max_detail)
+        named, absent = self._common(label, named)
+        local = torch.stack([fingerprint(t) for _, t in named]) if named else torch.zeros(0, 3)
+        low, high = _min_max(local.to(torch.int64), self.process_group)
+        bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
+        prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
+        mismatches = absent + [
+            self._explain(label, named[i], prints[:, k], detailed=k < self.max_detail)
             for k, i in enumerate(bad)
         ]
         seconds = time.perf_counter() - start
-        return Checkpoint(label, len(named), len(bad), seconds), mismatches
+        return Checkpoint(label, len(named) + len(absent), len(mismatches), seconds), mismatches
+
+    def _common(self, label: str, named: list) -> tuple[list, list[Mismatch]]:
+        """The tensors every rank holds, in rank 0's order, and a mismatch for each name
+        held by some ranks only. One fixed-size reduction when the names agree (the usual
+        case); the names themselves are gathered only when they do not."""
+        names = [n for n, _ in named]
+        digest = zlib.crc32("\0".join(names).encode())
+        low, high = _min_max(torch.tensor([[len(names), digest]]), self.process_group)
+        if bool((low == high).all()):
+            return named, []
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, names, group=self.process_group)
+        held = [set(n) for n in every]
+        common = set.intersection(*held)
+        absent = []
+        for name in dict.fromkeys(n for ns in every for n in ns):
+            if name in common:
+                continue
+            have = [r for r in range(self.world_size) if name in held[r]]
+            lack = [r for r in range(self.world_size) if name not in held[r]]
+            # The odd ranks out are the minority; on a tie, the ranks that hold it.
+            differ = tuple(have if len(have) <= len(lack) else lack)
+            reference = next(r for r in range(self.world_size) if r not in differ)
+            counts = ", ".join(f"rank {r}: {len(every[r])}" for r in range(self.world_size))
+            detail = (
+                f"held on rank{'s' if len(have) > 1 else ''} {_list(have)} only, not on "
+                f"rank{'s' if len(lack) > 1 else ''} {_list(lack)} (tensors held: {counts})"
+            )
+            absent.append(
+                Mismatch(label, name, differ, reference, None, None, None, None, detail=detail)
+            )
+        return [(n, t) for n, t in named if n in common], absent
+
+    def _gather_rows(self, local: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Every rank's fingerprints of `rows` (the same rows on every rank)."""
+        if not rows:
+            return torch.zeros(self.world_size, 0, 3, dtype=torch.int64)
+        device = _comm_device(self.process_group)
+        mine = local[rows].to(torch.int64).to(device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.process_group)
+        return torch.stack([g.cpu() for g in gathered])
 
     def _explain(
         self,
@@ -276,6 +325,22 @@ def _element_bits(t: torch.Tensor) -> torch.Tensor:
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(_BITS[flat.element_size()])
+
+
+def _min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The element-wise min and max of an int64 tensor over the group, in one MAX all-reduce
+    of `[x, ~x]` (max(~x) is ~min(x), and `~` cannot overflow): its size does not grow with
+    the world size, and equal min and max mean every rank holds the same value."""
+    device = _comm_device(process_group)
+    both = torch.cat([local, ~local]).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
+    both = both.cpu()
+    n = local.shape[0]
+    return ~both[n:], both[:n]
+
+
+def _list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _comm_device(process_group) -> torch.device:

@@ -111,6 +111,17 @@ class ClaimHooks(Hooks):
             raise _NotClaimed(why)
 
 
+@dataclass(frozen=True)
+class Refused:
+    """This rank could not construct or drive the class (`InterfaceError`): decided by this
+    rank alone, so the ranks must agree on it (`agreement.py`) before it becomes the cell's
+    "refused" (every rank alike) or a fault (only some ranks raised)."""
+
+    rank: int
+    message: str  # the whole usage error, with the contract it breaks
+    reason: str  # what raised, where: "constructing the optimizer raised ValueError: ... at x.py:3"
+
+
 def run_cell_on_rank(
     ctx: RankContext,
     impl_name: str,
@@ -118,10 +129,11 @@ def run_cell_on_rank(
     check: str,
     same_init: bool = False,
     sanitize: bool = False,
-) -> CellResult:
+) -> CellResult | Refused:
     """Run one check of one cell on this rank (a collective: every rank, same arguments).
-    Every rank returns the same result. With `sanitize`, the race sanitizer's findings fail
-    the cell too (`sanitizing.py`)."""
+    Every rank returns the same result, except `Refused`, which this rank reached alone. With
+    `sanitize`, the race sanitizer's findings (this rank's) fail the cell too
+    (`sanitizing.py`)."""
     impl = resolve(impl_name)
     why = not_applicable(impl, behaviour, check)
     if why:
@@ -139,8 +151,8 @@ def run_cell_on_rank(
                 trainer.run()
         except _NotClaimed as exc:
             return CellResult("not claimed", str(exc))
-        except InterfaceError as exc:
-            return CellResult("refused", str(exc), where=exc.reason)
+        except InterfaceError as exc:  # this rank's own decision: the matrix has ranks agree
+            return Refused(ctx.rank, str(exc), exc.reason)
         if check == "consistency":
             report = judge.report(guard)
             if report.findings:

@@ -110,9 +110,9 @@ class ConsistencyResult:
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports = run_check(run_consistency_on_rank, options)
+    run, reports, raised = run_check(run_consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
-    findings = collapse([f for r in reports for f in r.findings])
+    findings = collapse([*raised, *(f for r in reports for f in r.findings)])
     notes = tuple(dict.fromkeys(n for r in reports for n in r.notes)) + run.notes
     return ConsistencyResult(
         options,
@@ -139,7 +139,7 @@ def run_consistency_on_rank(
         with training(ctx, spec, hooks, sanitize=sanitize) as (trainer, guard):
             trainer.run()
     except InterfaceError as exc:
-        return Refusal(str(exc))
+        return Refusal(str(exc), ctx.rank, exc.reason)
     except Exception as exc:  # the launcher reports it; keep what was found before it
         exc.partial = audit.report(guard)
         raise

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -167,8 +167,11 @@ class EquivalenceResult:
 def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
     """Run the equivalence check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports = run_check(run_equivalence_on_rank, options)
+    run, reports, raised = run_check(run_equivalence_on_rank, options)
     report = reports[0] if reports else None
+    if raised:  # a class that raised on some ranks only: the first finding
+        report = report or EquivalenceReport()
+        report = replace(report, findings=raised + report.findings)
     findings = report.findings if report is not None else ()
     verdict = verdict_of(findings, run)
     if report is not None and report.unsupported and run.ok:
@@ -201,7 +204,7 @@ def run_equivalence_on_rank(
                     return EquivalenceReport(unsupported=why)
                 trainer.run()
         except InterfaceError as exc:
-            return Refusal(str(exc))
+            return Refusal(str(exc), ctx.rank, exc.reason)
         except Exception as exc:  # the launcher reports it; keep what was found before it
             exc.partial = _merge([_local(reference, guard, spec)])
             raise

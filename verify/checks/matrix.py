@@ -7,11 +7,13 @@ offer is "not claimed"; one that does not apply is "n/a". Neither is a pass.
 
 How it stays fast: one launch per world size runs every cell of that size, one after the other
 in the same ranks (spawning costs seconds; a cell costs tens of milliseconds), and the world
-sizes run side by side. Rank 0 writes each cell's result to a journal as soon as every rank
-agrees on it. When a cell makes the launch fail (a rank raised, crashed, or the run hung), the
-journal says which cells finished and which one was running: that one is recorded as a fault
-with the launcher's diagnosis and the place in the user's code, and the remaining cells run
-in a fresh launch, so one broken behaviour never hides the others.
+sizes run side by side. The ranks agree on each cell's result before any starts the next
+(`agreement.py`: a class that raised on some ranks only is a fault, never one rank's
+refusal), and rank 0 writes it to a journal. When a cell makes the launch fail (a rank
+raised, crashed, or the run hung: every launch is watched), the journal says which cells
+finished and which one was running: that one is recorded as a fault with the launcher's
+diagnosis (or, when some ranks refused it alone, who raised what and where), and the
+remaining cells run in a fresh launch, so one broken behaviour never hides the others.
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from impls.registry import names, resolve
+from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
 from verify.checks.options import CHECK_KINDS
+from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT
 from verify.launching import RankContext, check_interrupted, launch, rank
 from verify.options import ThreadOptions, knob, launch_knobs
 
 #: what `--impl all` certifies: the built-ins and PyTorch's references
 CERTIFIED = tuple(names({"builtin", "reference"}))
 Cell = tuple[str, str, str]  # (implementation, behaviour key, check)
+# The tool's agreement group never times out first: the watchdog calls a rank that waits in
+# it for peers that never come (they wait for it inside the cell) at the stall timeout.
+_AGREEMENT_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,16 +105,19 @@ class MatrixResult:
     @property
     def verdict(self) -> str:
         """ "fault" if a cell failed; else "timeout" if a launch ran out of time before some
-        cell could decide; else "pass" (not claimed and n/a are not fails)."""
+        cell could decide; else "pass" if some cell passed (not claimed and n/a are not
+        fails); else "nothing certified" (exit 2: not a pass either)."""
         if any(r.failed for r in self.results.values()):
-            return "fault"
+            return FAULT
         if any(r.status == "timeout" for r in self.results.values()):
-            return "timeout"
-        return "pass"
+            return TIMEOUT
+        if not any(r.status == "pass" for r in self.results.values()):
+            return NOTHING
+        return PASS
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass"
+        return self.verdict == PASS
 
     def result(self, impl: str, key: str, check: str) -> CellResult:
         return self.results[(impl, key, check)]
@@ -202,28 +212,40 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
     while cells:
         check_interrupted()
         launches += 1
-        with tempfile.TemporaryDirectory(prefix="ddp-verify-matrix-") as journal:
+        with tempfile.TemporaryDirectory(prefix="ddp-verify-matrix-") as journal_dir:
             run = launch(
                 run_cells_on_rank,
                 world_size=world_size,
-                args=(cells, journal, options.same_init, sanitized),
+                args=(cells, journal_dir, options.same_init, sanitized),
                 **launch_knobs(options),
                 ranks_at_once=at_once,
             )
-            done = _read_journal(journal, len(cells))
+            done = _read_journal(journal_dir, len(cells))
+            raised = read_raised(journal_dir, len(done), world_size)
         results.update(zip(cells, done))
         if run.ok or len(done) == len(cells):  # (a rank may also fail after the last cell)
             assert len(done) == len(cells), "every rank returned, so every cell was journaled"
             break
         # The cell that was running when the launch failed is the one that broke it.
         broken = cells[len(done)]
-        root = run.first_failure
-        where = root.where() if root is not None else None
-        status = "timeout" if run.timed_out else "fail"  # out of time is no verdict
-        results[broken] = CellResult(status, run.summary(), run.elapsed_s, where or None)
+        rest = cells[len(done) + 1 :]
+        if raised:  # some ranks refused it alone and waited for the others, who never came
+            results[broken] = replace(only_some_raised(raised, world_size), seconds=run.elapsed_s)
+            # The other checks of this behaviour construct and drive the class exactly alike
+            # (the check only adds the tool's hooks): the same ranks would raise the same way,
+            # and each would cost another stall timeout to find out.
+            same = [c for c in rest if c[:2] == broken[:2]]
+            for cell in same:
+                detail = f"{results[broken].detail} (as in the {broken[2]} cell of this row)"
+                results[cell] = replace(results[broken], detail=detail, seconds=0.0)
+            rest = [c for c in rest if c not in same]
+        else:
+            root = run.first_failure
+            where = root.where() if root is not None else None
+            status = "timeout" if run.timed_out else "fail"  # out of time is no verdict
+            results[broken] = CellResult(status, run.summary(), run.elapsed_s, where or None)
         # The same implementation's other cells are the likeliest to break the next launch
         # too: run them last, so a crash there ends a launch with nothing left to rerun.
-        rest = cells[len(done) + 1 :]
         cells = [c for c in rest if c[0] != broken[0]] + [c for c in rest if c[0] == broken[0]]
     return results, launches
 
@@ -231,8 +253,9 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
 def run_cells_on_rank(
     ctx: RankContext, cells: list[Cell], journal: str, same_init: bool, sanitized: frozenset
 ) -> None:
-    """Run `cells` one after the other; rank 0 journals each result as soon as it is known
-    (every rank computes the same result, so rank 0's is everyone's)."""
+    """Run `cells` one after the other; the ranks agree on each cell's result before any
+    starts the next (`agreement.py`), and rank 0 journals it as soon as it is known."""
+    agreement = CellAgreement(ctx.rank, ctx.world_size, journal, _AGREEMENT_TIMEOUT_S)
     for index, (impl, key, check) in enumerate(cells):
         if ctx.rank == 0:
             rank.say(f"matrix, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
@@ -241,6 +264,7 @@ def run_cells_on_rank(
         result = run_cell_on_rank(
             ctx, impl, BEHAVIOUR[key], check, same_init, sanitize=impl in sanitized
         )
+        result = agreement.agree(index, result)
         result = replace(result, seconds=time.perf_counter() - start)
         if ctx.rank == 0:
             path = os.path.join(journal, f"{index}.pkl")

@@ -1,8 +1,9 @@
 """What every check returns: a verdict, every distinct finding, and how the run went.
 
 - `verdict`: "pass" (the check ran to the end and found nothing), "fault" (a finding, or a
-  rank that raised, crashed or hung), or "timeout" (the time ran out before the check could
-  decide: not a fault). The CLI's exit code follows it: 0, 1 and 2.
+  rank that raised, crashed or hung), "timeout" (the time ran out before the check could
+  decide: not a fault), or "nothing certified" (the matrix: no cell could be judged, every
+  one not claimed or n/a: not a pass). The CLI's exit code follows it: 0, 1, 2 and 2.
 - `Finding`: one distinct thing wrong, with the check and phase that saw it, the tensor, the
   first step, every later step it showed at again, and where in the user's code when known.
   A run goes on past a finding where it can (replicas are resynchronized from rank 0), so one
@@ -19,9 +20,8 @@ from typing import Any
 from verify.launching import LaunchResult, launch
 from verify.options import launch_knobs
 
-PASS, FAULT, TIMEOUT = "pass", "fault", "timeout"
-VERDICTS = (PASS, FAULT, TIMEOUT)
-EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2}
+PASS, FAULT, TIMEOUT, NOTHING = "pass", "fault", "timeout", "nothing certified"
+EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2}
 #: the phases a finding can belong to, in the order a step meets them
 PHASES = ("construction", "gradients", "step", "checkpoint", "race", "run")
 
@@ -91,17 +91,23 @@ def verdict_of(findings, run: LaunchResult) -> str:
 @dataclass(frozen=True)
 class Refusal:
     """What a rank returns when the class under test cannot be driven as the contract says
-    (`trainer.InterfaceError`): the check cannot run, a usage error."""
+    (`trainer.InterfaceError`): the check cannot run, a usage error, when every rank refuses.
+    `reason` is the short form (what raised, where) for when only some ranks do."""
 
     message: str
+    rank: int = 0
+    reason: str = ""
 
 
-def run_check(rank_fn: Callable[..., Any], options) -> tuple[LaunchResult, list[Any]]:
+def run_check(
+    rank_fn: Callable[..., Any], options
+) -> tuple[LaunchResult, list[Any], tuple[Finding, ...]]:
     """Launch `rank_fn(ctx, options.train_spec(), options.sanitize)` as `options` says, and
-    return the run with every report a rank left: its return value, or the partial report a
-    failing rank attached to its exception.
+    return the run, every report a rank left (its return value, or the partial report a
+    failing rank attached to its exception) and the finding of a class that raised on some
+    ranks only (an interface that holds on the others is not a usage error: a fault).
 
-    Raises ValueError (one line, exit 2) when a rank refused (`Refusal`)."""
+    Raises ValueError (one line, exit 2) when every rank refused (`Refusal`)."""
     run = launch(
         rank_fn,
         world_size=options.world_size,
@@ -110,9 +116,27 @@ def run_check(rank_fn: Callable[..., Any], options) -> tuple[LaunchResult, list[
     )
     reports = [o.value for o in run.outcomes if o.value is not None]
     refusals = [r for r in reports if isinstance(r, Refusal)]
-    if refusals:
+    reports = [r for r in reports if not isinstance(r, Refusal)]
+    if refusals and len(refusals) == run.world_size:
         raise ValueError(refusals[0].message)
-    return run, reports
+    if not refusals:
+        return run, reports, ()
+    ranks = sorted(r.rank for r in refusals)
+    others = [r for r in range(run.world_size) if r not in ranks]
+    reason = min(refusals, key=lambda r: r.rank).reason
+    phase = "construction" if reason.startswith("constructing") else "run"
+    found = Finding("run", phase, 0, only_some_text(ranks, others, reason), ranks=tuple(ranks))
+    return run, reports, (found,)
+
+
+def only_some_text(ranks: list[int], others: list[int], reason: str) -> str:
+    """`only rank 2 raised: constructing the optimizer raised ...; ranks 0, 1 did not ...`"""
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    went_on = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+    return (
+        f"only {who} raised: {reason}; {went_on} did not (the class must behave alike on every "
+        "rank: raising on some ranks only is a fault of the class, not an interface problem)"
+    )
 
 
 def failure_text(run: LaunchResult) -> str | None:

@@ -9,6 +9,7 @@ from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
 from verify.checks.matrix import MatrixResult
+from verify.checks.verdict import NOTHING
 from verify.training.workloads import WORKLOADS
 
 SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a",
@@ -61,6 +62,16 @@ def matrix(result: MatrixResult) -> str:
     if claims:
         lines += ["", "not claimed:"]
         lines += [f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in claims]
+    if result.verdict == NOTHING:  # every cell says why it could not be judged
+        skipped = sorted(
+            {(i, r.detail) for (i, _, c), r in result.results.items()
+             if r.status == "n/a" and c in result.checks_for(i)}
+        )  # fmt: skip
+        if skipped:
+            lines += ["", "n/a:"]
+            lines += [
+                f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in skipped
+            ]
     counts = _counts(result)
     if o.sanitize:
         lines += ["", _SANITIZED]

@@ -90,7 +90,9 @@ def run(
     trace_paths = [job.trace_path for job in jobs]
     watchdog = None
     if stall_timeout_s is not None:
-        watchdog = Watchdog(trace_paths, stall_timeout_s, where=_asker(folder))
+        watchdog = Watchdog(
+            trace_paths, stall_timeout_s, where=_asker(folder), in_torch=_torch_asker(folder)
+        )
     traces = None
     try:
         for rank in ranks:
@@ -148,6 +150,15 @@ def _asker(folder: str):
         return capture.read_where(folder, rank)
 
     return where
+
+
+def _torch_asker(folder: str):
+    def in_torch(rank: int, ask: bool) -> bool | None:
+        if ask:
+            capture.request_where(folder, rank)
+        return capture.read_in_torch(folder, rank)
+
+    return in_torch
 
 
 def _tail(path: str) -> str | None:

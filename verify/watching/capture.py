@@ -6,8 +6,9 @@
   recorder's dump on timeout. The NCCL variables are only set for the NCCL backend, so
   nothing here needs CUDA.
 - `start_rank_helper` runs a daemon thread in each rank that answers the parent through
-  files: where the main thread is now (`request_where` / `read_where`: the watchdog names the
-  line a computing rank is at), and the flight recorder's dump (`request_flight_recorder`).
+  files: where the main thread is now (`request_where`, then `read_where`: the watchdog names
+  the line a computing rank is at; `read_in_torch`: whether it is blocked inside a torch call
+  the trace cannot see, such as PyTorch DDP's reducer), and the flight recorder's dump (`request_flight_recorder`).
   A thread, because a rank stuck in a collective has released the GIL in C++, while its main
   thread would never run a Python signal handler; and a file, because the rank may be gone
   by the time the parent reads the answer.
@@ -67,7 +68,9 @@ def start_rank_helper(folder: str, rank: int) -> None:
             if os.path.exists(_path(folder, rank, "where.request")):
                 with contextlib.suppress(OSError):
                     os.remove(_path(folder, rank, "where.request"))
-                _write(_path(folder, rank, "where"), stacks.main_thread_site() or "")
+                # The user's line, then whether the main thread is blocked inside torch.
+                site, blocked = stacks.main_thread_site() or "", stacks.main_thread_in_torch()
+                _write(_path(folder, rank, "where"), f"{site}\n{int(blocked)}")
             if not fr_done and os.path.exists(_path(folder, rank, "fr.request")):
                 fr_done = True
                 try:
@@ -95,8 +98,21 @@ def request_where(folder: str, rank: int) -> None:
 
 
 def read_where(folder: str, rank: int) -> str | None:
+    """The user's line the rank's main thread was at (None: no answer yet, or no user frame)."""
+    answer = _read_answer(folder, rank)
+    return answer[0] or None if answer else None
+
+
+def read_in_torch(folder: str, rank: int) -> bool | None:
+    """Whether the rank's main thread was inside a call into torch that blocks without Python
+    frames (`stacks.main_thread_in_torch`); None: no answer yet."""
+    answer = _read_answer(folder, rank)
+    return answer[1] == "1" if answer and len(answer) > 1 else None
+
+
+def _read_answer(folder: str, rank: int) -> list[str] | None:
     with contextlib.suppress(OSError), open(_path(folder, rank, "where")) as f:
-        return f.read().strip() or None
+        return f.read().split("\n")
     return None
 
 

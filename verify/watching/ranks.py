@@ -92,7 +92,34 @@ def stall_finding(ranks, traces) -> TraceFinding:
                 f"{w.describe()} at {w.site}"
             )
         return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
-    return TraceFinding("stalled", 0, "no rank progressed, and none is inside a collective")
+    # No traced collective is pending: the watchdog saw ranks blocked inside torch's C++ (a
+    # collective torch issues itself, such as PyTorch DDP's reducer's) while none worked. A
+    # rank parked elsewhere (a sleep, a lock) is the one they wait for.
+    live = [r for r in ranks if r.status != "ok"]
+    blocked = [r for r in live if stacks.dump_in_torch(r.stack)]
+    parked = [r for r in live if r not in blocked]
+
+    def at(state) -> str:
+        frames = stacks.innermost_frames(state.stack)
+        return f"rank {state.rank}" + (f" at {frames}" if frames else "")
+
+    blind = (
+        "blocked inside torch's C++, where the trace is blind (a collective torch issues "
+        "itself, such as PyTorch DDP's reducer in backward)"
+    )
+    if parked and blocked:
+        culprit = parked[0].rank
+        message = (
+            f"{'; '.join(at(r) for r in parked)}: parked outside any collective with no CPU "
+            f"progress, while {'; '.join(at(r) for r in blocked)}: {blind}"
+        )
+    else:
+        culprit = live[0].rank if live else 0
+        message = (
+            "no rank progressed or worked for the stall timeout, and none waits in a "
+            f"collective the trace saw: {blind}; {'; '.join(at(r) for r in live)}"
+        )
+    return TraceFinding("stalled", culprit, message)
 
 
 def where(state: RankOutcome, trace: Trace | None, now: float) -> str:

@@ -80,6 +80,23 @@ def _traceback_frames(tb: str | None) -> list[tuple[str, str, str, str]]:
     return frames
 
 
+def _main_thread_frames(stack: str | None) -> list[tuple[str, str, str]]:
+    """(path, line, function) of the rank's work thread in a faulthandler dump, innermost
+    first (see `innermost_frames`)."""
+    if not stack:
+        return []
+    threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
+    mains = [t for t in threads if f'"{_PACKAGE}launching' in t or 'File "<string>"' in t]
+    return _DUMP_FRAME.findall((mains or threads or [""])[-1])
+
+
+def dump_in_torch(stack: str | None) -> bool:
+    """Whether a faulthandler dump shows the rank's work thread blocked inside torch's C++
+    (`main_thread_in_torch`, read from a dump)."""
+    frames = _main_thread_frames(stack)
+    return bool(frames) and frames[0][0].startswith(_BLOCKING_TORCH)
+
+
 def innermost_frames(stack: str | None, depth: int = 3) -> str:
     """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
     rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
@@ -88,10 +105,7 @@ def innermost_frames(stack: str | None, depth: int = 3) -> str:
     (the outermost of each run of torch frames): where it was is worth more than nothing."""
     if not stack:
         return ""
-    threads = [t for t in stack.split("\n\n") if "most recent call first" in t]
-    mains = [t for t in threads if f'"{_PACKAGE}launching' in t or 'File "<string>"' in t]
-    main = (mains or threads or [""])[-1]
-    found = _DUMP_FRAME.findall(main)  # innermost first
+    found = _main_thread_frames(stack)  # innermost first
     frames = [f for f in found if not is_plumbing(f[0])]
     if not frames:  # torch's frames only where this tool's code entered torch
         kept = [
@@ -159,6 +173,26 @@ def main_thread_site() -> str | None:
 
     frame = sys._current_frames().get(threading.main_thread().ident)
     return frame_site(frame)
+
+
+# Where a Python frame calls into torch's C++ and can block there, waiting for peers, with no
+# Python frame below it: collectives torch issues from C++ (PyTorch DDP's reducer during
+# backward, its constructor's broadcasts, ZeroRedundancyOptimizer), the autograd engine.
+_BLOCKING_TORCH = tuple(
+    _TORCH + part
+    for part in ("distributed" + os.sep, "nn" + os.sep + "parallel" + os.sep,
+                 "autograd" + os.sep, "_tensor.py", "optim" + os.sep)
+)  # fmt: skip
+
+
+def main_thread_in_torch() -> bool:
+    """True when this process's main thread is inside a call into torch's C++ that can block
+    waiting for peers (its innermost Python frame is torch's distributed, DDP, autograd or
+    optimizer code): where the collective trace is blind. Callable from any thread."""
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return frame is not None and frame.f_code.co_filename.startswith(_BLOCKING_TORCH)
 
 
 def describe_exit(code: int | None) -> str:

@@ -4,7 +4,10 @@ Every rank writes its collectives into a trace file (`tracer.py`); the watchdog 
 headers. The run is hung when, for `stall_timeout_s`:
 
 1. no rank issued or completed a collective, and
-2. at least one rank waits inside a collective, and
+2. at least one rank waits inside a collective: a traced one, or, where the trace is blind,
+   a call into torch's C++ that blocks waiting for peers (PyTorch DDP's reducer in backward,
+   its constructor's broadcasts: the rank's main thread is inside torch's distributed or
+   autograd code, `stacks.main_thread_in_torch`, and its CPU time does not advance), and
 3. no other rank is working: none used CPU over the last second (`procstat.CpuMeter`), and
    none is still starting (it has not joined the process group yet, within `startup_s` of
    the start: a rank importing torch on a crowded machine, or meeting its peers, is not
@@ -51,6 +54,9 @@ class Watchdog:
         stall_timeout_s: seconds without progress that make a hang (given the evidence).
         where: `where(rank, ask)` returns where the rank's main thread is (`path:line`),
             asking the rank for it first when `ask` is True; None if unknown yet.
+        in_torch: `in_torch(rank, ask)` says, the same way, whether the rank's main thread
+            is blocked inside a torch call the trace cannot see (None: no answer yet); None
+            turns that part of condition 2 off.
         startup_s: how long after the start a rank that has issued no collective is still
             starting rather than stuck.
     """
@@ -61,11 +67,15 @@ class Watchdog:
         stall_timeout_s: float,
         *,
         where: Callable[[int, bool], str | None] | None = None,
+        in_torch: Callable[[int, bool], bool | None] | None = None,
         startup_s: float = 60.0,
     ) -> None:
         self.paths = trace_paths
         self.stall_timeout_s = stall_timeout_s
         self.where = where
+        self.in_torch = in_torch
+        self.blind = False  # the verdict rests on ranks blocked where the trace cannot see
+        self._asked_blind: set[int] = set()
         self.startup_s = startup_s
         self.events: list[int | None] = [None] * len(trace_paths)
         self.meters: dict[int, CpuMeter] = {}
@@ -99,6 +109,7 @@ class Watchdog:
         if progressed:
             self.last_change = now
             self._close_excuses()
+            self._asked_blind.clear()
         if now - self._last_sample >= SAMPLE_S:
             self._last_sample = now
             for r, pid in enumerate(pids):
@@ -110,8 +121,10 @@ class Watchdog:
                     meter = self.meters[r] = CpuMeter(pid)
                 meter.sample(now)
         waiting = [r for r, h in enumerate(headers) if h is not None and h.pending > 0]
-        if not waiting or now - self.last_change < self.stall_timeout_s:
+        if now - self.last_change < self.stall_timeout_s:
             return False
+        if not waiting:
+            return self._blocked_in_torch(pids, headers, now, up)
         excused = {
             r: why
             for r, pid in enumerate(pids)
@@ -123,6 +136,24 @@ class Watchdog:
             for r, why in excused.items():
                 self._excuse(r, why)
             return False
+        self.stalled_at = time.time()
+        return True
+
+    def _blocked_in_torch(self, pids, headers, now: float, up) -> bool:
+        """Condition 2 where the trace is blind: no rank waits in a traced collective, none
+        works, and at least one is blocked inside torch's C++ (the others wait for it, or it
+        for them). A rank that computes or starts is not excused with a note here: nobody
+        was seen waiting for it."""
+        if self.in_torch is None:
+            return False
+        live = [r for r, pid in enumerate(pids) if pid is not None]
+        if not live or any(self._working(r, headers[r], now, up) for r in live):
+            return False
+        answers = [self.in_torch(r, r not in self._asked_blind) for r in live]
+        self._asked_blind.update(live)
+        if None in answers or not any(answers):  # answers pending, or nobody inside torch
+            return False
+        self.blind = True
         self.stalled_at = time.time()
         return True
 
