@@ -76,7 +76,8 @@ class Checkpoint:
 
 
 def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Three int64 values identifying `tensor` bitwise: (metadata, word sum, weighted sum)."""
+    """Three int64 values identifying `tensor` bitwise: (metadata, word sum, weighted sum), on
+    the tensor's device (no host sync; the CPU for None)."""
     if tensor is None:
         return torch.tensor([_MISSING, 0, 0], dtype=torch.int64)
     t = tensor.detach()
@@ -97,7 +98,7 @@ def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
         weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
         total = rows.sum() + tail
         weighted = (rows * weights).sum() + tail * (rows.numel() + 1)
-    return torch.stack([torch.tensor(meta, device=total.device), total, weighted]).cpu()
+    return torch.stack([torch.tensor(meta, device=total.device), total, weighted])
 
 
 def _word_weights(n: int, device: torch.device) -> torch.Tensor:
@@ -183,14 +184,16 @@ class Auditor:
             # Ranks arrive at different times; the timer must not count waiting for the slowest.
             dist.barrier(group=self.process_group)
         start = time.perf_counter()
-        local = torch.stack([fingerprint(t) for _, t in named]) if named else torch.zeros(0, 3)
+        device = _comm_device(self.process_group)
+        # Stacked on the device and copied to the host once: a copy per tensor is a GPU sync each.
+        mine = [fingerprint(t).to(device) for _, t in named]
+        local = torch.stack(mine) if named else torch.zeros(0, 3, device=device)
         local = local.to(torch.int64)
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
-        device = _comm_device(self.process_group)
-        gathered = [torch.empty_like(local, device=device) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local.to(device), group=self.process_group)
-        prints = torch.stack([g.cpu() for g in gathered])  # [rank, tensor, 3]
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        prints = torch.stack(gathered).cpu()  # [rank, tensor, 3]
         bad = [i for i in range(len(named)) if not bool((prints[:, i] == prints[0, i]).all())]
         mismatches = [
             self._explain(label, named[i], prints[:, i], detailed=k < self.max_detail)
