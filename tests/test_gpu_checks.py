@@ -133,8 +133,8 @@ def test_the_sanitizer_tracks_the_all_reduces_gradient_hooks_launch_on_cuda():
 def test_device_bugs_are_faults_and_faults_resync_on_nccl():
     """A staging buffer made on the CPU (item 2) no longer crashes: the race is caught. A
     wrapper that all-reduces a CPU tensor is a fault with its line (item 6), not a usage
-    error. A fault that makes the optimizer state differ is reported, and the resync that
-    follows broadcasts AdamW's CPU `step` through the GPU (item 12)."""
+    error. The resync after a mismatch broadcasts AdamW's CPU `step` through the GPU (item
+    12)."""
     ws = _world(2)
     caught = run_detection(("faulty:shared-staging-buffer",), backend="nccl")
     assert caught.passed
@@ -144,11 +144,27 @@ def test_device_bugs_are_faults_and_faults_resync_on_nccl():
         )
     )
     assert cpu_flag.verdict == "fault" and "user_classes.py" in (cpu_flag.failure or ""), cpu_flag
-    drift = check_consistency(
-        ConsistencyOptions(impl="faulty:reduces-parameter", world_size=ws, backend="nccl")
-    )
-    assert drift.verdict == "fault" and drift.failure is None, drift.failure
-    assert any(m.tensor.startswith("optim:") for m in drift.mismatches), drift.mismatches
+    from verify.launching import launch
+
+    run = launch(_resync_of_cpu_state, world_size=ws, backend="nccl")
+    assert run.ok, run.summary()
+    assert run.values == [(0.0, 0.0)] * ws, run.values
+
+
+def _resync_of_cpu_state(ctx):
+    """The consistency check's resync of a mismatched AdamW `step` (a CPU tensor) and an
+    `exp_avg` (on the GPU): both take rank 0's value."""
+    from verify.checks.audit import Mismatch
+    from verify.checks.consistency import _resync
+
+    named = {
+        "optim:w.step": torch.tensor(float(ctx.rank)),
+        "optim:w.exp_avg": torch.full((3,), float(ctx.rank), device=ctx.device),
+    }
+    found = [Mismatch("after step 1", name, (1,), 0, 1.0, 1, 1, (0,)) for name in named]
+    _resync(named, found, torch.distributed.group.WORLD)
+    step, exp_avg = named.values()
+    return float(step), float(exp_avg.max().cpu())
 
 
 def _device_of(ctx):

@@ -178,6 +178,7 @@ def test_torchrun_over_two_nodes_needs_a_gpu_per_local_rank(gpus_visible, monkey
 
 def test_traced_ranks_block_in_nccl_waits_and_nowhere_else(gpus_visible, monkeypatch, tmp_path):
     monkeypatch.delenv(BLOCKING_WAIT_ENV, raising=False)
+    gpus_visible(0)
     for backend in ("gloo", "cpu:gloo", None):  # None on a machine without a GPU: gloo
         block_nccl_waits(backend)
         assert BLOCKING_WAIT_ENV not in os.environ, backend
