@@ -15,6 +15,8 @@
   a file of the session; an `alone` test holds it exclusively. (Session- and module-scoped
   fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
   new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)
+  Tests marked `gpu` run alone too: the ranks of one process are spread over the GPUs
+  (`verify/launching/gpus.py`), but those of several workers would pile onto the first ones.
 """
 
 import dataclasses
@@ -70,6 +72,6 @@ def _share_the_machine(request, tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # shared by the workers of this session
     with open(root / "machine.lock", "w") as lock:
-        alone = request.node.get_closest_marker("alone") is not None
+        alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield

@@ -28,6 +28,8 @@ from verify.perf.comm import CommPoint
 from verify.perf.scaling import ScalingOptions, run_scaling
 
 TINY_M = 0.5  # ~0.9M parameters: 8 layers of width 64 and an 8k vocabulary
+# These runs are about the CPU: on a host with GPUs a measurement's default device is cuda.
+CPU = ("--device", "cpu")
 
 
 def _progress_lines(err: str) -> list[str]:
@@ -132,6 +134,7 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
         bandwidth_repeats=2,
         out=str(tmp_path),
         timeout_s=300,
+        device="cpu",
     )
     result = run_bench(options)
     assert result.ok, result.failure
@@ -177,6 +180,7 @@ def test_comm_cli_prints_one_json_document_and_each_progress_line_once(tmp_path,
     code = main(
         [
             "comm",
+            *CPU,
             "--world-sizes",
             "2",
             "--min-kb",
@@ -230,6 +234,7 @@ def test_scaling_reports_speedup_and_efficiency(tmp_path):
             repeats=2,
             out=str(tmp_path),
             timeout_s=300,
+            device="cpu",
         )
     )
     assert result.ok, result.failure
@@ -247,6 +252,7 @@ def test_training_follows_the_single_process_curve(tmp_path, capsys):
     code = main(
         [
             "train",
+            *CPU,
             "--impl",
             "bucketed,zero1",
             "--steps",
@@ -273,13 +279,13 @@ def test_training_follows_the_single_process_curve(tmp_path, capsys):
 def test_bench_audit_and_bench_tracer_decide_against_their_goals(capsys):
     """The two benchmarks of the tool's own costs, tiny: every goal gets a value, an
     interval around it, and one of the three decisions."""
-    assert main(["bench-audit", "--model-size", str(TINY_M), "--repeats", "2", "--json"]) == 0
+    assert main(["bench-audit", *CPU, "--model-size", str(TINY_M), "--repeats", "2", "--json"]) == 0
     audit = json.loads(capsys.readouterr().out)
     assert audit["verdict"] == "pass" and audit["audited_tensors"] > 0
     for bar in audit["bars"]:
         assert bar["low"] <= bar["value"] <= bar["high"]
         assert bar["decision"] in ("met", "missed", "undecided")
-    assert main(["bench-tracer", "--repeats", "1", "--json"]) == 0
+    assert main(["bench-tracer", *CPU, "--repeats", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "pass" and len(doc["traced_step_s"]) == 4
     assert doc["collectives_per_step"] >= 1 and doc["traced_call_us"] > 0

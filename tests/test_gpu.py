@@ -89,3 +89,47 @@ def test_device_cuda_without_gpus_is_a_usage_error(tmp_path, capsys):
     assert main(["bench", "--device", "cuda", "--world-size", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--device cuda needs one GPU per rank" in err and err.count("\n") == 1
+
+
+# --- issue 22 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_bench_memory_of_a_variant_is_its_own(tmp_path):
+    """CUDA's allocated bytes count every live tensor of the process: a variant's are measured
+    with no other variant alive (item 4), within 5% of the same variant benched alone."""
+    from verify.perf.bench import BenchOptions, run_bench
+
+    def bench(variants):
+        options = BenchOptions(
+            variants=variants, world_size=1, device="cuda", model_size_m=0.5, warmup=1,
+            repeats=1, sweep=False, bandwidth_repeats=1, out=str(tmp_path),
+        )  # fmt: skip
+        result = run_bench(options)
+        assert result.ok, result.failure
+        return result.memory[0]
+
+    together = bench(("bucketed", "zero1", "torch-ddp", "torch-zero"))
+    alone = bench(("zero1",))
+    for phase, m in alone["zero1"].items():
+        assert together["zero1"][phase]["allocated"] == pytest.approx(m["allocated"], rel=0.05)
+
+
+@pytest.mark.gpu
+def test_the_gpu_timeline_shows_the_bucket_launches(tmp_path):
+    """On a GPU the launches happen on autograd's device thread: the timeline keeps them
+    (item 15)."""
+    from verify.perf import traces
+    from verify.perf.profiling import ProfileOptions, run_profile
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    options = ProfileOptions(
+        impl="bucketed", world_size=2, device="cuda", wait=0, warmup=1, active=1,
+        model_size_m=0.5, out=str(tmp_path),
+    )  # fmt: skip
+    result = run_profile(options)
+    assert result.ok, result.failure
+    found = traces.find_traces(result.trace_dirs["bucketed"])
+    rows = dict(traces.timeline(traces.load_trace(found["rank0"])))
+    assert any(".launch[" in name for _, _, name in rows.get("sync ranges", [])), rows

@@ -67,3 +67,132 @@ def test_hang_on_nccl(world, tmp_path):
         HangOptions(impl="bucketed", world_size=ws, backend="nccl", out=str(tmp_path))
     )
     assert result.verdict == "pass", result.diagnosis.text()
+
+
+# --- issue 22: what a careful read said would break on GPUs, each pinned -----------------------
+
+STALL_S = 5.0
+
+
+@pytest.mark.gpu
+def test_every_hang_scenario_on_nccl(tmp_path):
+    """Every `hang:*` scenario runs on NCCL (the finite flag on the GPU: item 1) and is called
+    from the trace. A skipped collective is a HANG within the stall timeout + 2 s: a traced
+    rank's NCCL waits block (item 8), so the rank behind it waits in that collective instead
+    of spinning in a later host sync, seen as computing, until the deadline. A size, dtype or
+    root mismatch is undefined behaviour on NCCL (item 13): it hangs or completes with wrong
+    numbers, and either way the diagnosis names the mismatch and the last rank from the
+    trace, not from a backend error."""
+    from impls.faulty.hang_scenarios import SCENARIOS
+
+    _world(2)
+    undefined = ("hang:shape-mismatch", "hang:bucket-order", "hang:broadcast-source")
+    for name, (_, _, expected) in SCENARIOS.items():
+        options = HangOptions(
+            impl=name, world_size=2, backend="nccl", stall_timeout_s=STALL_S, out=str(tmp_path)
+        )
+        d = check_hang(options).diagnosis
+        if expected == "ok":
+            assert d.verdict == "ok", (name, d.text())
+        elif name in undefined:
+            assert d.verdict in ("hang", "desync") and d.culprit == 1, (name, d.text())
+        else:
+            assert d.verdict == expected and d.culprit == 1, (name, d.text())
+        if name == "hang:skip-collective":
+            assert d.detection_s is not None and d.detection_s <= STALL_S + 2, d.text()
+
+
+def _sanitized_overlap(ctx):
+    from impls.overlap import OverlapDDP
+    from verify.sanitize import Sanitizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(ctx.device)
+    ddp = OverlapDDP(model)
+    with Sanitizer(rank=ctx.rank) as san:
+        for _ in range(2):
+            ddp(torch.randn(4, 8, device=ctx.device)).sum().backward()
+            ddp.finish_gradient_synchronization()
+            san.end_step()
+    return san.stats.tracked, len(list(model.parameters()))
+
+
+@pytest.mark.gpu
+def test_the_sanitizer_tracks_the_all_reduces_gradient_hooks_launch_on_cuda():
+    """On CUDA autograd runs the hooks on a device thread; the sanitizer runs the backward
+    passes it starts on the caller's (item 3): every per-gradient all-reduce is tracked."""
+    from verify.launching import launch
+
+    run = launch(_sanitized_overlap, world_size=_world(2), backend="nccl")
+    assert run.ok, run.summary()
+    for tracked, params in run.values:
+        assert tracked >= 2 * params, (tracked, params)
+
+
+@pytest.mark.gpu
+def test_device_bugs_are_faults_and_faults_resync_on_nccl():
+    """A staging buffer made on the CPU (item 2) no longer crashes: the race is caught. A
+    wrapper that all-reduces a CPU tensor is a fault with its line (item 6), not a usage
+    error. The resync after a mismatch broadcasts AdamW's CPU `step` through the GPU (item
+    12)."""
+    ws = _world(2)
+    caught = run_detection(("faulty:shared-staging-buffer",), backend="nccl")
+    assert caught.passed
+    cpu_flag = check_consistency(
+        ConsistencyOptions(
+            impl="tests/fixtures/user_classes.py:CpuFlagDDP", world_size=ws, backend="nccl"
+        )
+    )
+    assert cpu_flag.verdict == "fault" and "user_classes.py" in (cpu_flag.failure or ""), cpu_flag
+    from verify.launching import launch
+
+    run = launch(_resync_of_cpu_state, world_size=ws, backend="nccl")
+    assert run.ok, run.summary()
+    assert run.values == [(0.0, 0.0)] * ws, run.values
+
+
+def _resync_of_cpu_state(ctx):
+    """The consistency check's resync of a mismatched AdamW `step` (a CPU tensor) and an
+    `exp_avg` (on the GPU): both take rank 0's value."""
+    from verify.checks.audit import Mismatch
+    from verify.checks.consistency import _resync
+
+    named = {
+        "optim:w.step": torch.tensor(float(ctx.rank)),
+        "optim:w.exp_avg": torch.full((3,), float(ctx.rank), device=ctx.device),
+    }
+    found = [Mismatch("after step 1", name, (1,), 0, 1.0, 1, 1, (0,)) for name in named]
+    _resync(named, found, torch.distributed.group.WORLD)
+    step, exp_avg = named.values()
+    return float(step), float(exp_avg.max().cpu())
+
+
+def _device_of(ctx):
+    return str(ctx.device)
+
+
+@pytest.mark.gpu
+def test_launches_side_by_side_use_different_gpus():
+    """Rank r is no longer always cuda:r (item 14): two world-size-1 launches at once get two
+    GPUs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verify.launching import launch
+
+    _world(2)
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: launch(_device_of, world_size=1, backend="nccl"), [0, 1]))
+    devices = {run.values[0] for run in runs if run.ok}
+    assert len(devices) == 2 or not all(r.ok for r in runs), [r.summary() for r in runs]
+
+
+@pytest.mark.gpu
+def test_a_gloo_hang_on_a_cuda_build_keeps_the_gloo_flight_recorder(tmp_path):
+    """A CUDA build has NCCL's flight recorder too; a gloo hang's dump comes from gloo's
+    (item 9), with the collectives in it."""
+    result = check_hang(
+        HangOptions(impl="hang:deadlock", world_size=2, stall_timeout_s=3, out=str(tmp_path))
+    )
+    assert result.diagnosis.verdict == "hang", result.diagnosis.text()
+    dumps = [Path(p).read_text() for k, p in result.files.items() if "flight_recorder" in k]
+    assert len(dumps) == 2 and all('"entries":[{' in d for d in dumps), dumps

@@ -49,6 +49,7 @@ def profiled(tmp_path_factory, worker_id):
         options = ProfileOptions(
             impl="all", world_size=2, wait=0, warmup=1, active=2, model_size_m=None,
             bucket_mb=BUCKET_MB, out=str(root / "profiles"), timeout_s=300,
+            device="cpu",  # about the CPU: a host with GPUs would default to cuda
         )  # fmt: skip
         result = run_profile(options)
         assert result.ok, result.failure

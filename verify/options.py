@@ -132,14 +132,16 @@ class ThreadOptions(Options):
 
 
 def launch_knobs(options: Any) -> dict[str, Any]:
-    """The launcher's keywords every command's options set alike: the time limit, the backend
-    and the thread budget, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
+    """The launcher's keywords every command's options set alike: the time limit, the backend,
+    the thread budget and whether NCCL waits block (not for measurements: `MeasureOptions`),
+    as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
     `options`: any command's options that start ranks (a `ThreadOptions` with `timeout_s` and
     `backend`: `RunOptions` and the checks', `MeasureOptions` and the measurements')."""
     return {
         "timeout_s": options.timeout_s,
         "backend": options.backend,
         "threads_per_rank": options.threads_per_rank,
+        "nccl_blocking_wait": getattr(options, "nccl_blocking_wait", True),
     }
 
 

@@ -88,10 +88,15 @@ class ScenarioDDP(nn.Module):
         dist.all_reduce(grad, group=self.process_group)
 
     def check_finite(self, op=dist.ReduceOp.SUM) -> None:
-        bad = torch.tensor(
-            [float(sum(not bool(torch.isfinite(p.grad).all()) for p in self.params))]
-        )
-        dist.all_reduce(bad, op=op, group=self.process_group)
+        dist.all_reduce(nonfinite_count(self.params), op=op, group=self.process_group)
+
+
+def nonfinite_count(params: list[nn.Parameter]) -> torch.Tensor:
+    """How many of `params` have a gradient with a NaN or an inf, as a 1-element float32 tensor
+    on the gradients' device: NCCL takes device tensors only, and counting there needs no host
+    sync (a sync per parameter would let a rank spin on the GPU behind a missing collective)."""
+    finite = torch.stack([torch.isfinite(p.grad).all() for p in params])
+    return (~finite).sum(dtype=torch.float32).reshape(1)
 
 
 class SkipCollective(ScenarioDDP):

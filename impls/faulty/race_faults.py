@@ -84,16 +84,21 @@ class ReusesStagingBuffer(BucketedDDP):
 
     def _launch(self, unit: int):
         bucket = self.buckets[unit]
-        if not hasattr(self, "_staging"):
-            size = max(b.buffer.numel() for b in self.buckets)
-            self._staging = torch.zeros(size, dtype=bucket.buffer.dtype)
-        staging = self._staging[: bucket.buffer.numel()]
+        staging = self._staging_for(bucket)
         for index, view in zip(self.units[unit], bucket.views, strict=True):
             grad = self.sync_params[index].grad
             local = grad if self._locally_used[index] and grad is not None else None
             view.copy_(local / self.world_size if local is not None else torch.zeros_like(view))
         staging.copy_(bucket.buffer)  # BUG: the shared buffer may still be in flight
         return self._all_reduce_async(staging), (bucket, staging)
+
+    def _staging_for(self, bucket) -> torch.Tensor:
+        """The front of the one shared buffer (as large as the largest bucket), made on first
+        use with the bucket's dtype and device: on NCCL a CPU buffer could not be all-reduced."""
+        if not hasattr(self, "_staging"):
+            size = max(b.buffer.numel() for b in self.buckets)
+            self._staging = bucket.buffer.new_zeros(size)
+        return self._staging[: bucket.buffer.numel()]
 
     def _complete(self, unit: int, payload, used: list[bool]) -> None:
         bucket, staging = payload

@@ -80,7 +80,8 @@ class Checkpoint:
 
 
 def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Three int64 values identifying `tensor` bitwise: (metadata, word sum, weighted sum)."""
+    """Three int64 values identifying `tensor` bitwise: (metadata, word sum, weighted sum), on
+    the tensor's device (no host sync; the CPU for None)."""
     if tensor is None:
         return torch.tensor([_MISSING, 0, 0], dtype=torch.int64)
     t = tensor.detach()
@@ -101,7 +102,7 @@ def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
         weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
         total = rows.sum() + tail
         weighted = (rows * weights).sum() + tail * (rows.numel() + 1)
-    return torch.stack([torch.tensor(meta, device=total.device), total, weighted]).cpu()
+    return torch.stack([torch.tensor(meta, device=total.device), total, weighted])
 
 
 def _word_weights(n: int, device: torch.device) -> torch.Tensor:
@@ -195,7 +196,10 @@ class Auditor:
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
         named, absent = self._common(label, named)
-        local = torch.stack([fingerprint(t) for _, t in named]) if named else torch.zeros(0, 3)
+        device = comm_device(self.process_group)
+        # Stacked on the device and copied to the host once: a copy per tensor is a GPU sync each.
+        mine = [fingerprint(t).to(device) for _, t in named]
+        local = torch.stack(mine) if named else torch.zeros(0, 3, device=device)
         low, high = _min_max(local.to(torch.int64), self.process_group)
         bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
         prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
@@ -242,7 +246,7 @@ class Auditor:
         """Every rank's fingerprints of `rows` (the same rows on every rank)."""
         if not rows:
             return torch.zeros(self.world_size, 0, 3, dtype=torch.int64)
-        device = _comm_device(self.process_group)
+        device = comm_device(self.process_group)
         mine = local[rows].to(torch.int64).to(device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.process_group)
@@ -280,7 +284,7 @@ class Auditor:
 
 def _compare_gathered(label, name, tensor, differ, reference, process_group) -> Mismatch:
     """Gather `tensor` from every rank and measure how the differing ranks differ."""
-    device = _comm_device(process_group)
+    device = comm_device(process_group)
     t = tensor.detach().contiguous().to(device)
     copies = [torch.empty_like(t) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(copies, t, group=process_group)
@@ -331,7 +335,7 @@ def _min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Te
     """The element-wise min and max of an int64 tensor over the group, in one MAX all-reduce
     of `[x, ~x]` (max(~x) is ~min(x), and `~` cannot overflow): its size does not grow with
     the world size, and equal min and max mean every rank holds the same value."""
-    device = _comm_device(process_group)
+    device = comm_device(process_group)
     both = torch.cat([local, ~local]).to(device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
     both = both.cpu()
@@ -343,7 +347,7 @@ def _list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _comm_device(process_group) -> torch.device:
+def comm_device(process_group) -> torch.device:
     """Where collectives of this group need their tensors (CUDA for NCCL)."""
     if dist.get_backend(process_group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

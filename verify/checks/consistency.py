@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from verify.checks.audit import Auditor, Checkpoint, Mismatch
+from verify.checks.audit import Auditor, Checkpoint, Mismatch, comm_device
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import (
@@ -218,13 +218,20 @@ class AuditHooks(Hooks):
 def _resync(named: dict, found: list[Mismatch], group) -> None:
     """Broadcast, in place, every differing tensor from rank 0, so later audits find new
     faults rather than this one again. Missing tensors (a None gradient) and tensors whose
-    shape or dtype differ cannot be broadcast; every rank skips the same ones."""
+    shape or dtype differ cannot be broadcast; every rank skips the same ones. A tensor off
+    the group's device (AdamW's `step` lives on the CPU; NCCL moves CUDA tensors only)
+    travels as a copy on it."""
+    device = comm_device(group)
     for m in found:
         tensor = named.get(m.tensor)
         if tensor is None or m.detail:
             continue
         with torch.no_grad():
-            dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
+            data = tensor.data
+            staged = data.to(device)  # `data` itself when it is there already
+            dist.broadcast(staged, src=dist.get_global_rank(group, 0), group=group)
+            if staged is not data:
+                data.copy_(staged)
 
 
 def _ranks(found: list[Mismatch]) -> tuple[int, ...]:

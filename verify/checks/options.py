@@ -8,6 +8,7 @@ from dataclasses import MISSING, dataclass
 import torch
 
 from impls.registry import DEFAULT_BUCKET_MB, resolve
+from verify.launching import torchrun
 from verify.options import RunOptions, knob
 from verify.training.trainer import TrainSpec
 from verify.training.workloads import WORKLOADS
@@ -47,9 +48,11 @@ class CheckOptions(RunOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
+        here = torchrun.local_ranks(self.world_size)  # under torchrun: this node's ranks
+        if self.backend == "nccl" and torch.cuda.device_count() < here:
+            ranks = f"world size {here}" if here == self.world_size else f"{here} ranks here"
             raise ValueError(
-                f"backend nccl needs one GPU per rank: world size {self.world_size}, "
+                f"backend nccl needs one GPU per rank: {ranks}, "
                 f"{torch.cuda.device_count()} GPU(s) visible"
             )
         resolve(self.impl, kinds=CHECK_KINDS, command=self.command)

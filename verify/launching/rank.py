@@ -56,6 +56,10 @@ class RankJob:
     main_file: str | None = None  # fn lives in the parent's __main__: this file
     init_method: str = ""
     pg_timeout_s: float = 1800.0
+    # A traced rank on NCCL waits for its collectives to complete (`block_nccl_waits`); the
+    # measurement commands turn this off, as it would change what they measure.
+    nccl_blocking_wait: bool = True
+    device_index: int | None = None  # NCCL: the rank's GPU (`gpus.py`); None: local_rank
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
     races_path: str | None = None  # run the script under the race sanitizer; findings here
@@ -109,9 +113,12 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
         fn, args = pickle.loads(job.payload)
         device = torch.device("cpu")
         if job.backend == "nccl":
-            device = torch.device("cuda", job.local_rank)
+            gpu = job.local_rank if job.device_index is None else job.device_index
+            device = torch.device("cuda", gpu)
             torch.cuda.set_device(device)
         _start_helper(job)
+        if job.trace_path is not None and job.nccl_blocking_wait:
+            block_nccl_waits(job.backend)
         timeout = datetime.timedelta(seconds=job.pg_timeout_s)
         dist.init_process_group(
             job.backend,
@@ -119,6 +126,7 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             rank=job.rank,
             world_size=job.world_size,
             timeout=timeout,
+            **group_kwargs(job.backend, device),
         )
         if job.trace_path is not None:
             from verify.watching import tracer
@@ -175,7 +183,7 @@ def _run_script(job: RankJob, fd: int | None) -> None:
         from verify.watching import tracer
 
         tracer.install(job.trace_path, rank=job.rank)
-    _report_up_after_init(dist, fd)
+    _report_up_after_init(dist, fd, job)
     _start_helper(job)
     sanitizer = _sanitize(job)
     try:
@@ -220,12 +228,15 @@ def _save_races(sanitizer, job: RankJob) -> None:
             json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
 
 
-def _report_up_after_init(dist, fd: int | None) -> None:
+def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
     """Report "up" once the script's `init_process_group` returns (the rank has met its
-    peers): until then it is starting, not hung."""
+    peers): until then it is starting, not hung. A traced script's NCCL waits block
+    (`block_nccl_waits`), decided from the backend it asks for."""
     original = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
+        if job.trace_path is not None and job.nccl_blocking_wait:
+            block_nccl_waits(kwargs.get("backend", args[0] if args else None))
         out = original(*args, **kwargs)
         process.send(fd, ("up",))
         return out
@@ -235,6 +246,35 @@ def _report_up_after_init(dist, fd: int | None) -> None:
 
 
 # ------------------------------------------------------------ common set-up
+
+BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
+
+
+def block_nccl_waits(backend) -> None:
+    """Before a traced rank makes a process group that uses NCCL: make NCCL's `wait()` block
+    the CPU until the collective has completed (it polls, sleeping), unless the user chose.
+
+    The tracer marks a blocking collective complete when the call returns, and an async one
+    when `wait()` returns. On NCCL both return once the collective is queued on the GPU, so
+    a rank behind a collective that never completes would run on, its trace saying it waits
+    in nothing, and spin at 100% CPU in the next host sync (`.item()`): the watchdog would
+    see it computing, and call no hang until the deadline. With blocking waits it sits in
+    that collective's `wait()`, idle, as a gloo rank does. gloo never reads the variable: a
+    CPU run is unchanged. `backend`: what `init_process_group` is given (None: its default,
+    NCCL for CUDA tensors when there is a GPU)."""
+    import torch
+
+    name = str(backend or "").lower()
+    if "nccl" in name or (backend is None and torch.cuda.is_available()):
+        os.environ.setdefault(BLOCKING_WAIT_ENV, "1")
+
+
+def group_kwargs(backend: str, device) -> dict:
+    """What `init_process_group` gets besides the rendezvous: on NCCL the rank's GPU
+    (`device_id`), so that the communicator is made inside `init_process_group`, before the
+    rank reports "up" (eager init), and not inside its first traced collective, where its set-up
+    (seconds with 8 GPUs and NCCL_DEBUG=INFO) would count against the stall timeout."""
+    return {"device_id": device} if backend == "nccl" else {}
 
 
 def _die_with_parent(ppid: int) -> None:

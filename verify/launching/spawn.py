@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from verify.launching import runner, torchrun
+from verify.launching import gpus, runner, torchrun
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank import RankJob
 from verify.launching.supervisor import STARTUP_CAP_S
@@ -72,6 +72,7 @@ def launch(
     report_dir: str | None = None,
     threads_per_rank: int | None = None,
     ranks_at_once: int | None = None,
+    nccl_blocking_wait: bool = True,
 ) -> LaunchResult:
     """Run `fn(ctx, *args)` on `world_size` ranks; the module docstring has the contract.
 
@@ -80,7 +81,7 @@ def launch(
         world_size: number of ranks (must equal WORLD_SIZE when joining torchrun).
         args: extra positional arguments for fn, pickled to every rank.
         timeout_s: how long fn may run once every rank is up (starting comes on top).
-        backend: "gloo" (CPU) or "nccl" (one GPU per rank).
+        backend: "gloo" (CPU) or "nccl" (one GPU per rank, the least used ones: `gpus.py`).
         env: extra environment variables for the ranks, set before their interpreter starts.
         stall_timeout_s: seconds without collective progress (while a rank waits and none
             works) that make a hang; None turns tracing and the watchdog off.
@@ -89,6 +90,9 @@ def launch(
         threads_per_rank: intra-op threads per rank; None: the machine's share (`threads.py`).
         ranks_at_once: ranks this process runs at the same time over all its launches (the
             share is computed over them); default `world_size`.
+        nccl_blocking_wait: on NCCL, traced ranks wait for each collective to complete, so
+            that a hang is seen as one (`rank.block_nccl_waits`); False for measurements,
+            whose timings it would change (a hang there ends at the deadline instead).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -101,9 +105,9 @@ def launch(
     if torchrun.joining():
         return torchrun.join(fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank)
     budget = thread_budget(ranks_at_once or world_size, threads_per_rank)
-    gpus = torch.cuda.device_count() if backend == "nccl" and torch.cuda.is_available() else 0
-    if backend == "nccl" and world_size > gpus:
-        raise ValueError(f"backend 'nccl' needs a CUDA device per rank: {world_size} > {gpus}")
+    visible = torch.cuda.device_count() if backend == "nccl" and torch.cuda.is_available() else 0
+    if backend == "nccl" and world_size > visible:
+        raise ValueError(f"backend 'nccl' needs a CUDA device per rank: {world_size} > {visible}")
     try:
         payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -114,6 +118,7 @@ def launch(
     tmpdir = tempfile.mkdtemp(prefix="ddp-verify-")
     keep = report_dir or tmpdir
     pg_timeout = STARTUP_CAP_S + timeout_s + _PG_TIMEOUT_SLACK_S
+    devices = gpus.take(world_size, visible) if backend == "nccl" else []
     jobs = [
         RankJob(
             kind="fn",
@@ -131,6 +136,8 @@ def launch(
             main_file=main_file,
             init_method="file://" + os.path.join(tmpdir, "rendezvous"),
             pg_timeout_s=pg_timeout,
+            nccl_blocking_wait=nccl_blocking_wait,
+            device_index=devices[r] if devices else None,
         )
         for r in range(world_size)
     ]
@@ -156,3 +163,4 @@ def launch(
         )
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+        gpus.give_back(devices)

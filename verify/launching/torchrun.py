@@ -50,6 +50,15 @@ def joining() -> bool:
     return torchrun and SPAWNED_ENV not in os.environ
 
 
+def local_ranks(world_size: int) -> int:
+    """How many of a job's `world_size` ranks run on this machine, each needing a GPU of its
+    own on NCCL: under torchrun its LOCAL_WORLD_SIZE (2 nodes of 8 GPUs: WORLD_SIZE 16, 8
+    here), else all of them (the tool starts every rank on this machine)."""
+    if joining():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return world_size
+
+
 def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -> LaunchResult:
     """Run fn as this torchrun rank; every rank returns every rank's outcome."""
     if world_size != int(os.environ["WORLD_SIZE"]):
@@ -70,7 +79,12 @@ def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -
     created = not dist.is_initialized()
     if created:
         timeout = datetime.timedelta(seconds=timeout_s)  # the only hang guard without a parent
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            timeout=timeout,
+            **rank_side.group_kwargs(backend, device),
+        )
     global _joins
     _joins += 1  # every rank calls launch() in the same order: the n-th launch's keys
     prefix = f"ddp-verify/launch{_joins}/"

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from impls.registry import REGISTRY, resolve
 from verify import progress, runs
 from verify.checks.verdict import verdict_of as _verdict_of
-from verify.launching import LaunchResult, RankContext
+from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
 from verify.options import ThreadOptions, knob
 
@@ -66,12 +66,19 @@ class MeasureOptions(ThreadOptions):
         positive=True,
     )
 
+    # On NCCL a measurement's waits stay as a user's are (they return once the GPU has the
+    # collective queued): blocking ones, which a check's ranks use to see a hang, would add a
+    # host round trip to every collective timed (`launch`'s nccl_blocking_wait).
+    nccl_blocking_wait: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         super().__post_init__()
         gpus = torch.cuda.device_count()
-        if self.device == "cuda" and gpus < self.ranks:
+        if self.device == "cuda" and gpus < self.ranks_here:
+            where = "" if self.ranks_here == self.ranks else " here"
             raise ValueError(
-                f"--device cuda needs one GPU per rank: {self.ranks} ranks, {gpus} GPU(s) visible"
+                f"--device cuda needs one GPU per rank: {self.ranks_here} ranks{where}, "
+                f"{gpus} GPU(s) visible"
             )
 
     @property
@@ -81,9 +88,14 @@ class MeasureOptions(ThreadOptions):
         return getattr(self, "world_size", 1)
 
     @property
+    def ranks_here(self) -> int:
+        """Of those, the ones on this machine: under torchrun its LOCAL_WORLD_SIZE."""
+        return torchrun.local_ranks(self.ranks)
+
+    @property
     def device_type(self) -> str:
         """The device kind the ranks use, cuda or cpu: `--device`, or the default (its help)."""
-        return self.device or runs.default_device(self.ranks)
+        return self.device or runs.default_device(self.ranks_here)
 
     @property
     def backend(self) -> str:

@@ -14,7 +14,10 @@ the transformer workload at one bucket size, every variant trained by the one tr
    fitted from all-reduce times measured in the same launch and the measured backward time.
 3. **ZeRO-1 memory.** For `zero1`, `torch-zero` and unsharded `bucketed` + AdamW: parameter,
    gradient and optimizer-state bytes (`training/optim_state.py`) after construction, before
-   and after the first optimizer step (plus CUDA allocated bytes on GPUs), per rank.
+   and after the first optimizer step (plus CUDA allocated bytes on GPUs), per rank. Each is
+   built and stepped once on its own, after the timed variants are gone: CUDA's allocated
+   bytes count every live tensor of the process, so they are measured from what was
+   allocated before the variant was built, with no other variant alive.
 4. **Bucket all-reduce bandwidth** (`bandwidth.py`): our bucket all-reduces on ready
    gradients against raw all-reduces of buffers of the same sizes.
 
@@ -142,35 +145,59 @@ def run_bench(options: BenchOptions) -> BenchResult:
 
 class MemoryProbe(Hooks):
     """Tensor bytes of the model, its gradients and its optimizer state after construction,
-    and before and after the first optimizer step."""
+    and before and after the first optimizer step; on CUDA also the bytes allocated since
+    `baseline` (what was allocated before the trainer was built)."""
 
-    def __init__(self) -> None:
+    def __init__(self, baseline: int | None = None) -> None:
+        self.baseline = baseline
         self.phases: dict[str, dict] = {}
 
-    def after_build(self, run: Trainer) -> None:
-        self.phases["after construction"] = _model_state(run)
+    def after_build(self, trainer: Trainer) -> None:
+        self.phases["after construction"] = _model_state(trainer, self.baseline)
 
-    def after_sync(self, run: Trainer, step: int) -> None:
+    def after_sync(self, trainer: Trainer, step: int) -> None:
         if step == 1:
-            self.phases["before step"] = _model_state(run)
+            self.phases["before step"] = _model_state(trainer, self.baseline)
 
-    def after_step(self, run: Trainer, step: int) -> None:
+    def after_step(self, trainer: Trainer, step: int) -> None:
         if step == 1:
-            self.phases["after step"] = _model_state(run)
+            self.phases["after step"] = _model_state(trainer, self.baseline)
 
 
-def _model_state(run: Trainer) -> dict:
+def allocated_bytes(device: torch.device) -> int | None:
+    """CUDA's allocated bytes on `device` (every live tensor of this process); None off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _model_state(trainer: Trainer, baseline: int | None) -> dict:
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    params = list(run.model.parameters())
-    cuda = run.ctx.device.type == "cuda"
+    params = list(trainer.model.parameters())
+    allocated = allocated_bytes(trainer.ctx.device)
     return {
         "params": nbytes(params),
         "grads": nbytes(p.grad for p in params),
-        "optimizer": local_state_bytes(run.optimizer, params).bytes,
-        "allocated": torch.cuda.memory_allocated(run.ctx.device) if cuda else None,
+        "optimizer": local_state_bytes(trainer.optimizer, params).bytes,
+        "allocated": None if allocated is None else allocated - (baseline or 0),
     }
+
+
+def memory_alone(ctx: RankContext, options: BenchOptions) -> dict[str, dict]:
+    """Part 3: each memory variant built and stepped once with no other trainer alive (call it
+    when none is), its allocated bytes counted from what was allocated before it was built."""
+    phases = {}
+    for name in options.variants:
+        if name not in MEMORY_VARIANTS:
+            continue
+        gc.collect()
+        probe = MemoryProbe(allocated_bytes(ctx.device))
+        trainer = Trainer(ctx, options.train_spec(name), hooks=(probe,))
+        _next_step(trainer)
+        del trainer
+        phases[name] = probe.phases
+    gc.collect()
+    return phases
 
 
 def _next_step(trainer: Trainer) -> None:
@@ -188,13 +215,8 @@ def _rounds(ctx: RankContext, trainers: dict, rounds: int, what: str) -> dict:
 def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     """Parts 1-4 of the module docstring, in one process group."""
     say(ctx, f"bench: building {len(options.variants) + 1} variants")
-    probes = {name: MemoryProbe() for name in options.variants if name in MEMORY_VARIANTS}
     trainers = {
-        name: Trainer(
-            ctx,
-            options.train_spec(None if name == LOCAL else name),
-            hooks=(probes[name],) if name in probes else (),
-        )
+        name: Trainer(ctx, options.train_spec(None if name == LOCAL else name))
         for name in (LOCAL, *options.variants)
     }
     say(ctx, f"bench: {options.warmup} warm-up steps of every variant")
@@ -209,6 +231,8 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     parameters = sum(p.numel() for p in trainers[LOCAL].model.parameters())
     del trainers
     gc.collect()
+    say(ctx, "bench: memory of each variant alone")
+    memory = memory_alone(ctx, options)
 
     sweep: dict[str, list[float]] = {}
     if options.sweep_sizes:
@@ -230,7 +254,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     return {
         "steps": steps,
         "sweep": sweep,
-        "memory": {k: p.phases for k, p in probes.items()},
+        "memory": memory,
         "plan": plan,
         "fit": fit,
         "grad_bytes": grad_bytes,

@@ -65,6 +65,12 @@ def memcpy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> flo
     return (nbytes // 4 * 4) / statistics.median(samples)
 
 
+def memcpy_name(device_type: str) -> str:
+    """What `memcpy_bandwidth` measures: one core's copy on a CPU, a copy within the GPU's
+    memory on CUDA (no core involved)."""
+    return "memcpy (GPU memory)" if device_type == "cuda" else "memcpy (1 core)"
+
+
 def measure_backward(ctx: RankContext, model_size_m: float, repeats: int = 3) -> tuple[int, float]:
     """(gradient bytes, median backward seconds) of the transformer workload on this rank,
     every rank computing at once (as in training: they share the machine). Backward alone:

@@ -34,6 +34,7 @@ from verify.perf.collectives import (
     inner_calls,
     measure_backward,
     memcpy_bandwidth,
+    memcpy_name,
     message_bytes,
 )
 from verify.perf.timing import interleave, timed
@@ -207,7 +208,7 @@ def run_comm(options: CommOptions) -> CommResult:
         folder.path / "busbw.png",
         options.sizes,
         series,
-        reference=("memcpy (1 core)", memcpy / 1e9),
+        reference=(memcpy_name(options.device_type), memcpy / 1e9),
         title="bus bandwidth (nccl-tests definition)",
     )
     result = CommResult(

@@ -95,7 +95,8 @@ def comm(result: CommResult) -> str:
         f"collectives: {', '.join(o.ops)}; world sizes {', '.join(map(str, o.world_sizes))}; "
         f"median of {o.repeats} interleaved rounds, slowest rank",
         f"machine: {result.machine}",
-        f"memcpy bandwidth (one core, all ranks copying at once): "
+        f"memcpy bandwidth ({'on the GPU' if o.device_type == 'cuda' else 'one core'}, all "
+        "ranks copying at once): "
         f"{result.memcpy_Bps / 1e9:.2f} GB/s",
         "",
     ]

@@ -277,8 +277,9 @@ def analyze_run(run_dir: str | Path, impl: str) -> tuple[VariantSummary, list[St
 
 def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[float, float, str]]]]:
     """Rows of (start ms, duration ms, name) within one profiled step, for a timeline chart:
-    the training thread's phases, its bucket launches and waits, and each communication
-    thread's collectives (times from the step's start)."""
+    the training thread's phases, the bucket launches and waits (from any thread: on a GPU
+    autograd runs the gradient hooks that launch them on a thread of its own), and each
+    communication thread's collectives (times from the step's start)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = sorted(
         (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
@@ -300,8 +301,7 @@ def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[flo
             row(
                 e
                 for e in inside
-                if e["tid"] == main_tid
-                and e.get("cat") == "user_annotation"
+                if e.get("cat") == "user_annotation"
                 and re.search(r"\.(launch|wait)\[|^zero1\.", e["name"])
             ),
         ),

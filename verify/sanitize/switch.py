@@ -9,6 +9,12 @@
   gradient hook would vanish at the end of that hook: only a mode already on at the start is
   seen by the whole pass.
 
+Every backward started on the owner thread runs single-threaded
+(`torch.autograd.set_multithreading_enabled(False)`): on a GPU autograd otherwise runs the
+nodes of each device on a thread of that device, and the gradient hooks that launch
+all-reduces (overlap, bucketed, zero1) would issue them from a thread the sanitizer does not
+own, untracked. On a CPU autograd already runs on the calling thread: nothing changes there.
+
 Push and pop happen only on the thread that installed the sanitizer, outside backward
 (changes made inside a node do not outlive it). A work completed from the backend's thread (a
 future callback) leaves the mode on until the next such point; with nothing held it forwards at
@@ -99,16 +105,19 @@ class CheckSwitch:
 
         @functools.wraps(previous)
         def run_backward(*args, **kwargs):
-            if in_backward() or not self.owner() or not self.arm_next:
-                return previous(*args, **kwargs)  # nested, another thread, or not armed
-            self.armed = True
-            self.armed_backwards += 1
-            self.sync()
-            try:
-                return previous(*args, **kwargs)
-            finally:
-                self.armed = False
-                self.arm_next = self.backward_issues > 0
+            if in_backward() or not self.owner():
+                return previous(*args, **kwargs)  # nested, or another thread
+            with torch.autograd.set_multithreading_enabled(False):  # hooks on this thread
+                if not self.arm_next:
+                    return previous(*args, **kwargs)
+                self.armed = True
+                self.armed_backwards += 1
                 self.sync()
+                try:
+                    return previous(*args, **kwargs)
+                finally:
+                    self.armed = False
+                    self.arm_next = self.backward_issues > 0
+                    self.sync()
 
         return run_backward

@@ -32,7 +32,9 @@ class InterfaceError(Exception):
 def distributed(exc: BaseException) -> bool:
     """Raised by a collective (a mismatch, a peer that died): a fault, not an interface. The
     backends raise DistError, or a RuntimeError whose text names them (gloo's
-    "Connection closed by peer", NCCL's errors)."""
+    "Connection closed by peer", NCCL's errors), or, on NCCL, says a tensor is on the wrong
+    device (a CPU tensor handed to a collective: c10d's "No backend type associated with
+    device type cpu", ATen's "Expected all tensors to be on the same device")."""
     import torch.distributed as dist
 
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -42,6 +44,8 @@ def distributed(exc: BaseException) -> bool:
 
 
 _BACKEND_WORDS = ("gloo", "NCCL", "nccl", "Connection", "connection", "Timed out", "timed out")
+# On NCCL, a CPU tensor handed to a collective (c10d's check, and ATen's for mixed devices):
+_BACKEND_WORDS += ("No backend type associated with device type", "Expected all tensors to be on")
 
 
 _SIGNATURE = re.compile(

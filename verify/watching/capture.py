@@ -118,11 +118,20 @@ def _read_answer(folder: str, rank: int) -> list[str] | None:
 
 def _flight_recorder_json() -> str:
     import torch
+    import torch.distributed as dist
 
-    c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_nccl_trace_json", None) or c10d._dump_fr_trace_json
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    dump = flight_recorder_dump(torch._C._distributed_c10d, backend)
     raw = dump(includeCollectives=True, onlyActive=False)
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def flight_recorder_dump(c10d, backend: str):
+    """The dump function of `backend`'s flight recorder: NCCL keeps its own, which a CUDA
+    build has even when the ranks run gloo (a gloo hang's dump from it would be empty); gloo's
+    is the generic one."""
+    nccl = getattr(c10d, "_dump_nccl_trace_json", None)
+    return nccl if nccl is not None and "nccl" in backend else c10d._dump_fr_trace_json
 
 
 def request_flight_recorder(report_dir: str, ranks: list[int]) -> list[str]:
