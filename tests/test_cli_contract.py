@@ -46,13 +46,18 @@ def surface() -> dict:
                 if default is dataclasses.MISSING:
                     factory = f.default_factory
                     default = "<required>" if factory is dataclasses.MISSING else factory()
-                flag = f.metadata.get("negate") or flag_of(f)
-                flags[flag] = {
-                    "field": f.name,
-                    "default": list(default) if isinstance(default, tuple) else default,
-                    "choices": list(f.metadata["choices"]) if f.metadata.get("choices") else None,
-                    "repeat": bool(f.metadata.get("repeat")),
-                }
+                offered = [f.metadata.get("negate") or flag_of(f)]
+                if f.metadata.get("affirm"):  # the field's own flag is kept beside its negation
+                    offered.append(flag_of(f))
+                for flag in offered:
+                    flags[flag] = {
+                        "field": f.name,
+                        "default": list(default) if isinstance(default, tuple) else default,
+                        "choices": list(f.metadata["choices"])
+                        if f.metadata.get("choices")
+                        else None,
+                        "repeat": bool(f.metadata.get("repeat")),
+                    }
             flags["--json"] = flags["--progress"] = {"field": None, "default": False}
         commands[command.name] = {"flags": flags, "script": command.script}
     codes = {**EXIT_CODES, "usage": EXIT_USAGE, "interrupted": EXIT_INTERRUPTED,

@@ -58,3 +58,24 @@ def test_the_cost_benchmark_runs_every_arm(capsys):
     assert doc["verdict"] == "pass" and set(doc["slowdown"]) == {"sanitized", "check-only"}
     assert all(len(v) == 3 for v in doc["steps_s"].values())
     assert doc["stats"]["sanitized"]["tracked"] > 0 and doc["stats"]["plain"]["tracked"] == 0
+
+
+def test_the_checks_catch_a_never_waited_collective_by_default():
+    """A student's hook DDP that never waits on its all-reduces gives the right numbers on a
+    CPU almost every run, so without the race check consistency passes it (the opt-out,
+    --no-sanitize, says so in its help). The checks run the sanitizer by default: caught,
+    with the line that issued the collective, and the twin that waits passes."""
+    from verify.checks.consistency import ConsistencyOptions, check_consistency
+    from verify.checks.equivalence import EquivalenceOptions, check_equivalence
+
+    fixture = "tests/fixtures/hook_ddp.py"
+    buggy, correct = f"{fixture}:HookDDPNoWait", f"{fixture}:HookDDP"
+    for check, options in ((check_consistency, ConsistencyOptions),
+                           (check_equivalence, EquivalenceOptions)):  # fmt: skip
+        found = check(options(impl=buggy, steps=2))
+        assert found.verdict == "fault", found.headline
+        assert found.findings[0].phase == "race", found.headline
+        assert "hook_ddp.py" in found.findings[0].message, found.findings[0].message
+        assert check(options(impl=correct, steps=2)).verdict == "pass"
+    blind = check_consistency(ConsistencyOptions(impl=buggy, steps=2, sanitize=False))
+    assert blind.verdict == "pass"  # what --no-sanitize gives up

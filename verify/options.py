@@ -32,6 +32,7 @@ def knob(
     positive: bool = False,
     choices: tuple | None = None,
     negate: str | None = None,
+    affirm: str | None = None,
     factory: Any = None,
     repeat: bool = False,
     cli: bool = True,
@@ -48,6 +49,8 @@ def knob(
         negate: for a bool that defaults to True, the flag that turns it off
             ("--keep-grads" for set_to_none); the field's own flag is not offered, and
             `help` describes the negated flag.
+        affirm: with `negate`, the field's own flag is offered too, with this help: a flag
+            that became the default stays accepted ("--sanitize").
         repeat: a tuple field given by repeating the flag (`--impl a --impl b`) rather than
             as one comma-separated value.
         cli: False keeps the field out of the command line (set in code only).
@@ -60,6 +63,7 @@ def knob(
         "positive": positive,
         "choices": choices,
         "negate": negate,
+        "affirm": affirm,
         "repeat": repeat,
         "cli": cli,
     }

@@ -22,8 +22,9 @@ from verify.options import launch_knobs
 
 PASS, FAULT, TIMEOUT, NOTHING = "pass", "fault", "timeout", "nothing certified"
 EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2}
-#: the phases a finding can belong to, in the order a step meets them
-PHASES = ("construction", "gradients", "step", "checkpoint", "race", "run")
+#: the phases a finding can belong to, in the order a report lists a step's findings: a race
+#: first, since it is the likely cause of the step's wrong gradients or parameters
+PHASES = ("construction", "race", "gradients", "step", "checkpoint", "run")
 
 
 @dataclass(frozen=True)

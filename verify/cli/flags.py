@@ -36,6 +36,14 @@ def add_flags(parser: argparse.ArgumentParser, options_cls: type, skip: tuple[st
                 default=argparse.SUPPRESS,
                 help=help_text,
             )
+            if negate and f.metadata.get("affirm"):
+                parser.add_argument(
+                    flag_of(f),
+                    dest=f.name,
+                    action="store_true",
+                    default=argparse.SUPPRESS,
+                    help=f.metadata["affirm"],
+                )
             continue
         repeat = f.metadata.get("repeat")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
