@@ -47,10 +47,10 @@ EXPECTED = {
     # Three ranks: with two, a rank-dependent order is symmetric (neither rank is a majority)
     # and which one looks like the culprit depends on timing; with three the odd one is named.
     "hang:bucket-order": (
-        {"hang", "crash"}, {"count mismatch", "extra collective"}, 2, "overlap.py:", "all_reduce"
+        {"hang", "crash"}, {"size mismatch", "extra collective"}, 2, "overlap.py:", "all_reduce"
     ),
     "hang:shape-mismatch": (
-        {"hang", "crash"}, {"count mismatch"}, 1, "hang_scenarios.py:", "(513,)"
+        {"hang", "crash"}, {"size mismatch"}, 1, "hang_scenarios.py:", "(513,)"
     ),
     "hang:broadcast-source": (
         {"hang", "desync", "crash"}, {"broadcast source mismatch"}, 1, "hang_scenarios.py:",
@@ -332,7 +332,7 @@ def test_majority_and_missing_ranks():
     d = diagnose(traces, states, stalled=True)
     assert d.culprit == 3 and d.findings[0].kind == "missing" and "killed" in d.headline
     d = diagnose(traces[:3], states[:3], stalled=True)
-    assert d.culprit == 2 and d.findings[0].kind == "count mismatch"
+    assert d.culprit == 2 and d.findings[0].kind == "size mismatch"
 
 
 def test_a_rank_behind_at_the_deadline_is_not_a_desync():

@@ -1,8 +1,10 @@
 """Verdicts that hold under load (issue 9): with a CPU hog on every core, the hang scenarios,
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
-run, and two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
-collective: tests/fixtures/deadline_loops.py) give exactly the verdicts they give on an idle
-machine, and nothing is left running afterwards.
+run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
+(tests/test_agreement.py) and a script whose ranks block inside PyTorch DDP's C++ reducer
+give exactly the verdicts they give on an idle machine, and nothing is left running
+afterwards.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import test_agreement
 from tests.fixtures import deadline_loops
 from tests.processes import alive
 from verify.checks.consistency import ConsistencyOptions, check_consistency
@@ -60,11 +63,13 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
         return check_hang(options)
 
     with hogs() as hog_pids:
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=5) as pool:
             scenarios = pool.submit(
                 check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             )
             computing = pool.submit(script, "compute", str(2 * STALL_S))
+            one_rank = pool.submit(test_agreement.verdict_problems, *test_agreement.load_plan())
+            blind = pool.submit(script, "ddp-sleep", "60")
             skipping = pool.submit(script, "skip")
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
@@ -89,5 +94,13 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     assert not cut_short, "\n".join(cut_short)
-    pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
+    one_rank_problems, _ = one_rank.result()
+    assert not one_rank_problems, "\n".join(one_rank_problems)
+    b = blind.result().diagnosis
+    assert b.verdict == "hang" and b.culprit == 1 and "parked" in b.headline, b.text()
+    pids = [
+        p
+        for r in (*scenarios.results, computing, skipping, blind.result())
+        for p in r.pids.values()
+    ]
     assert pids and not [p for p in pids + hog_pids if alive(p)]

@@ -53,6 +53,12 @@ NO_BROADCAST = (
 )
 
 
+NO_BUFFER_BROADCAST = (
+    "buffers were not broadcast from rank 0 at construction (PyTorch's DDP broadcasts them "
+    "there, and before every forward with broadcast_buffers=True)"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConsistencyOptions(CheckOptions):
     command: str = knob("consistency", cli=False)
@@ -165,9 +171,14 @@ class AuditHooks(Hooks):
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
         found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
-        if any(m.tensor.startswith("param:") for m in found):
+        hint = (
+            NO_BROADCAST if any(m.tensor.startswith("param:") for m in found)
+            else NO_BUFFER_BROADCAST if any(m.tensor.startswith("buffer:") for m in found)
+            else None
+        )  # fmt: skip
+        if hint:
             last = self.findings[-1]
-            self.findings[-1] = replace(last, message=f"{last.message}: {NO_BROADCAST}")
+            self.findings[-1] = replace(last, message=f"{last.message}: {hint}")
 
     def after_sync(self, run: Trainer, step: int) -> None:
         self._audit(f"step {step} gradients", step, "gradients", self.auditor.grad_tensors())

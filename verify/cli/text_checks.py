@@ -54,7 +54,8 @@ def equivalence(result: EquivalenceResult) -> str:
     ]
     report = result.report
     if report is not None and report.rows:
-        rows = [_row(e) for e in report.rows]
+        # A run that stopped early compared only what it reached: "equal" means so far.
+        rows = [_row(e, so_far=result.failure is not None) for e in report.rows]
         headers = ["", "tensor", "max |err|", "/ max |ref|", "tolerance", "err/tol", "worst at", ""]
         lines += [tabulate(rows, headers=headers, disable_numparse=True), ""]
     notes = tuple(report.notes) if report is not None else ()
@@ -78,12 +79,14 @@ def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     return lines
 
 
-def _row(e: TensorError) -> list[str]:
-    """A tensor's worst check (largest error/tolerance over steps and ranks) as a table row."""
+def _row(e: TensorError, *, so_far: bool = False) -> list[str]:
+    """A tensor's worst check (largest error/tolerance over steps and ranks) as a table row;
+    `so_far`: the run stopped before its last step."""
     if e.ratio == 0:  # no element differed at any step, on any rank
         if e.detail:  # "None in both": no gradient in any step, here or in one process
             return [e.kind, e.tensor, "-", "-", "-", "-", "-", e.detail]
-        return [e.kind, e.tensor, "0", "0", "-", "0", "-", "bitwise equal"]
+        equal = "bitwise equal until the run stopped" if so_far else "bitwise equal"
+        return [e.kind, e.tensor, "0", "0", "-", "0", "-", equal]
     where = "construction" if e.step == 0 else f"step {e.step}"
     return [
         e.kind, e.tensor, _num(e.max_abs), _num(e.max_rel), _num(e.tolerance),

@@ -45,6 +45,7 @@ from verify.training.interface import (
     distributed,
 )
 from verify.training.workloads import Batch, Workload, get_workload
+from verify.watching import tracer
 
 OPTIMIZERS = ("adamw", "sgd")
 SGD_MOMENTUM = 0.9
@@ -167,6 +168,7 @@ class Trainer:
         self._doing = "construction"
         torch.manual_seed(spec.seed * 1000 + (0 if spec.same_init else ctx.rank))
         self.model = self.workload.build().to(ctx.device)
+        tracer.name_shapes(self.model.named_parameters())  # the diagnosis names collectives
         self.wrapped = self._wrap()
         self.optimizer, self.scheduler = self._make_optimizer()
         self._call("after_build")

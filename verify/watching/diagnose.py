@@ -39,7 +39,7 @@ from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
 _BY_HISTORY = " (the others follow the earlier steps)"
 _BY_EXTRA = " (its later collectives match the others' from this one on)"
-STRUCTURAL = ("missing", "op mismatch", "count mismatch", "dtype mismatch")
+STRUCTURAL = ("missing", "op mismatch", "size mismatch", "dtype mismatch")
 _TIMED_OUT = (
     "the run did not finish within its timeout, and no rank was hung (every rank that was not "
     "waiting in a collective was working): no verdict"
@@ -173,7 +173,7 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
                 break
         else:
             if ref.op not in UNEVEN_OPS and any(v.numel != ref.numel for v in values):
-                findings.append(_mismatch("count mismatch", "numel", k, present, colls))
+                findings.append(_mismatch("size mismatch", "numel", k, present, colls))
             else:
                 for attr, kind, applies in (
                     ("shape", "shape mismatch", ref.op not in UNEVEN_OPS),

@@ -61,6 +61,7 @@ class Record:
     state: str  # "issued" | "completed" | "failed"
     t_issue: float  # wall clock (time.time())
     t_done: float | None
+    like: str | None = None  # the parameters of this dtype and shape ("fc1.weight"), if named
 
     @property
     def pending(self) -> bool:
@@ -80,6 +81,8 @@ class Record:
                 else "src"
             )
             parts.append(f"{key}={self.peer}")
+        if self.like:  # what a student recognises: the parameter, not its shape
+            parts[-1] += f", shaped like {self.like}"
         inner = f" [{' '.join(parts)}]" if parts else ""
         return f"{self.op} #{self.seq} on {self.group}{inner}"
 
@@ -117,7 +120,7 @@ class Writer:
     """Owns the mmap'ed file; every method is called with the GIL held."""
 
     def __init__(self, path: str, rank: int, capacity: int) -> None:
-        self.capacity = capacity
+        self.path, self.capacity = path, capacity
         size = _HEADER_SIZE + capacity * _RECORD_SIZE
         fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -195,6 +198,7 @@ def read_trace(path: str) -> Trace | None:
         return None
     _, _, pid, rank, capacity, written, events, pending, last = _HEADER.unpack_from(raw)
     strings = _read_strings(path + ".strings")
+    likes = _read_names(path + ".names")
     records = []
     for index in range(max(0, written - capacity), written):
         offset = _HEADER_SIZE + (index % capacity) * _RECORD_SIZE
@@ -210,6 +214,7 @@ def read_trace(path: str) -> Trace | None:
                 peer=None if peer < 0 else peer, p2p=bool(p2p),
                 site=strings.get(site, "<unknown>"), state=STATES.get(state, "?"),
                 t_issue=t_issue, t_done=t_done or None,
+                like=likes.get((strings.get(dtype), strings.get(shape))),
             )
         )  # fmt: skip
     dropped = max(0, written - capacity)
@@ -226,6 +231,31 @@ def _read_strings(path: str) -> dict[int, str]:
                     out[int(sid)] = text
     except OSError:
         pass
+    return out
+
+
+def names_line(dtype: str, shape: str, name: str) -> str:
+    """One line of the `.names` sidecar: a named tensor's dtype and shape, as records hold
+    them (`tracer.name_shapes` writes it)."""
+    return f"{dtype}\t{shape}\t{name}\n"
+
+
+def _read_names(path: str, most: int = 3) -> dict[tuple[str, str], str]:
+    """(dtype, shape) -> "fc1.weight", or "one of fc1.weight, fc2.weight" when several
+    parameters share them (a collective is only known by its dtype and shape)."""
+    found: dict[tuple[str, str], list[str]] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                dtype, shape, name = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+                if name and name not in found.setdefault((dtype, shape), []):
+                    found[(dtype, shape)].append(name)
+    except OSError:
+        return {}
+    out = {}
+    for key, names in found.items():
+        shown = ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+        out[key] = names[0] if len(names) == 1 else f"one of {shown}"
     return out
 
 
@@ -247,7 +277,7 @@ def export_jsonl(trace_path: str, jsonl_path: str) -> Trace | None:
     with open(jsonl_path, "w") as f:
         for rec in trace.records:
             f.write(json.dumps(rec.to_dict()) + "\n")
-    for leftover in (trace_path, trace_path + ".strings"):
+    for leftover in (trace_path, trace_path + ".strings", trace_path + ".names"):
         with contextlib.suppress(OSError):
             os.remove(leftover)
     return trace

@@ -47,6 +47,7 @@ from verify.watching.trace_file import (
     Record,
     Trace,
     Writer,
+    names_line,
     read_header,
     read_trace,
 )
@@ -160,6 +161,21 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return _writer is not None
+
+
+def name_shapes(named) -> None:
+    """Record the dtype and shape of named tensors (a model's parameters), so the diagnosis can
+    say which parameter a collective's tensor is shaped like (`fc1.weight`, where the record
+    alone says `float32 (32, 16)`). Once per model, replacing the names of the one before (the
+    matrix trains one model after another in a rank); nothing when not installed."""
+    if _writer is None:
+        return
+    lines = "".join(
+        names_line(str(t.dtype).replace("torch.", ""), str(tuple(t.shape)), name)
+        for name, t in named
+    )
+    with open(_writer.path + ".names", "w", encoding="utf-8") as f:
+        f.write(lines)
 
 
 def _make_wrapper(name: str, original):

@@ -76,6 +76,9 @@ class Watchdog:
         self.in_torch = in_torch
         self.blind = False  # the verdict rests on ranks blocked where the trace cannot see
         self._asked_blind: set[int] = set()
+        # rank -> (monotonic, wall) when its CPU time last stopped advancing: where the trace
+        # is blind, its silence says nothing, so the stall is timed from the CPU evidence
+        self._idle_since: dict[int, tuple[float, float]] = {}
         self.startup_s = startup_s
         self.events: list[int | None] = [None] * len(trace_paths)
         self.meters: dict[int, CpuMeter] = {}
@@ -120,6 +123,10 @@ class Watchdog:
                 if meter is None or meter.pid != pid:
                     meter = self.meters[r] = CpuMeter(pid)
                 meter.sample(now)
+                if meter.busy() or not meter.measured:
+                    self._idle_since.pop(r, None)
+                else:
+                    self._idle_since.setdefault(r, (now, time.time()))
         waiting = [r for r, h in enumerate(headers) if h is not None and h.pending > 0]
         if now - self.last_change < self.stall_timeout_s:
             return False
@@ -149,11 +156,17 @@ class Watchdog:
         live = [r for r, pid in enumerate(pids) if pid is not None]
         if not live or any(self._working(r, headers[r], now, up) for r in live):
             return False
+        # Untraced collectives (a whole DDP step) leave the trace silent while ranks work: the
+        # stall counts from when the last rank's CPU time stopped advancing.
+        idle = [self._idle_since.get(r) for r in live]
+        if None in idle or now - max(i[0] for i in idle) < self.stall_timeout_s:
+            return False
         answers = [self.in_torch(r, r not in self._asked_blind) for r in live]
         self._asked_blind.update(live)
         if None in answers or not any(answers):  # answers pending, or nobody inside torch
             return False
         self.blind = True
+        self.last_event_wall = max(self.last_event_wall, max(i[1] for i in idle))
         self.stalled_at = time.time()
         return True
 
