@@ -153,9 +153,19 @@ class EquivalenceResult:
                 f"ranks for {o.steps} steps ({self.report.checks} tensor checks)"
             )
         if self.report is not None and self.report.findings:
-            more = len(self.report.findings) - 1
-            tail = f" ({more} more distinct finding{'s' if more > 1 else ''})" if more else ""
-            return self.report.describe() + tail
+            findings = self.report.findings
+            if len(findings) == 1:
+                return self.report.describe()
+            # Distinct findings are distinct bugs: name each, not the first and a count.
+            first = self.report.describe().removeprefix("FAULT: ")
+            rest = [f.message.split(" (and ")[0] for f in findings[1:3]]
+            more = len(findings) - 3
+            tail = f"; and {more} more" if more > 0 else ""
+            return (
+                f"FAULT: {len(findings)} distinct findings: 1. {first}; "
+                + "; ".join(f"{i}. {m}" for i, m in enumerate(rest, 2))
+                + tail
+            )
         word = "FAULT" if self.verdict == FAULT else "TIMEOUT"
         return f"{word}: {(self.failure or '').splitlines()[0] if self.failure else ''}"
 
