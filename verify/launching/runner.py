@@ -91,7 +91,10 @@ def run(
     watchdog = None
     if stall_timeout_s is not None:
         watchdog = Watchdog(
-            trace_paths, stall_timeout_s, where=_asker(folder), in_torch=_torch_asker(folder)
+            trace_paths,
+            stall_timeout_s,
+            where=_asker(folder, capture.read_where),
+            in_torch=_asker(folder, capture.read_in_torch),
         )
     traces = None
     try:
@@ -143,22 +146,16 @@ def run(
     )
 
 
-def _asker(folder: str):
-    def where(rank: int, ask: bool) -> str | None:
-        if ask:
+def _asker(folder: str, read):
+    """`ask(rank, ask_first)`: `read(folder, rank)` of the rank helper's answer to "where is
+    your main thread", asking the rank first when `ask_first` (`watching/capture.py`)."""
+
+    def ask(rank: int, ask_first: bool):
+        if ask_first:
             capture.request_where(folder, rank)
-        return capture.read_where(folder, rank)
+        return read(folder, rank)
 
-    return where
-
-
-def _torch_asker(folder: str):
-    def in_torch(rank: int, ask: bool) -> bool | None:
-        if ask:
-            capture.request_where(folder, rank)
-        return capture.read_in_torch(folder, rank)
-
-    return in_torch
+    return ask
 
 
 def _tail(path: str) -> str | None:
