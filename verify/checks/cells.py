@@ -27,7 +27,7 @@ from impls.registry import Implementation, resolve, takes_bucket_size
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import _local, _merge
-from verify.checks.reference import Reference
+from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
 from verify.launching import RankContext
 from verify.training.interface import InterfaceError
@@ -154,10 +154,12 @@ def run_cell_on_rank(
                 gathered = [None] * ctx.world_size
                 dist.all_gather_object(gathered, local)
             report = _merge(gathered)
+            # How the round trip played the class's checkpoint: why it passed or failed.
+            played = [n for n in report.notes if n.startswith(PLAYED)]
             if report.findings:
                 more = [f.describe() for f in report.findings[1:]]
-                return CellResult("fail", "\n".join([report.describe(), *more]))
-            return CellResult("pass", report.describe())
+                return CellResult("fail", "\n".join([report.describe(), *more, *played]))
+            return CellResult("pass", "\n".join([report.describe(), *played]))
         races = guard.findings if guard is not None else []
         if races:
             return CellResult("fail", _findings_text(races))
