@@ -29,6 +29,8 @@ from verify.training.optim_state import local_state_bytes
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "third_party"))
 import cs336_style as cs336  # noqa: E402
 
+from tests.fixtures import sharded_styles  # noqa: E402
+
 LR = 1e-2
 
 
@@ -80,6 +82,9 @@ CASES = {
     "per-rank": sharded(cs336.ShardedOptimizerLocalName),
     "gathered-on-every-rank": sharded(cs336.ShardedOptimizerDotOptimizer),
     "saves-only-its-shard": sharded(SavesOnlyItsShard),
+    "slices": sharded(sharded_styles.SliceShardedAdamW),
+    "trims-its-groups": sharded(sharded_styles.TrimsItsGroups),
+    "trims-its-groups-loses-state": sharded(sharded_styles.TrimsItsGroupsLosesState),
 }
 
 
@@ -97,7 +102,7 @@ def resume(ctx, make, rebuild=None) -> dict:
         rank=ctx.rank,
         world_size=ctx.world_size,
         device=ctx.device,
-        num_params=len(list(b.parameters())),
+        param_numels=[p.numel() for g in groups(b) for p in g["params"]],
     )
     after = local_state_bytes(trip.optimizer, b.parameters()).bytes
     for step in (2, 3):
@@ -143,6 +148,8 @@ def ranks() -> list[dict]:
         ("gathered-on-every-rank", "full"),
         ("torch-zero", "consolidated"),
         ("per-rank", "per-rank"),
+        ("slices", "per-rank"),
+        ("trims-its-groups", "per-rank"),
     ],
 )
 def test_correct_optimizers_resume_exactly(ranks, name, kind):
@@ -162,6 +169,21 @@ def test_saves_only_its_shard_still_loses_rank_1s_state(ranks):
     assert r0["bytes"][0] == r0["bytes"][1]  # rank 0 got its own shard back
     assert r1["bytes"][0] > 0 == r1["bytes"][1]  # rank 1 lost all of it
     assert not r0["exact"] and not r1["exact"]  # and the run diverges on every rank
+
+
+def test_per_rank_checkpoints_are_told_by_what_state_dict_returns(ranks):
+    """tests/fixtures/sharded_styles.py: param_groups trimmed to the rank's own parameters is
+    told by the count against the parameters passed (the optimizer's own groups would say
+    "all of them"); slices of every parameter by state smaller than the parameter. A per-rank
+    class whose load forgets the moments still diverges, played the same way."""
+    r0 = ranks[0]
+    assert "lists 1 of the 6 parameters passed" in r0["trims-its-groups"]["note"]
+    sliced = "holds slices ('exp_avg' of parameter 0: 64 of its 128 elements)"
+    assert sliced in r0["slices"]["note"]
+    for rank in ranks:
+        lost = rank["trims-its-groups-loses-state"]
+        assert lost["kind"] == "per-rank" and not lost["exact"], lost
+        assert lost["bytes"][0] > 0 == lost["bytes"][1]
 
 
 def test_failures_name_the_call(ranks):
@@ -194,7 +216,7 @@ def test_one_process_without_a_process_group():
         rank=0,
         world_size=1,
         device=torch.device("cpu"),
-        num_params=4,
+        param_numels=[p.numel() for g in groups(m) for p in g["params"]],
     )
     assert trip.kind == "full"
     assert (
@@ -213,12 +235,15 @@ def test_one_process_without_a_process_group():
 @pytest.mark.parametrize(
     "summaries, kind, says",
     [
-        ([(6, "x"), (6, "x")], "full", "identical"),
-        ([(6, "x"), (6, "y")], "full", "differ"),
-        ([(3, "x"), (3, "y")], "per-rank", "rank 0's state_dict() lists 3 of 6"),
-        ([(6, "x"), (2, "y")], "per-rank", "rank 1's"),
-        ([(None, "x"), (None, "y")], "per-rank", "not in torch.optim's format"),
-        ([(None, "x"), (None, "x")], "full", "identical"),
+        ([(6, "x", None), (6, "x", None)], "full", "identical"),
+        ([(6, "x", None), (6, "y", None)], "full", "at full size, but the ranks' dicts differ"),
+        ([(3, "x", None), (3, "y", None)], "per-rank", "rank 0's state_dict() lists 3 of the 6"),
+        ([(6, "x", None), (2, "y", None)], "per-rank", "rank 1's"),
+        ([(None, "x", None), (None, "y", None)], "per-rank", "not in torch.optim's format"),
+        ([(None, "x", None), (None, "x", None)], "full", "identical"),
+        ([(6, "x", None), (6, "y", (2, "m", 5, 9))], "per-rank", "rank 1's holds slices ('m'"),
+        # the same slices on every rank (one rank, or a replicated state): nothing to choose
+        ([(6, "x", (2, "m", 5, 9)), (6, "x", (2, "m", 5, 9))], "full", "identical"),
     ],
 )
 def test_decide(summaries, kind, says):

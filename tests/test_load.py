@@ -2,9 +2,10 @@
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
-(tests/test_agreement.py) and a script whose ranks block inside PyTorch DDP's C++ reducer
-give exactly the verdicts they give on an idle machine, and nothing is left running
-afterwards.
+(tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, and a
+matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
+zero1 (tests/fixtures/sharded_styles.py) give exactly the verdicts they give on an idle
+machine, and nothing is left running afterwards.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests import test_agreement
-from tests.fixtures import deadline_loops
+from tests.fixtures import deadline_loops, sharded_styles
 from tests.processes import alive
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
@@ -75,6 +76,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
             cut_short = deadline_loops.verdict_problems()
+            sharded, _ = sharded_styles.verdict_problems()
             scenarios, computing, skipping = (
                 scenarios.result(),
                 computing.result(),
@@ -94,6 +96,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     assert not cut_short, "\n".join(cut_short)
+    assert not sharded, "\n".join(sharded)
     one_rank_problems, _ = one_rank.result()
     assert not one_rank_problems, "\n".join(one_rank_problems)
     b = blind.result().diagnosis

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from tests.fixtures import sharded_styles
 from verify.checks.behaviours import (
     BEHAVIOUR,
     BEHAVIOURS,
@@ -21,9 +22,11 @@ from verify.checks.behaviours import (
     Behaviour,
     smallest_parameter_mb,
 )
-from verify.checks.cells import not_claimed
+from verify.checks.cells import not_claimed, shard_verdict
 from verify.checks.matrix import CERTIFIED, MatrixOptions, run_matrix
 from verify.cli.text_matrix import matrix as format_matrix
+from verify.training.optim_state import PlainState
+from verify.training.workloads import get_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDENT = f"{ROOT}/docs/examples/student_ddp.py:StudentDDP"
@@ -135,6 +138,60 @@ def test_a_user_class_without_no_sync_does_not_claim_accumulation():
     assert "FAULT: 4 pass, 2 fail, 6 not claimed, 4 n/a  (" in table
     doc = json.loads(json.dumps(result.to_dict()))  # what --json prints
     assert not doc["passed"] and len(doc["cells"]) == 2 * len(rows) * 3
+
+
+def test_the_shard_bound_takes_whole_parameters_and_slices():
+    """The issue's numbers, on the MLP's real yardstick (AdamW: 5920 bytes of moments, 24 of
+    `step`): slices of every parameter hold [2984, 2984] bytes, the 24-byte excess being one
+    `step` per slice; that passes, as the whole-parameter split does, and holding everything
+    everywhere or on one rank does not."""
+    mlp = get_workload("mlp").build().parameters()
+    # AdamW in float32: two moments and a `step` (what unsharded_state measures,
+    # tests/test_optim_state.py; written out here to spare an optimizer's first step).
+    plain = [PlainState(8 * p.numel() + 4, 4, p.numel()) for p in mlp]
+    assert (sum(p.bytes for p in plain), sum(p.scalar_bytes for p in plain)) == (5944, 24)
+    cases = {
+        "whole parameters": [(4100, 4), (1844, 20)],
+        "slices": [(2984, 24), (2984, 24)],
+        "slices on 4 ranks": [(1480 + 4 * 8 + 24, 24)] * 4,  # padded: a slice is ceil(n/4)
+        "kept everywhere": [(5944, 24), (5944, 24)],
+    }
+    got = {name: shard_verdict(ranks, plain) for name, ranks in cases.items()}
+    assert [r.status for r in got.values()] == ["pass", "pass", "pass", "fail"]
+    assert got["kept everywhere"].detail.startswith("state kept on several ranks")
+    assert "state bytes per rank [2960, 2960] vs unsharded 5920" in got["slices"].detail
+    # Eight equal parameters: a rank holding all of them is unbalanced (a whole-parameter
+    # split holds 4 each, slices 4 x 1000 / 2 + one element of padding each).
+    eight = [PlainState(8004, 4, 1000)] * 8
+    assert shard_verdict([(64032, 32), (0, 0)], eight).headline.startswith("unbalanced")
+    assert shard_verdict([(32016, 16), (32016, 16)], eight).status == "pass"
+
+
+def test_slice_sharded_and_per_rank_checkpoint_classes_beside_a_builtin():
+    """tests/fixtures/sharded_styles.py: ZeRO-1 by slices and by trimmed param_groups, each
+    correct and buggy, in one matrix with zero1 (3 launches, one per world size): the correct
+    ones pass every cell, the one that keeps everything fails only the shard check, the one
+    whose load forgets the moments only the round trip's equivalence."""
+    problems, result = sharded_styles.verdict_problems()
+    assert not problems, "\n".join(problems)
+    assert result.launches == 3
+    here = f"{sharded_styles.__file__}:"
+    slices = result.result(here + "SliceShardedAdamW", "world-2", "shard").detail
+    assert "state bytes per rank [2960, 2960] vs unsharded 5920" in slices
+    kept = result.result(here + "SliceShardedKeepsEverything", "world-3", "shard").detail
+    assert kept.startswith("state kept on several ranks: state bytes per rank [5920, 5920, 5920]")
+    played = {
+        name: result.result(here + name, "round-trip", "equivalence").detail.splitlines()[-1]
+        for name in ("SliceShardedAdamW", "TrimsItsGroups", "TrimsItsGroupsLosesState")
+    }
+    assert (
+        "per-rank: the ranks' state_dict()s differ and rank 0's holds slices"
+        in (played["SliceShardedAdamW"])
+    )
+    for name in ("TrimsItsGroups", "TrimsItsGroupsLosesState"):
+        assert (
+            "per-rank: rank 0's state_dict() lists 1 of the 6 parameters passed" in (played[name])
+        )
 
 
 def test_cli_exit_codes(monkeypatch, capsys):

@@ -21,14 +21,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from impls.zero import ShardedOptimizer
 from verify.training.optim_state import (
     MAX_DEPTH,
+    PlainState,
     StateBytes,
     local_state_bytes,
-    unsharded_state_bytes,
+    unsharded_state,
 )
 from verify.training.workloads import get_workload
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "third_party"))
 import cs336_style as cs336  # noqa: E402
+
+from tests.fixtures import sharded_styles  # noqa: E402
 
 
 def inner_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -78,9 +81,14 @@ def test_plain_adamw():
     model, opt = trained(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
     found = local_state_bytes(opt, model.parameters())
     n = len(list(model.parameters()))
-    assert found == StateBytes(inner_bytes(opt), 3 * n, tuple(range(n)), "", found.paths)
+    step = 4 * n  # one float32 `step` a parameter: the scalars
+    assert found == StateBytes(inner_bytes(opt), 3 * n, tuple(range(n)), "", found.paths, step)
     assert found.paths[0] == ".state[param 0]['step']"
-    assert found.bytes == sum(unsharded_state_bytes(model.parameters()))
+    plain = unsharded_state(model.parameters())
+    assert (found.bytes, found.scalar_bytes) == (
+        sum(p.bytes for p in plain),
+        sum(p.scalar_bytes for p in plain),
+    )
 
 
 def test_sgd_with_and_without_momentum():
@@ -105,6 +113,18 @@ def test_sharded_optimizer_flat_buffers_are_not_state():
     assert found.bytes == inner_bytes(opt.inner) == opt.local_state_bytes()
     assert found.tensors == inner_tensors(opt.inner)
     assert found.owners == tuple(range(len(params))) and not found.note
+
+
+def test_slices_an_inner_optimizer_steps_are_not_state(one_rank_group):
+    """By slices (tests/fixtures/sharded_styles.py): the inner optimizer's parameters are
+    copies of this rank's slices, held in a dict the walk meets before the inner optimizer;
+    like the model's parameters, they are not state. Its state is not keyed by the model's
+    parameters, so whose it is stays unknown."""
+    model, opt = trained(lambda groups: sharded_styles.SliceShardedAdamW(groups, torch.optim.AdamW))
+    found = local_state_bytes(opt, model.parameters())
+    assert list(vars(opt)).index("slices") < list(vars(opt)).index("inner")
+    assert (found.bytes, found.tensors) == (inner_bytes(opt.inner), inner_tensors(opt.inner))
+    assert found.scalar_bytes == 4 * len(opt.slices) and found.owners is None
 
 
 @pytest.mark.parametrize("bucket_view", [False, True])
@@ -299,11 +319,13 @@ def test_never_raises_and_says_what_it_skipped():
 # --- the unsharded yardstick --------------------------------------------------------------------
 
 
-def test_unsharded_state_bytes():
-    assert unsharded_state_bytes([]) == []
+def test_unsharded_state():
+    assert unsharded_state([]) == []
     p32, p64 = torch.zeros(5, 3, requires_grad=True), torch.zeros(7, dtype=torch.float64)
     step = torch.zeros((), dtype=torch.float32).element_size()  # AdamW's step counter
-    assert unsharded_state_bytes([p32, p64]) == [2 * 15 * 4 + step, 2 * 7 * 8 + step]
-    sgd = unsharded_state_bytes([p32, p64], torch.optim.SGD, lr=0.1, momentum=0.9)
-    assert sgd == [15 * 4, 7 * 8]
+    adamw = unsharded_state([p32, p64])
+    assert adamw == [PlainState(2 * 15 * 4 + step, step, 15), PlainState(2 * 7 * 8 + step, step, 7)]
+    assert [(p.vector_bytes, p.element_bytes) for p in adamw] == [(120, 8), (112, 16)]
+    sgd = unsharded_state([p32, p64], torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert sgd == [PlainState(15 * 4, 0, 15), PlainState(7 * 8, 0, 7)]
     assert p32.grad is None  # copies were stepped, not the parameters

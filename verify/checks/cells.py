@@ -27,11 +27,11 @@ from impls.registry import Implementation, resolve, takes_bucket_size
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import _local, _merge
-from verify.checks.reference import Reference
+from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
 from verify.launching import RankContext
 from verify.training.interface import InterfaceError
-from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
+from verify.training.optim_state import PlainState, local_state_bytes, unsharded_state
 from verify.training.trainer import Hooks, Trainer
 
 CHECKS = ("consistency", "equivalence", "shard")
@@ -166,10 +166,12 @@ def run_cell_on_rank(
                 gathered = [None] * ctx.world_size
                 dist.all_gather_object(gathered, local)
             report = _merge(gathered)
+            # How the round trip played the class's checkpoint: why it passed or failed.
+            played = [n for n in report.notes if n.startswith(PLAYED)]
             if report.findings:
                 more = [f.describe() for f in report.findings[1:]]
-                return CellResult("fail", "\n".join([report.describe(), *more]))
-            return CellResult("pass", report.describe())
+                return CellResult("fail", "\n".join([report.describe(), *more, *played]))
+            return CellResult("pass", "\n".join([report.describe(), *played]))
         races = guard.findings if guard is not None else []
         if races:
             return CellResult("fail", _findings_text(races))
@@ -193,43 +195,71 @@ def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResul
     Each rank's state is measured without guessing where the optimizer keeps it: every tensor
     reachable from the optimizer object that is neither a parameter nor a gradient
     (`training/optim_state.py`). The unsharded size is measured too: a plain AdamW stepped
-    once on copies of the parameters that hold state on some rank. Two conditions, both sound
-    for any correct whole-parameter partition:
-
-    - the ranks' states add up to at most the unsharded state: no parameter's state is kept on
-      two ranks (a ZeRO that does not shard holds N times it);
-    - the largest rank holds at most (2 - 1/N) x B, where B = max(total / N, largest single
-      state) is a lower bound on any whole-parameter partition. Greedy list scheduling (each
-      parameter to the least-loaded rank, in any order: PyTorch's ZeroRedundancyOptimizer)
-      never exceeds it (Graham, 1966); LPT (the built-in ZeRO-1) stays within 4/3 of optimal.
+    once on copies of the parameters that hold state on some rank (all of them when the
+    state is not keyed by parameter, as with slices). The ranks exchange one fixed summary
+    each (bytes, scalar bytes, owners, note), whatever their shards' shapes; `shard_verdict`
+    judges it, the same on every rank.
 
     When the tool cannot measure (a note from the probe on some rank), the cell is "n/a" with
     the reason: a failure of the tool's own probe never reads as the optimizer's.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     measured = local_state_bytes(optimizer, params)
+    summary = (measured.bytes, measured.scalar_bytes, measured.owners, measured.note)
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (measured.bytes, measured.owners, measured.note))
-    notes = [note for _, _, note in gathered if note]
-    if notes and not any(b for b, _, _ in gathered):
+    dist.all_gather_object(gathered, summary)
+    notes = [note for *_, note in gathered if note]
+    if notes and not any(b for b, *_ in gathered):
         return CellResult("n/a", f"the tool could not measure the optimizer state: {notes[0]}")
-    owned = [o for _, o, _ in gathered]
+    owned = [o for _, _, o, _ in gathered]
     if any(o is None for o in owned):  # state not keyed by parameter: count every parameter
         held = list(range(len(params)))
     else:
         held = sorted({i for o in owned for i in o})
-    sizes = unsharded_state_bytes([params[i] for i in held])
-    total, largest = sum(sizes), max(sizes, default=0)
+    plain = unsharded_state([params[i] for i in held])
+    return shard_verdict([(b, s) for b, s, _, _ in gathered], plain)
+
+
+def shard_verdict(per_rank: list[tuple[int, int]], plain: list[PlainState]) -> CellResult:
+    """Judge each rank's (state bytes, scalar bytes of them) against the unsharded state.
+
+    Scalars are set apart on both sides: a rank keeps one `step` per shard it holds, so a
+    layout that gives every rank a slice of every parameter (DeepSpeed, FSDP) holds N copies
+    of them, a whole-parameter partition one; they are O(parameters) bytes, say how many
+    shards a rank holds rather than how much state, and are reported, not judged. What is
+    judged is the vector state V_r of rank r (AdamW's moments), against the unsharded V =
+    sum of v_p over the parameters p, with w_p the bytes of p's state per element (8 for
+    AdamW in float32). Two conditions, both sound for any correct layout (whole parameters,
+    slices, a flat buffer cut in N, or a mix):
+
+    - one copy: sum_r V_r <= V + (N - 1) x sum_p w_p. A layout that pads a parameter to a
+      multiple of N adds fewer than N elements of it in all (a slice is ceil(n/N) elements);
+      without padding the sum is V exactly. An optimizer that does not shard holds N x V,
+      over the limit as soon as one parameter has more than one element;
+    - balance: max_r V_r <= (2 - 1/N) x B + sum_p w_p, where B = max(ceil(V/N), max_p v_p)
+      is a lower bound on the largest rank of any partition into whole parameters. Greedy
+      list scheduling (each parameter to the least-loaded rank, in any order: PyTorch's
+      ZeroRedundancyOptimizer) never exceeds (2 - 1/N) x B (Graham, 1966); LPT (the built-in
+      ZeRO-1) stays within 4/3 of optimal. Slices hold at most V/N + sum_p w_p (one element
+      of padding per parameter), under the same limit; cutting pieces finer only helps.
+    """
+    world_size = len(per_rank)
+    vector = [b - s for b, s in per_rank]
+    total = sum(p.vector_bytes for p in plain)
+    largest = max((p.vector_bytes for p in plain), default=0)
+    padding = sum(p.element_bytes for p in plain)  # one element of every parameter's state
     bound = max(-(-total // world_size), largest)
-    limit = (2 - 1 / world_size) * bound
-    per_rank = [b for b, _, _ in gathered]
+    limit = (2 - 1 / world_size) * bound + padding
+    copies = total + (world_size - 1) * padding
+    scalars = [s for _, s in per_rank]
     detail = (
-        f"state bytes per rank {per_rank} vs unsharded {total} "
-        f"(1/N bound {bound}, limit {limit:.0f})"
+        f"state bytes per rank {vector} vs unsharded {total}, step scalars apart "
+        f"(one copy <= {copies}; 1/N bound {bound}, limit {limit:.0f}; "
+        f"scalars per rank {scalars} vs {sum(p.scalar_bytes for p in plain)} unsharded)"
     )
-    if sum(per_rank) > total:
+    if sum(vector) > copies:
         return CellResult("fail", f"state kept on several ranks: {detail}")
-    if max(per_rank) > limit:
+    if max(vector) > limit:
         return CellResult("fail", f"unbalanced: {detail}")
-    share = max(per_rank) / bound if bound else 0.0
+    share = max(vector) / bound if bound else 0.0
     return CellResult("pass", f"max {share:.2f} x the 1/N bound: {detail}")

@@ -36,6 +36,7 @@ from verify.checks.verdict import Finding
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
 from verify.training.workloads import Batch
 
+PLAYED = "the checkpoint was played as"  # a report's note after the state_dict round trip
 NO_BROADCAST = (
     "parameters differ from rank 0's initialization: they were not broadcast from rank 0 (if "
     "the design seeds every rank alike instead, run with --same-init)"
@@ -239,7 +240,7 @@ class Reference(Hooks):
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is None:
             kind, why = run.round_trip.kind, run.round_trip.note
-            self.notes.append(f"the checkpoint was played as {kind}" + (f": {why}" if why else ""))
+            self.notes.append(f"{PLAYED} {kind}" + (f": {why}" if why else ""))
             return
         message = (
             f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"

@@ -13,9 +13,17 @@ users would:
 - "consolidated": PyTorch's ZeroRedundancyOptimizer style: `consolidate_state_dict(to=0)` on
   every rank, then only rank 0 can return the full state; it is broadcast and loaded
   everywhere.
-- "per-rank": some rank's `param_groups` reference fewer parameters than the optimizer was
-  given, i.e. each rank's dict describes its own shard (what torch.distributed.checkpoint
-  does: one shard per rank). Each rank loads its own.
+- "per-rank": each rank's dict describes its own shard (what torch.distributed.checkpoint
+  does: one shard per rank), and each rank loads its own. Told by what `state_dict()`
+  returns, measured against the parameters the tool passed (not against the optimizer's own
+  `param_groups`, which a per-rank design may trim to its shard): some rank's dict
+  references fewer parameters than were passed (a whole-parameter shard), or the ranks'
+  dicts differ and hold state tensors smaller than the parameters they are keyed to (a
+  slice of each parameter, as DeepSpeed and FSDP shard).
+
+A dict that lists every parameter at full size but differs between ranks is played as
+"full": loaded from rank 0, as a checkpoint written by rank 0 would be. That is a correct
+optimizer's `state_dict()` only if it is the same everywhere.
 
 Every failure inside the user's code comes back as a `CheckpointError` naming the call, so a
 report can say "after a state_dict load" instead of blaming the next `step()`.
@@ -24,7 +32,7 @@ report can say "after a state_dict load" instead of blaming the next `step()`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,13 +74,14 @@ def round_trip(
     rank: int,
     world_size: int,
     device: torch.device,
-    num_params: int,
+    param_numels: Sequence[int],
 ) -> RoundTrip:
     """Save `optimizer`'s state, build a fresh one with `rebuild()`, load the state into it.
 
     A collective: call it on every rank at the same point of training, or it hangs. The kind
-    of checkpoint is decided identically on every rank (one `all_gather_object` of a summary
-    per rank: how many parameters its dict references, and a digest of its contents).
+    of checkpoint is decided identically on every rank (one `all_gather_object` of a fixed
+    summary per rank: how many parameters its dict references, a digest of its contents, and
+    its first state tensor smaller than its parameter, if any).
 
     Args:
         optimizer: the optimizer to checkpoint (plain, or a sharded one).
@@ -80,7 +89,8 @@ def round_trip(
             caller rebuilds and restores any LR scheduler itself).
         rank, world_size: this rank in the default process group, and its size.
         device: this rank's device (NCCL's object collectives need it).
-        num_params: how many parameters the optimizer was given (all groups).
+        param_numels: the number of elements of each parameter the optimizer was given, in
+            the order given (all groups): what the kind is measured against.
 
     Raises:
         CheckpointError: `state_dict()`, `consolidate_state_dict()`, `rebuild()` or
@@ -99,11 +109,11 @@ def round_trip(
         what = "the consolidated state (rank 0's)"
     else:
         mine = _user("state_dict", "state_dict()", optimizer.state_dict)
-        summary = (_params_listed(mine), _digest(mine))
+        summary = (_params_listed(mine), _digest(mine), _slice_of(mine, param_numels))
         summaries: list = [summary] * world_size
         if world_size > 1:
             dist.all_gather_object(summaries, summary)
-        kind, note = _decide(summaries, num_params)
+        kind, note = _decide(summaries, len(param_numels))
         if kind == "per-rank":
             state, what = _copy(mine, to_cpu=False), "this rank's own state (a per-rank checkpoint)"
         else:
@@ -115,27 +125,54 @@ def round_trip(
     return RoundTrip(fresh, kind, note)
 
 
-def _decide(summaries: list[tuple[int | None, str]], num_params: int) -> tuple[str, str]:
-    """The checkpoint kind from every rank's (parameters listed, digest); same on every rank."""
-    short = [(r, n) for r, (n, _) in enumerate(summaries) if n is not None and n < num_params]
+def _decide(summaries: list[tuple], num_params: int) -> tuple[str, str]:
+    """The checkpoint kind from every rank's (parameters listed, digest, slice); the same on
+    every rank. `num_params` is how many parameters the tool passed."""
+    short = [(r, n) for r, (n, *_) in enumerate(summaries) if n is not None and n < num_params]
     if short:
         r, n = short[0]
         return "per-rank", (
-            f"rank {r}'s state_dict() lists {n} of {num_params} parameters: a per-rank "
-            "checkpoint, each rank loaded its own"
+            f"rank {r}'s state_dict() lists {n} of the {num_params} parameters passed: a "
+            "per-rank checkpoint, each rank loaded its own"
         )
-    identical = len({d for _, d in summaries}) == 1
-    if any(n is None for n, _ in summaries) and not identical:
+    identical = len({d for _, d, *_ in summaries}) == 1
+    if identical:
+        return "full", "every rank's state_dict() is identical: rank 0's loaded on every rank"
+    if any(n is None for n, *_ in summaries):
         return "per-rank", (
             "state_dict() is not in torch.optim's format and differs between ranks: "
             "each rank loaded its own"
         )
-    if identical:
-        return "full", "every rank's state_dict() is identical: rank 0's loaded on every rank"
+    sliced = [(r, piece) for r, (_, _, piece) in enumerate(summaries) if piece]
+    if sliced:
+        r, (index, name, numel, whole) = sliced[0]
+        return "per-rank", (
+            f"the ranks' state_dict()s differ and rank {r}'s holds slices ({name!r} of "
+            f"parameter {index}: {numel} of its {whole} elements): a per-rank checkpoint, "
+            "each rank loaded its own"
+        )
     return "full", (
-        f"every rank's state_dict() lists all {num_params} parameters but the ranks' dicts "
-        "differ: rank 0's loaded on every rank, as a checkpoint written by rank 0 would be"
+        f"every rank's state_dict() lists all {num_params} parameters, at full size, but the "
+        "ranks' dicts differ: rank 0's loaded on every rank, as a checkpoint written by rank 0 "
+        "would be"
     )
+
+
+def _slice_of(state: Any, param_numels: Sequence[int]) -> tuple[int, str, int, int] | None:
+    """The first state tensor of a torch.optim-format dict smaller than the parameter it is
+    keyed to, as (index, name, its elements, the parameter's), or None. Scalars (no
+    dimension: `step`) are not slices. Index i is the i-th parameter passed, which holds for a
+    dict that lists all of them (a shorter one is per-rank anyway)."""
+    try:
+        for index, entry in state["state"].items():
+            whole = param_numels[index] if 0 <= index < len(param_numels) else None
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and whole is not None:
+                    if value.numel() < whole:
+                        return index, str(name), value.numel(), whole
+    except Exception:  # not torch.optim's format: told apart by _params_listed
+        return None
+    return None
 
 
 def _user(phase: str, call: str, fn: Callable, *args, **kwargs):

@@ -6,19 +6,26 @@ it (`.optim` in PyTorch's ZeroRedundancyOptimizer, `.inner` in ours, `.optimizer
 walks everything reachable from the optimizer object and counts the tensors that are neither
 parameters nor gradients: what is left is state, wherever it lives.
 
-Two rules make the count right for ZeRO-style designs:
+Three rules make the count right for ZeRO-style designs:
 
 - A tensor is compared with parameters and gradients by *storage*, not identity: ZeRO-1
   implementations make every parameter a view into a flat buffer that the optimizer holds, so
   the buffer shares the parameters' storage and is not state.
 - Each storage is counted once, at its full size: two views of one state buffer (a flat
   `exp_avg` and its per-parameter slices) are one allocation.
+- The parameters of an optimizer found inside (and their gradients) are not state either: a
+  design that shards by slices gives an inner optimizer copies of this rank's slices, a shard
+  of the parameters, not of the state.
 
 The walk reads `__dict__`/`__slots__` and the base methods of the built-in containers only,
 so no property, `__getattr__` or `__iter__` of the user's code runs; whatever still fails is
 recorded in `StateBytes.note`, never raised.
 
-`unsharded_state_bytes` is the yardstick: each parameter's state under a plain optimizer.
+`unsharded_state` is the yardstick: each parameter's state under a plain optimizer.
+
+Both sides count *scalars* apart (a storage of at most one element: AdamW's `step`): a design
+that shards by slices keeps one per slice, so scalars say how many shards a rank holds, not how
+much of the state (`verify/checks/cells.py`, the shard check).
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class StateBytes:
         note: why the count may be incomplete (a tensor that could not be measured, an object
             that could not be read, the walk's limits); empty when nothing was skipped.
         paths: where a few state tensors were found, e.g. `.inner.state[param 3]['exp_avg']`.
+        scalar_bytes: the part of `bytes` in storages of at most one element (per-shard
+            scalars such as AdamW's `step`).
     """
 
     bytes: int
@@ -77,6 +86,33 @@ class StateBytes:
     owners: tuple[int, ...] | None
     note: str = ""
     paths: tuple[str, ...] = ()
+    scalar_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PlainState:
+    """One parameter's state under a plain (unsharded) optimizer.
+
+    Attributes:
+        bytes: every state tensor's bytes.
+        scalar_bytes: the part of `bytes` in tensors of at most one element (`step`).
+        numel: the parameter's number of elements.
+    """
+
+    bytes: int
+    scalar_bytes: int
+    numel: int
+
+    @property
+    def vector_bytes(self) -> int:
+        """The state that grows with the parameter (AdamW's moments)."""
+        return self.bytes - self.scalar_bytes
+
+    @property
+    def element_bytes(self) -> int:
+        """Vector state bytes per element of the parameter (8 for AdamW in float32), rounded
+        up: what one element of padding costs a shard."""
+        return -(-self.vector_bytes // self.numel) if self.numel else 0
 
 
 def local_state_bytes(
@@ -115,12 +151,12 @@ def local_state_bytes(
     return walk.result()
 
 
-def unsharded_state_bytes(
+def unsharded_state(
     params: Iterable[torch.Tensor],
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     **defaults,
-) -> list[int]:
-    """Each parameter's state bytes under a plain `optimizer_cls` stepped once on copies.
+) -> list[PlainState]:
+    """Each parameter's state under a plain `optimizer_cls` stepped once on copies.
 
     The copies get zero gradients (state size does not depend on the values) and live on the
     parameters' devices, so the sizes match what a rank would hold. An empty `params` gives
@@ -134,18 +170,26 @@ def unsharded_state_bytes(
         c.grad = torch.zeros_like(c)
     probe = optimizer_cls(copies, **defaults)
     probe.step()
-    return [_plain_bytes(probe.state.get(c, {})) for c in copies]
+    out = []
+    for c in copies:
+        sizes = [
+            (t.numel() * t.element_size(), t.numel() <= 1)
+            for t in _plain_tensors(probe.state.get(c, {}))
+        ]
+        out.append(PlainState(sum(n for n, _ in sizes), sum(n for n, s in sizes if s), c.numel()))
+    return out
 
 
-def _plain_bytes(obj: object) -> int:
-    """Bytes of the tensors in one parameter's state of a plain optimizer (dicts and lists)."""
+def _plain_tensors(obj: object) -> Iterable[torch.Tensor]:
+    """The tensors in one parameter's state of a plain optimizer (dicts and lists)."""
     if _is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_plain_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_plain_bytes(v) for v in obj)
-    return 0
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _plain_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _plain_tensors(v)
 
 
 class _Walk:
@@ -156,15 +200,15 @@ class _Walk:
         self.excluded_ids: set[int] = set()
         self.excluded_storages: set[tuple] = set()
         self.seen: set[int] = set()  # ids of containers and tensors already visited
-        self.counted: set[tuple] = set()  # storages already counted
-        self.bytes = self.tensors = 0
-        self.owners: set[int] = set()
-        self.paths: list[str] = []
+        # What was found is only totalled at the end: a nested optimizer met later in the walk
+        # may still exclude a tensor already seen (its own parameters, below).
+        self.storages: dict[tuple, tuple[int, bool]] = {}  # storage -> (bytes, scalar)
+        self.sightings: list[tuple[int, tuple, int | None, str]] = []  # id, storage, owner, path
         self.notes: list[str] = []
         self.limited = ""
 
-    def exclude(self, tensors: list[torch.Tensor], param_index: dict[int, int]) -> None:
-        self.param_index = param_index
+    def exclude(self, tensors: list[torch.Tensor], param_index: dict[int, int] | None = None):
+        self.param_index = self.param_index if param_index is None else param_index
         for t in tensors:
             self.excluded_ids.add(id(t))
             key, _ = self._storage(t, "")
@@ -189,6 +233,8 @@ class _Walk:
                 self.limited = f"stopped after {MAX_OBJECTS} objects"
                 return
             self.seen.add(id(obj))
+            if issubclass(type(obj), torch.optim.Optimizer):
+                self._exclude_parameters_of(obj, path)
             try:
                 children = list(self._children(obj, path, owner))
             except Exception as exc:  # C extensions, descriptors that raise: skip, say so
@@ -232,23 +278,28 @@ class _Walk:
                     continue
                 yield v, f"{path}.{name}", owner
 
+    def _exclude_parameters_of(self, optimizer: object, path: str) -> None:
+        """An optimizer's parameters and their gradients are not state (module docstring)."""
+        try:
+            groups = object.__getattribute__(optimizer, "__dict__").get("param_groups") or []
+            params = [p for g in list(groups) for p in list(dict.get(g, "params", ()))]
+            params = [p for p in params if _is_tensor(p)]
+            self.exclude(params + [p.grad for p in params if p.grad is not None])
+        except Exception as exc:
+            self.notes.append(
+                f"could not read {path or 'the optimizer'}'s param_groups ({_one_line(exc)})"
+            )
+
     def _tensor(self, t: torch.Tensor, path: str, owner: int | None) -> None:
         if id(t) in self.excluded_ids:
             return
         key, nbytes = self._storage(t, path)
         if key is None or key in self.excluded_storages:
             return
-        if owner is not None:
-            self.owners.add(owner)
-        first_sight = id(t) not in self.seen
-        if first_sight:
-            self.seen.add(id(t))
-            self.tensors += 1
-            if len(self.paths) < _PATH_EXAMPLES:
-                self.paths.append(path or "<the optimizer>")
-        if key not in self.counted:
-            self.counted.add(key)
-            self.bytes += nbytes
+        # One element is a scalar (module docstring); a storage is counted once, at full size.
+        self.storages.setdefault(key, (nbytes, nbytes <= t.element_size()))
+        self.sightings.append((id(t), key, owner, path or "<the optimizer>"))
+        self.seen.add(id(t))
 
     def _storage(self, t: torch.Tensor, path: str) -> tuple[tuple | None, int]:
         """(storage key, storage bytes); (None, 0) when it cannot be measured (noted)."""
@@ -279,8 +330,27 @@ class _Walk:
             notes.append(f"and {len(self.notes) - _NOTES} more")
         if self.limited:
             notes.insert(0, self.limited)
-        owners = tuple(sorted(self.owners)) if self.owners or not self.tensors else None
-        return StateBytes(self.bytes, self.tensors, owners, "; ".join(notes), tuple(self.paths))
+        live = [
+            (tid, key, owner, path)
+            for tid, key, owner, path in self.sightings
+            if tid not in self.excluded_ids and key not in self.excluded_storages
+        ]
+        tensors, paths = set(), []
+        for tid, _, _, path in live:
+            if tid not in tensors and len(paths) < _PATH_EXAMPLES:
+                paths.append(path)
+            tensors.add(tid)
+        counted = [self.storages[key] for key in {key for _, key, _, _ in live}]
+        found = {owner for _, _, owner, _ in live if owner is not None}
+        owners = tuple(sorted(found)) if found or not tensors else None
+        return StateBytes(
+            sum(n for n, _ in counted),
+            len(tensors),
+            owners,
+            "; ".join(notes),
+            tuple(paths),
+            sum(n for n, scalar in counted if scalar),
+        )
 
 
 def _is_tensor(obj: object) -> bool:

@@ -149,7 +149,8 @@ class Trainer:
     """A replica of `spec` on this rank, trained step by step (module docstring).
 
     Attributes: `model` (the unwrapped module; names come from it), `wrapped`, `optimizer`,
-    `scheduler`, `workload`, `impl`, `round_trip` (the last `checkpoint.RoundTrip`).
+    `scheduler`, `workload`, `impl`, `round_trip` (the last `checkpoint.RoundTrip`),
+    `param_numels` (the sizes of the parameters the optimizer was given, in order).
     """
 
     def __init__(
@@ -188,6 +189,9 @@ class Trainer:
     def _make_optimizer(self):
         s = self.spec
         groups = self.workload.param_groups(self.model, lr=s.lr, weight_decay=s.weight_decay)
+        # What the optimizer was given, by the tool: a per-rank design may trim its own
+        # param_groups to its shard, so the checkpoint kind is measured against this.
+        self.param_numels = [p.numel() for g in groups for p in g["params"]]
         cls, extra = torch.optim.AdamW, {}
         if s.optimizer == "sgd":
             cls, extra = torch.optim.SGD, {"momentum": SGD_MOMENTUM}
@@ -271,7 +275,7 @@ class Trainer:
                 rank=self.ctx.rank,
                 world_size=self.ctx.world_size,
                 device=self.ctx.device,
-                num_params=sum(len(g["params"]) for g in self.optimizer.param_groups),
+                param_numels=self.param_numels,
             )
             optimizer = self.round_trip.optimizer
         except checkpoint.CheckpointError as exc:
