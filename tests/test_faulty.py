@@ -19,7 +19,37 @@ import pytest
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.detection import run_detection
 from verify.checks.matrix import CERTIFIED
+from verify.cli.text_matrix import cell_hint
 from verify.cli.text_matrix import detection as format_detection
+
+# The cause each fault's hint line must name (verify/checks/hints.py), read off the real
+# output of the catalogue: a newcomer reads the fix, not only the place.
+HINTS = {
+    "faulty:no-divide": "never divided by the world size",
+    "faulty:divide-by-two": "divided by a hard-coded 2",
+    "faulty:zero-grad-for-unused": "no rank used got a gradient",
+    "faulty:average-at-construction": "broadcast every parameter",
+    "faulty:no-buffer-broadcast": "broadcast the buffers",
+    "faulty:frozen-not-broadcast": "frozen ones too",
+    "faulty:reduces-parameter": "reduced the parameter rather than its .grad",
+    "faulty:handles-never-cleared": "handles (or of reduced gradients) never cleared",
+    "faulty:arrival-order": "launched in the order gradients arrive",
+    "faulty:ready-when-not-none": "not when its .grad is not None",
+    "faulty:launch-on-last-member": "count the members that are ready",
+    "faulty:final-bucket-unsent": "a bucket never launched",
+    "faulty:skip-bucket-missing-grad": "every rank must send every bucket",
+    "faulty:zero-no-param-sync": "broadcast each updated parameter",
+    "faulty:zero-group-options-lost": "each parameter group must keep its own options",
+    "faulty:zero-grad-owned-only": "zero_grad() that clears only some gradients",
+    "faulty:zero-no-shard": "only this rank's partition",
+    "faulty:zero-local-state-dict": "the state_dict() round trip after step 1 lost state",
+    "faulty:zero-add-group-unsharded": "add_param_group()",
+    "faulty:zero-ignores-scheduler": "the scheduler's lr never reached the inner optimizer",
+    "faulty:step-before-wait": "handle.wait()",
+    "faulty:divide-before-wait": "divide after handle.wait()",
+    "faulty:shared-staging-buffer": "give each bucket its own buffer",
+    "faulty:zero-unwaited-broadcast": "never waited on",
+}
 
 # Modules of impls.faulty.
 FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults")
@@ -56,6 +86,7 @@ def test_the_catalogue():
         assert f.bug and f.symptom, name
         assert f.caught_by in inspect.getdoc(f.cls).split("Symptom:")[1], name
         assert "# BUG:" in inspect.getsource(f.cls), name
+        assert name in HINTS, f"{name}: no hint asserted (tests/test_faulty.py HINTS)"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -72,6 +103,10 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
     flagged = [f"{c}: {r.headline}" for c, r in result.false_alarms]
     assert not flagged, "\n".join(flagged)
     assert all(list(d.checks) == [d.caught_by] for d in result.detections)
+    for d in result.detections:  # each finding says its cause, in the situation it showed in
+        cell = d.checks[d.caught_by]
+        line = cell_hint(cell.detail, BEHAVIOUR[d.where[d.caught_by]]) or ""
+        assert HINTS[d.name] in line, f"{d.name}: {line!r} for {cell.detail!r}"
     table = format_detection(result)
     assert (
         f"PASS: {len(result.detections)}/{len(result.detections)} faulty implementations" in table

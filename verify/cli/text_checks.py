@@ -10,6 +10,7 @@ from tabulate import tabulate
 from verify.checks.consistency import ConsistencyResult
 from verify.checks.equivalence import EquivalenceResult
 from verify.checks.hang import HangResult, ScenariosResult, as_expected
+from verify.checks.hints import hint, situation_of
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
 
@@ -64,13 +65,20 @@ def equivalence(result: EquivalenceResult) -> str:
 def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     """Findings, the launcher's diagnosis, notes, the machine's thread budget, the verdict."""
     lines = []
+    situation = situation_of(result.options)
     findings: tuple[Finding, ...] = result.findings
+    hints = [hint(f.message, situation) for f in findings]
     if len(findings) > 1 or (findings and not result.headline.endswith(findings[0].describe())):
         lines.append("findings (every distinct one, in the order they showed):")
-        lines += [f"  {i}. [{f.phase}] {f.describe()}" for i, f in enumerate(findings, 1)]
+        for i, (f, h) in enumerate(zip(findings, hints, strict=True), 1):
+            lines += [f"  {i}. [{f.phase}] {f.describe()}"] + ([f"     {h}"] if h else [])
         lines.append("")
+    elif hints and hints[0]:
+        lines += [hints[0], ""]
     if result.failure:
-        lines += [result.failure, ""]
+        lines += [result.failure]
+        h = hint(result.failure, situation)
+        lines += [h, ""] if h and h not in hints else [""]
     lines += [f"note: {n}" for n in (*notes, *result.notes)]
     if result.threads:
         lines.append(f"note: ranks ran with {result.threads}")
@@ -109,6 +117,8 @@ def hang(result: HangResult | ScenariosResult) -> str:
     )
     d = result.diagnosis
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d)]
+    h = hint(d.text(), situation_of(o)) if d.faulty else None
+    lines += [h] if h else []
     if result.races:
         lines.append(f"RACES: {len(result.races)} found by --sanitize:")
         lines += [f"  - {r['message']}" for r in result.races[:10]]

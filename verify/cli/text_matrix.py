@@ -8,6 +8,7 @@ from impls.registry import REGISTRY
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
+from verify.checks.hints import hint, situation_of
 from verify.checks.matrix import MatrixResult
 from verify.training.workloads import WORKLOADS
 
@@ -55,6 +56,7 @@ def matrix(result: MatrixResult) -> str:
             where = f"{BEHAVIOUR[key].title} / {check}"
             where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
+            lines += _hint_lines(r.detail, BEHAVIOUR[key])
     claims = sorted(
         {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
     )
@@ -98,6 +100,7 @@ def detection(result: DetectionResult) -> str:
     for d in result.detections:
         check = d.caught_by
         lines.append(f"  {d.name} ({check}, {d.where[check]}): {d.checks[check].headline}")
+        lines += _hint_lines(d.checks[check].detail, BEHAVIOUR[d.where[check]])
     lines.append("")
     missed = [d.name for d in result.detections if not d.caught]
     if missed:
@@ -121,6 +124,16 @@ def detection(result: DetectionResult) -> str:
         f"check  ({result.matrix.elapsed_s:.0f}s, {_launches(result.matrix.launches)})"
     )
     return "\n".join(lines)
+
+
+def cell_hint(detail: str, behaviour) -> str | None:
+    """The hint for a failed cell's detail, in the situation its behaviour sets."""
+    return hint(detail, situation_of(behaviour))
+
+
+def _hint_lines(detail: str, behaviour) -> list[str]:
+    h = cell_hint(detail, behaviour)
+    return [f"    {h}"] if h else []
 
 
 def _detected(r) -> str:
