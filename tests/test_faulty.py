@@ -107,6 +107,7 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
         cell = d.checks[d.caught_by]
         line = cell_hint(cell.detail, BEHAVIOUR[d.where[d.caught_by]]) or ""
         assert HINTS[d.name] in line, f"{d.name}: {line!r} for {cell.detail!r}"
+        assert "verify/" not in cell.detail, f"the tool's frame as a place: {cell.detail}"
         if "(crashed)" in cell.detail:  # gloo aborted a victim: the first line names the cause
             first = cell.detail.splitlines()[0]
             assert "mismatch" in first or "extra" in first, first
