@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 
 from verify import progress
 from verify.checks.verdict import EXIT_CODES
@@ -34,7 +36,16 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
-        raise UsageError(message)
+        # argparse puts "argument --flag: " before a message that already names the flag
+        raise UsageError(re.sub(r"^argument (\S+): (?=.*\1)", "", message))
+
+
+class _Help(argparse.HelpFormatter):
+    """Wraps help at spaces only: a row key or a name with hyphens (`more-ranks-than-params`)
+    stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -44,10 +55,14 @@ class _Terminated(KeyboardInterrupt):
 def build_parser(commands: tuple[Command, ...] | None = None) -> argparse.ArgumentParser:
     from verify.cli.commands import all_commands
 
-    parser = _Parser(prog="python -m verify", description="Verify data-parallel training.")
+    parser = _Parser(
+        prog="python -m verify", description="Verify data-parallel training.", formatter_class=_Help
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in commands or all_commands():
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p = sub.add_parser(
+            command.name, help=command.help, description=command.help, formatter_class=_Help
+        )
         if command.options is not None:
             add_flags(p, command.options)
             p.add_argument("--json", action="store_true", help="print one JSON document")

@@ -18,8 +18,8 @@ from verify.checks.verdict import Finding
 def consistency(result: ConsistencyResult) -> str:
     o = result.options
     lines = [
-        f"consistency: {o.impl} on {o.workload}, world size {o.world_size}, {o.steps} steps, "
-        f"bucket {o.bucket_mb:g} MB",
+        f"consistency: {o.impl} on {o.workload}, world size {o.world_size}, "
+        f"{_plural(o.steps, 'step')}{_bucket(o)}",
         "",
     ]
     if result.checkpoints:
@@ -49,8 +49,8 @@ def consistency(result: ConsistencyResult) -> str:
 def equivalence(result: EquivalenceResult) -> str:
     o = result.options
     lines = [
-        f"equivalence: {o.impl} on {o.workload}, world size {o.world_size}, {o.steps} steps, "
-        f"bucket {o.bucket_mb:g} MB, {o.optimizer} lr {o.lr:g}",
+        f"equivalence: {o.impl} on {o.workload}, world size {o.world_size}, "
+        f"{_plural(o.steps, 'step')}{_bucket(o)}, {o.optimizer} lr {o.lr:g}",
         "",
     ]
     report = result.report
@@ -60,6 +60,17 @@ def equivalence(result: EquivalenceResult) -> str:
         lines += [tabulate(rows, headers=headers, disable_numparse=True), ""]
     notes = tuple(report.notes) if report is not None else ()
     return "\n".join(lines + _tail(result, notes))
+
+
+def _bucket(o) -> str:
+    """ ", bucket 25 MB" for a wrapper given a bucket size; nothing for one that takes none."""
+    from impls.registry import resolve
+
+    return f", bucket {o.bucket_mb:g} MB" if resolve(o.impl).takes_buckets else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:

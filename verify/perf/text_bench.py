@@ -151,7 +151,7 @@ def _bandwidth_line(result: BenchResult) -> str:
     ours, raw = statistics.median(b["ours_s"]), statistics.median(b["raw_s"])
     sync = statistics.median(b["ours_sync_s"])
     return (
-        f"bucket all-reduces on the wire ({len(b['buckets'])} buckets, {total / MiB:.1f} MiB, "
+        f"bucket all-reduces on the wire ({len(b['buckets'])} bucket{'s' if len(b['buckets']) != 1 else ''}, {total / MiB:.1f} MiB, "
         f"from the last rank's first launch to the last completion): ours {ours * 1e3:.1f} ms "
         f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce {raw * 1e3:.1f} ms "
         f"({total * factor / raw / 1e9:.2f} GB/s busbw); the whole synchronization with "
