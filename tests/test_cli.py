@@ -97,6 +97,13 @@ def test_consistency_passes_for_bucketed_and_prints_table_and_verdict(run_cli):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checkpoint" in proc.stdout and "step 2 gradients" in proc.stdout
     assert "PASS: replicas bitwise identical on both ranks at all 5 checkpoints" in proc.stdout
+    # stderr is not a terminal here: plain progress lines, each step once, none rewritten
+    steps = [line for line in proc.stderr.splitlines() if ": step " in line]
+    assert [s.split("] ", 1)[1][:38] for s in steps] == [
+        "consistency bucketed on mlp: step 1/2",
+        "consistency bucketed on mlp: step 2/2",
+    ], proc.stderr
+    assert "\r" not in proc.stderr and "\033" not in proc.stderr, proc.stderr
 
 
 def test_json_output_is_one_document(run_cli):

@@ -13,9 +13,11 @@ uses it, so no control cell runs twice.
 from __future__ import annotations
 
 import inspect
+import io
 
 import pytest
 
+from verify import progress
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.detection import run_detection
 from verify.checks.matrix import CERTIFIED
@@ -91,9 +93,16 @@ def test_the_catalogue():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_fault_is_caught_and_no_control_is_flagged(name):
-    result = run_detection(
-        family(name), controls=CERTIFIED, control_rows=control_rows(name), named_check_only=True
-    )
+    said = io.StringIO()
+    progress.enable(said)
+    try:
+        result = run_detection(
+            family(name), controls=CERTIFIED, control_rows=control_rows(name), named_check_only=True
+        )
+    finally:
+        progress.disable()
+    # progress is labelled by the command that runs (not "matrix"), with n of m
+    assert "faults, world size 2: cell 1/" in said.getvalue(), said.getvalue()[:300]
     missed = [
         f"{d.name}: {d.caught_by} said {d.checks[d.caught_by].status} on {d.shows_on}"
         for d in result.detections

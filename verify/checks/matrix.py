@@ -206,7 +206,7 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
             run = launch(
                 run_cells_on_rank,
                 world_size=world_size,
-                args=(cells, journal, options.same_init, sanitized),
+                args=(cells, journal, options.same_init, sanitized, options.command),
                 **launch_knobs(options),
                 ranks_at_once=at_once,
             )
@@ -229,13 +229,18 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
 
 
 def run_cells_on_rank(
-    ctx: RankContext, cells: list[Cell], journal: str, same_init: bool, sanitized: frozenset
+    ctx: RankContext,
+    cells: list[Cell],
+    journal: str,
+    same_init: bool,
+    sanitized: frozenset,
+    label: str = "matrix",
 ) -> None:
     """Run `cells` one after the other; rank 0 journals each result as soon as it is known
     (every rank computes the same result, so rank 0's is everyone's)."""
     for index, (impl, key, check) in enumerate(cells):
         if ctx.rank == 0:
-            rank.say(f"matrix, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
+            rank.say(f"{label}, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
                      f"{impl} / {key} / {check}")  # fmt: skip
         start = time.perf_counter()
         result = run_cell_on_rank(

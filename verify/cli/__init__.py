@@ -127,6 +127,7 @@ def _run(argv: list[str] | None) -> int:
     if not args.json or args.progress:
         progress.enable(sys.stderr)
     result = command.run(options)
+    progress.disable()  # a progress line on a terminal is cleared before the report
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         text = command.text(result)
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)

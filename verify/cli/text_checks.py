@@ -127,7 +127,7 @@ def hang(result: HangResult | ScenariosResult) -> str:
         f"({result.elapsed_s:.1f}s)"
     )
     d = result.diagnosis
-    lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d)]
+    lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o)]
     h = hint(d.text(), situation_of(o)) if d.faulty else None
     lines += [h] if h else []
     if result.races:
@@ -139,10 +139,16 @@ def hang(result: HangResult | ScenariosResult) -> str:
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
-def _ok(d) -> str:
+def _ok(d, o) -> str:
     if d.headline.startswith("no collective"):
         return f"NO COLLECTIVES: {d.headline}"
-    return "no hang: every rank finished and every collective matched on every rank"
+    ok = "no hang: every rank finished and every collective matched on every rank"
+    if o.impl:  # what it covered: each hang-prone workload, a few steps
+        from verify.checks.hang import HANG_WORKLOADS
+
+        names = ", ".join(w for w, _ in HANG_WORKLOADS)
+        return f"{ok} ({o.steps} SGD steps on each of the workloads {names})"
+    return ok
 
 
 def scenarios(result: ScenariosResult) -> str:
