@@ -21,7 +21,7 @@ import signal
 import sys
 import textwrap
 
-from verify import progress
+from verify import progress, runs
 from verify.checks.verdict import EXIT_CODES
 from verify.cli.command import Command
 from verify.cli.flags import add_flags, given, options_from
@@ -135,6 +135,9 @@ def _run(argv: list[str] | None) -> int:
         if folder:  # the report folder keeps what a run printed
             with open(os.path.join(folder, "report.txt"), "w") as f:
                 f.write(text + "\n")
+        folder = folder or getattr(result, "run_dir", None)
+        if folder and not args.json and os.path.isdir(folder):  # nothing ever cleans --out
+            print(runs.disk_line(folder))
     return EXIT_CODES[result.verdict]
 
 

@@ -153,3 +153,17 @@ def listing(_options=None) -> str:
     rows = [[name, cls.summary] for name, cls in WORKLOADS.items()]
     lines.append(tabulate(rows, headers=["workload", "what it exercises"]))
     return "\n".join(lines)
+
+
+def cleaned(result) -> str:
+    """What `clean` removed (or would remove, with --dry-run) and what it kept."""
+    from verify.runs import human_bytes
+
+    o = result.options
+    verb = "would remove" if o.dry_run else "removed"
+    lines = [f"  {path}" for path in result.removed]
+    head = (
+        f"{verb} {len(result.removed)} run folder{'s' * (len(result.removed) != 1)} under "
+        f"{o.out}/ ({human_bytes(result.freed_bytes)}), kept the newest {len(result.kept)}"
+    )
+    return "\n".join([head, *lines])
