@@ -177,15 +177,26 @@ def loss_curves(
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
     for i, name in enumerate(gaps):
         marker, dash = styles[i % len(styles)]
-        left.plot(steps, losses[name], linewidth=1.2, linestyle=dash, label=name)
-        right.plot(steps, gaps[name], linewidth=1.0, linestyle=dash, marker=marker,
-                   markersize=4, markerfacecolor="none", label=name)  # fmt: skip
+        (line,) = left.plot(steps, losses[name], linewidth=1.2, linestyle=dash, label=name)
+        right.plot(
+            steps,
+            gaps[name],
+            linewidth=1.0,
+            linestyle=dash,
+            marker=marker,
+            markersize=4,
+            markerfacecolor="none",
+            label=name,
+            color=line.get_color(),
+        )  # fmt: skip  (one colour per curve in both panels)
     left.set(xlabel="step", ylabel="training loss (global batch)", title="loss")
     right.set(xlabel="step", ylabel=f"|loss - {reference}|", title="gap to the reference")
     nonzero = [g for gs in gaps.values() for g in gs if g > 0]
-    # symlog: a gap of exactly 0 sits on the axis at a labelled 0; the rest is logarithmic
-    right.set_yscale("symlog", linthresh=min(nonzero) if nonzero else 1e-12)
-    right.set_ylim(bottom=0)
+    # symlog: a gap of exactly 0 sits on the axis at a labelled 0; the rest is logarithmic,
+    # from a decade under the smallest gap to a decade over the largest
+    low, high = (min(nonzero), max(nonzero)) if nonzero else (1e-12, 1e-11)
+    right.set_yscale("symlog", linthresh=low / 10)
+    right.set_ylim(0, high * 10)
     for ax in (left, right):
         ax.xaxis.get_major_locator().set_params(integer=True)
         _legend_below(ax, 1 + len(gaps))
@@ -234,7 +245,8 @@ COLOURS = {
     "forward": "#1f77b4", "backward": "#ff7f0e", "grad_sync": "#2ca02c",
     "optimizer_step": "#d62728", "all_reduce": "#9467bd", "broadcast": "#17becf",
     "all_gather": "#8c564b", "reduce_scatter": "#e377c2", "launch": "#c5b0d5",
-    "wait": "#7f7f7f", "compute (local step)": "#1f77b4",
+    "wait": "#7f7f7f", "step": "#ff9896", "sync_params": "#9edae5",
+    "compute (local step)": "#1f77b4",
     "exposed communication (step - local)": "#ff7f0e",
 }  # fmt: skip
 
