@@ -105,15 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, handler)
 
 
-def _run(argv: list[str] | None) -> int:
-    from verify.launching import reset_interrupt
-
-    reset_interrupt()
+def parse(argv: list[str] | None) -> tuple[Command, object, argparse.Namespace]:
+    """The command, its options and the parsed flags; raises UsageError or ValueError (one
+    line) for bad input, before anything runs. Options are None for a command without."""
     args = build_parser().parse_args(argv)
     command: Command = args._command
     if command.options is None:
-        print(command.text(None))
-        return EXIT_PASS
+        return command, None, args
     typed = given(args) - {"command", "json", "progress", "script"}
     for a, b in command.conflicts:
         if a in typed and b in typed:
@@ -123,7 +121,17 @@ def _run(argv: list[str] | None) -> int:
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
-    options = options_from(args, command.options, **fixed)
+    return command, options_from(args, command.options, **fixed), args
+
+
+def _run(argv: list[str] | None) -> int:
+    from verify.launching import reset_interrupt
+
+    reset_interrupt()
+    command, options, args = parse(argv)
+    if options is None:
+        print(command.text(None))
+        return EXIT_PASS
     if not args.json or args.progress:
         progress.enable(sys.stderr)
     result = command.run(options)

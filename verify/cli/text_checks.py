@@ -15,13 +15,21 @@ from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
 
 
+def header(o) -> str:
+    """A check's first line, from its options alone (`consistency` and `equivalence`; `hang`
+    adds its time after it): what ran, as the docs' examples show it."""
+    if hasattr(o, "stall_timeout_s"):  # HangOptions
+        what = o.impl or " ".join(o.script)
+        return f"hang check: {what}, world size {o.ranks}, stall timeout {o.stall_timeout_s:g}s"
+    head = (
+        f"{o.command}: {o.impl} on {o.workload}, world size {o.world_size}, "
+        f"{_plural(o.steps, 'step')}{_bucket(o)}"
+    )
+    return head + (f", {o.optimizer} lr {o.lr:g}" if o.command == "equivalence" else "")
+
+
 def consistency(result: ConsistencyResult) -> str:
-    o = result.options
-    lines = [
-        f"consistency: {o.impl} on {o.workload}, world size {o.world_size}, "
-        f"{_plural(o.steps, 'step')}{_bucket(o)}",
-        "",
-    ]
+    lines = [header(result.options), ""]
     if result.checkpoints:
         rows = [
             [c.label, c.tensors, c.mismatched, f"{c.seconds * 1e3:.1f}"] for c in result.checkpoints
@@ -47,12 +55,7 @@ def consistency(result: ConsistencyResult) -> str:
 
 
 def equivalence(result: EquivalenceResult) -> str:
-    o = result.options
-    lines = [
-        f"equivalence: {o.impl} on {o.workload}, world size {o.world_size}, "
-        f"{_plural(o.steps, 'step')}{_bucket(o)}, {o.optimizer} lr {o.lr:g}",
-        "",
-    ]
+    lines = [header(result.options), ""]
     report = result.report
     if report is not None and report.rows:
         rows = [_row(e) for e in report.rows]
@@ -121,11 +124,7 @@ def hang(result: HangResult | ScenariosResult) -> str:
     if isinstance(result, ScenariosResult):
         return scenarios(result)
     o = result.options
-    what = o.impl or " ".join(o.script)
-    head = (
-        f"hang check: {what}, world size {o.ranks}, stall timeout {o.stall_timeout_s:g}s "
-        f"({result.elapsed_s:.1f}s)"
-    )
+    head = f"{header(o)} ({result.elapsed_s:.1f}s)"
     d = result.diagnosis
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o)]
     h = hint(d.text(), situation_of(o)) if d.faulty else None
