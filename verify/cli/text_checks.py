@@ -85,7 +85,10 @@ def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     if len(findings) > 1 or (findings and not result.headline.endswith(findings[0].describe())):
         lines.append("findings (every distinct one, in the order they showed):")
         for i, (f, h) in enumerate(zip(findings, hints, strict=True), 1):
-            lines += [f"  {i}. [{f.phase}] {f.describe()}"] + ([f"     {h}"] if h else [])
+            again = h in hints[: i - 1]  # the same cause under several findings: said once
+            lines += [f"  {i}. [{f.phase}] {f.describe()}"] + (
+                [f"     {h}"] if h and not again else []
+            )
         lines.append("")
     elif hints and hints[0]:
         lines += [hints[0], ""]
