@@ -125,3 +125,23 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
     assert (
         f"PASS: {len(result.detections)}/{len(result.detections)} faulty implementations" in table
     )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hints_tell_the_wrong_divisions_apart_by_the_world_size(world):
+    """A gradient scaled by c has error |c - 1| x max |reference| on every element: summed and
+    never divided (c = N), divided twice (c = 1/N) and divided by a hard-coded 2 (c = N/2)
+    each get their own hint at each world size (verify/checks/hints.py), on the message the
+    equivalence check really prints."""
+    from verify.checks.hints import Situation, hint
+    from verify.checks.reference import TensorError
+
+    def said(c: float) -> str:
+        e = TensorError("gradients", "fc1.weight", 1, 0, abs(c - 1) * 0.3, abs(c - 1), 1e-8, 1e6)
+        return hint(f"first divergence at {e.describe()}", Situation(world_size=world)) or ""
+
+    assert "never divided by the world size" in said(world)
+    assert "divided by the world size twice" in said(1 / world)
+    if world != 2:  # at two ranks a hard-coded 2 is right
+        assert "divided by a hard-coded 2" in said(world / 2)
+    assert said(1.0001) == ""  # an error that is no such factor gets no guess

@@ -65,14 +65,51 @@ def hint(text: str, situation: Situation) -> str | None:
     return None
 
 
-def _never_waited(text: str, s: Situation) -> str | None:
-    if "was never waited on" not in text:
-        return None
-    return (
-        "an async collective was never waited on: keep every handle an async_op=True call "
-        "returns and call handle.wait() on each (in finish_gradient_synchronization() for "
-        "gradients, in step() for parameter broadcasts) before the tensor is used"
-    )
+def _plain(pattern: str, line: str):
+    """A rule that says `line` when `pattern` (a regex) is found in the text."""
+    compiled = re.compile(pattern)
+    return lambda text, s: line if compiled.search(text) else None
+
+
+_never_waited = _plain(
+    r"was never waited on",
+    "an async collective was never waited on: keep every handle an async_op=True call returns "
+    "and call handle.wait() on each (in finish_gradient_synchronization() for gradients, in "
+    "step() for parameter broadcasts) before the tensor is used",
+)
+_not_sharded = _plain(
+    r"state kept on several ranks",
+    "every rank keeps optimizer state for every parameter: give the inner optimizer only this "
+    "rank's partition",
+)
+_state_dict = _plain(
+    r"state_dict\(\) (raised|returned)|state_dict round trip",
+    "the optimizer's state_dict() / load_state_dict() failed: state_dict() must return the "
+    "whole state (every parameter's, gathered from the shards) or only this rank's "
+    "parameters, and load_state_dict() must accept what it returned",
+)
+_unused_everywhere = _plain(
+    r"has a gradient, the reference's is None",
+    "a parameter no rank used got a gradient (zeros): one process leaves its .grad None and "
+    "the optimizer skips it; all-reduce only gradients that exist on some rank",
+)
+_unused_here = _plain(
+    r"gradient is None, the reference has one",
+    "a parameter used on another rank has no gradient here: all-reduce a zero gradient for a "
+    "parameter this rank did not use, so it receives the others' contribution",
+)
+_not_reduced = _plain(
+    r"step \d+ gradients: grad:\S+ differs",
+    "gradients still differ across ranks after finish_gradient_synchronization(): some were "
+    "not all-reduced: a bucket never launched (the last, partly filled bucket must be flushed "
+    "too), or a hook that reduced the parameter rather than its .grad",
+)
+_params_not_synced = _plain(
+    r"step \d+: param:\S+ differs",
+    "parameters differ after optimizer.step() though the gradients agreed: a sharded optimizer "
+    "must broadcast each updated parameter from the rank that owns it (and wait() on that "
+    "broadcast)",
+)
 
 
 def _in_flight(text: str, s: Situation) -> str | None:
@@ -143,56 +180,6 @@ def _scale(text: str, s: Situation) -> str | None:
     ]  # fmt: skip
     found = [line for want, line in causes if want > 0 and abs(rel - want) <= _SCALE_RTOL * want]
     return "; or ".join(found) or None
-
-
-def _unused_gradient(text: str, s: Situation) -> str | None:
-    if "has a gradient, the reference's is None" in text:
-        return (
-            "a parameter no rank used got a gradient (zeros): one process leaves its .grad None "
-            "and the optimizer skips it; all-reduce only gradients that exist on some rank"
-        )
-    if "gradient is None, the reference has one" in text:
-        return (
-            "a parameter used on another rank has no gradient here: all-reduce a zero gradient "
-            "for a parameter this rank did not use, so it receives the others' contribution"
-        )
-    return None
-
-
-def _not_reduced(text: str, s: Situation) -> str | None:
-    if not re.search(r"step \d+ gradients: grad:\S+ differs", text):
-        return None
-    return (
-        "gradients still differ across ranks after finish_gradient_synchronization(): some "
-        "were not all-reduced: a bucket never launched (the last, partly filled bucket must "
-        "be flushed too), or a hook that reduced the parameter rather than its .grad"
-    )
-
-
-def _params_not_synced(text: str, s: Situation) -> str | None:
-    if not re.search(r"step \d+: param:\S+ differs", text):
-        return None
-    return (
-        "parameters differ after optimizer.step() though the gradients agreed: a sharded "
-        "optimizer must broadcast each updated parameter from the rank that owns it (and "
-        "wait() on that broadcast)"
-    )
-
-
-def _not_sharded(text: str, s: Situation) -> str | None:
-    if "state kept on several ranks" not in text:
-        return None
-    return "every rank keeps optimizer state for every parameter: give the inner optimizer only this rank's partition"  # noqa: E501
-
-
-def _state_dict(text: str, s: Situation) -> str | None:
-    if re.search(r"state_dict\(\) (raised|returned)|state_dict round trip", text):
-        return (
-            "the optimizer's state_dict() / load_state_dict() failed: state_dict() must return "
-            "the whole state (every parameter's, gathered from the shards) or only this rank's "
-            "parameters, and load_state_dict() must accept what it returned"
-        )
-    return None
 
 
 def _step_diverged(text: str, s: Situation) -> str | None:
@@ -268,7 +255,8 @@ _RULES = (
     _not_broadcast,
     _not_sharded,
     _state_dict,
-    _unused_gradient,
+    _unused_everywhere,
+    _unused_here,
     _scale,
     _not_reduced,
     _params_not_synced,
