@@ -31,7 +31,7 @@ def test_plain_lines_when_stderr_is_not_a_terminal():
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and "\r" not in out.getvalue() and "\033" not in out.getvalue()
     assert lines[0].endswith("step 1/3")  # no pace yet: no estimate
-    assert lines[1].endswith("s left)") and "step 2/3  (~" in lines[1], lines[1]
+    assert lines[1].endswith("s left)") and "step 2/3  (" in lines[1], lines[1]
     assert lines[2].endswith("step 3/3")  # done: nothing left to estimate
 
 
