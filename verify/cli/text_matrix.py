@@ -52,11 +52,14 @@ def matrix(result: MatrixResult) -> str:
     failures = [(k, r) for k, r in result.results.items() if r.failed]
     if failures:
         lines += ["", "failures:"]
+        said: set[tuple[str, str]] = set()  # a cause is said once per implementation
         for (impl, key, check), r in failures:
             where = f"{BEHAVIOUR[key].title} / {check}"
             where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
-            lines += _hint_lines(r.detail, BEHAVIOUR[key])
+            hint_lines = _hint_lines(r.detail, BEHAVIOUR[key])
+            lines += [h for h in hint_lines if (impl, h) not in said]
+            said.update((impl, h) for h in hint_lines)
     claims = sorted(
         {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
     )
