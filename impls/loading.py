@@ -13,6 +13,7 @@ module name, with its own directory on `sys.path` so that its sibling imports wo
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -46,6 +47,25 @@ def load_class(spec: str) -> type:
     if not inspect.isclass(cls):
         raise ImplError(f"--impl {spec!r}: {class_name!r} is not a class")
     return cls
+
+
+def name_the_class(spec: str) -> str:
+    """The one-line error for `--impl path/to/file.py` with no `:Class`: the classes defined
+    there, read from the source (not imported: nothing of the file runs for an error)."""
+    path = Path(spec)
+    if not path.is_file():
+        return f"--impl {spec!r}: file {spec} does not exist"
+    try:
+        tree = ast.parse(path.read_text(), filename=spec)
+    except (SyntaxError, UnicodeDecodeError, OSError) as e:
+        return f"--impl {spec!r}: name the class as {spec}:Class ({spec} cannot be read: {e})"
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    if not classes:
+        return f"--impl {spec!r}: name the class as {spec}:Class ({spec} defines no class)"
+    return (
+        f"--impl {spec!r}: name the class, e.g. {spec}:{classes[0]} (classes there: "
+        f"{', '.join(classes)})"
+    )
 
 
 def _import_module(spec: str, dotted: str) -> ModuleType:

@@ -73,6 +73,11 @@ class Implementation:
         if self.kind not in KINDS:
             raise ValueError(f"{self.name}: kind must be one of {', '.join(KINDS)}")
 
+    @property
+    def takes_buckets(self) -> bool:
+        """Whether its wrapper is given a bucket size (the keyword its constructor takes)."""
+        return getattr(self.wrap, "bucket_keyword", None) is not None
+
     def make_optimizer(self, params, optimizer_cls, *, process_group=None, **defaults):
         if self.sharded_optimizer is None:
             return optimizer_cls(params, **defaults)
@@ -102,6 +107,7 @@ def wrapper_recipe(cls: type) -> Callable[..., nn.Module]:
         kwargs = {keyword: bucket_size_mb} if keyword else {}
         return cls(module, process_group=process_group, **kwargs)
 
+    wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
     return wrap
 
 
@@ -152,6 +158,9 @@ def takes_bucket_size(cls: type) -> str | None:
     return None
 
 
+torch_ddp.bucket_keyword = "bucket_cap_mb"  # type: ignore[attr-defined]
+
+
 def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
     """Build an Implementation around a class, told apart by type (DESIGN.md):
 
@@ -180,6 +189,7 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
                 return cls(module, **{keyword: bucket_size_mb})
             return cls(module)
 
+        wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
         doc = _summary(cls, "user DDP wrapper")
         return Implementation(name, doc, wrap, None, kind, cls)
     raise ImplError(

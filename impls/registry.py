@@ -17,6 +17,7 @@ Imports run one way: registry -> catalogues (`impls.faulty`) -> variants and rec
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
@@ -24,7 +25,7 @@ from .bucketed import BucketedDDP
 from .faulty import FAULTS
 from .faulty.hang_scenarios import SCENARIOS
 from .flat import FlatDDP
-from .loading import load_class
+from .loading import load_class, name_the_class
 from .naive import NaiveDDP
 from .overlap import OverlapDDP
 from .recipes import (
@@ -143,10 +144,14 @@ def resolve(
     impl = REGISTRY.get(spec)
     if impl is not None and impl.kind in accepted:
         return impl
+    if impl is None and ":" not in spec and (spec.endswith(".py") or "/" in spec):
+        raise ImplError(name_the_class(spec))  # a file, its class forgotten
     if impl is not None or ":" not in spec or spec.split(":", 1)[0] in _CATALOGUE_PREFIXES:
         where = f" for {command}" if command else ""
+        close = difflib.get_close_matches(spec, names(accepted), n=3, cutoff=0.75)
+        guess = f" (did you mean {' or '.join(close)}?)" if close and impl is None else ""
         raise ImplError(
-            f"unknown implementation {spec!r}{where}; choose one of "
+            f"unknown implementation {spec!r}{where}{guess}; choose one of "
             f"{', '.join(names(accepted))}, or give package.module:Class or path/to/file.py:Class"
         )
     impl = from_class(load_class(spec), name=spec)

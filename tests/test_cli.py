@@ -96,7 +96,14 @@ def test_consistency_passes_for_bucketed_and_prints_table_and_verdict(run_cli):
     proc = run_cli("consistency", "--impl", "bucketed", "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checkpoint" in proc.stdout and "step 2 gradients" in proc.stdout
-    assert "PASS: replicas bitwise identical on all 2 ranks at all 5 checkpoints" in proc.stdout
+    assert "PASS: replicas bitwise identical on both ranks at all 5 checkpoints" in proc.stdout
+    # stderr is not a terminal here: plain progress lines, each step once, none rewritten
+    steps = [line for line in proc.stderr.splitlines() if ": step " in line]
+    assert [s.split("] ", 1)[1][:38] for s in steps] == [
+        "consistency bucketed on mlp: step 1/2",
+        "consistency bucketed on mlp: step 2/2",
+    ], proc.stderr
+    assert "\r" not in proc.stderr and "\033" not in proc.stderr, proc.stderr
 
 
 def test_json_output_is_one_document(run_cli):
@@ -180,4 +187,4 @@ def test_under_torchrun_the_cli_joins_instead_of_spawning():
         cwd=ROOT, capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PASS: replicas bitwise identical on all 2 ranks") == 1
+    assert proc.stdout.count("PASS: replicas bitwise identical on both ranks") == 1

@@ -99,6 +99,13 @@ def test_every_flag_has_one_line_of_help_with_its_default():
         (["hang", "--scenarios", "--impl", "naive"], "--scenarios and --impl cannot be used together"),
         (["hang", "--nproc", "2", "--world-size", "3", "--", "x.py"], "--nproc and --world-size"),
         (["consistency", "--impl", "naive", "--threads-per-rank", "0"], "--threads-per-rank must be >= 1"),
+        # a newcomer's slips: the class forgotten, a name or a choice misspelled
+        (["consistency", "--impl", "docs/examples/student_ddp.py"],
+         "name the class, e.g. docs/examples/student_ddp.py:StudentDDP (classes there: StudentDDP)"),
+        (["consistency", "--impl", "bucketd"], "for consistency (did you mean bucketed?); choose"),
+        (["consistency", "--impl", "naive", "--workload", "mlpp"],
+         "verify: error: argument --workload: invalid choice: 'mlpp' (did you mean mlp? choose"),
+        (["consistency", "--impl", "naive", "--steps", "x"], "error: --steps must be an integer"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
@@ -106,6 +113,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_help_wraps_at_spaces_only(capsys):
+    """A row key with hyphens stays whole in `--help` (argparse breaks at hyphens)."""
+    with pytest.raises(SystemExit):
+        main(["matrix", "--help"])
+    out = capsys.readouterr().out
+    assert "more-ranks-than-params" in out and "None" not in out
 
 
 def test_names_offered_are_names_that_run(capsys):
@@ -144,11 +159,12 @@ def test_a_timeout_is_not_a_fault(run_cli):
     assert doc["verdict"] == "timeout" and doc["passed"] is False
     assert doc["headline"].startswith("TIMEOUT: timed out before a verdict"), doc["headline"]
     assert "rank 0 [timeout]" in doc["failure"] and "FAULT" not in proc.stdout
-    # Where each rank was: a frame even when none is the user's (a built-in inside backward).
+    # Where each rank was: the user's frame, or what the tool was doing in words (a built-in
+    # inside backward), never the tool's own frames.
     for rank in (0, 1):
-        assert re.search(rf"rank {rank} \[timeout\]: \w+ \(\S+\.py:\d+\)", doc["failure"]), doc[
-            "failure"
-        ]
+        where = rf"rank {rank} \[timeout\]: (\w+ \(\S+\.py:\d+\)|in .+, called by the tool)"
+        assert re.search(where, doc["failure"]), doc["failure"]
+    assert "verify/" not in doc["failure"], doc["failure"]
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -13,13 +13,45 @@ uses it, so no control cell runs twice.
 from __future__ import annotations
 
 import inspect
+import io
 
 import pytest
 
+from verify import progress
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.detection import run_detection
 from verify.checks.matrix import CERTIFIED
+from verify.cli.text_matrix import cell_hint
 from verify.cli.text_matrix import detection as format_detection
+
+# The cause each fault's hint line must name (verify/checks/hints.py), read off the real
+# output of the catalogue: a newcomer reads the fix, not only the place.
+HINTS = {
+    "faulty:no-divide": "never divided by the world size",
+    "faulty:divide-by-two": "divided by a hard-coded 2",
+    "faulty:zero-grad-for-unused": "no rank used got a gradient",
+    "faulty:average-at-construction": "broadcast every parameter",
+    "faulty:no-buffer-broadcast": "broadcast the buffers",
+    "faulty:frozen-not-broadcast": "frozen ones too",
+    "faulty:reduces-parameter": "reduced the parameter rather than its .grad",
+    "faulty:handles-never-cleared": "handles (or of reduced gradients) never cleared",
+    "faulty:arrival-order": "launched in the order gradients arrive",
+    "faulty:ready-when-not-none": "not when its .grad is not None",
+    "faulty:launch-on-last-member": "count the members that are ready",
+    "faulty:final-bucket-unsent": "a bucket never launched",
+    "faulty:skip-bucket-missing-grad": "every rank must send every bucket",
+    "faulty:zero-no-param-sync": "broadcast each updated parameter",
+    "faulty:zero-group-options-lost": "each parameter group must keep its own options",
+    "faulty:zero-grad-owned-only": "zero_grad() that clears only some gradients",
+    "faulty:zero-no-shard": "only this rank's partition",
+    "faulty:zero-local-state-dict": "the state_dict() round trip after step 1 lost state",
+    "faulty:zero-add-group-unsharded": "add_param_group()",
+    "faulty:zero-ignores-scheduler": "the scheduler's lr never reached the inner optimizer",
+    "faulty:step-before-wait": "handle.wait()",
+    "faulty:divide-before-wait": "divide after handle.wait()",
+    "faulty:shared-staging-buffer": "give each bucket its own buffer",
+    "faulty:zero-unwaited-broadcast": "never waited on",
+}
 
 # Modules of impls.faulty.
 FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults")
@@ -56,13 +88,21 @@ def test_the_catalogue():
         assert f.bug and f.symptom, name
         assert f.caught_by in inspect.getdoc(f.cls).split("Symptom:")[1], name
         assert "# BUG:" in inspect.getsource(f.cls), name
+        assert name in HINTS, f"{name}: no hint asserted (tests/test_faulty.py HINTS)"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_fault_is_caught_and_no_control_is_flagged(name):
-    result = run_detection(
-        family(name), controls=CERTIFIED, control_rows=control_rows(name), named_check_only=True
-    )
+    said = io.StringIO()
+    progress.enable(said)
+    try:
+        result = run_detection(
+            family(name), controls=CERTIFIED, control_rows=control_rows(name), named_check_only=True
+        )
+    finally:
+        progress.disable()
+    # progress is labelled by the command that runs (not "matrix"), with n of m
+    assert "faults, world size 2: cell 1/" in said.getvalue(), said.getvalue()[:300]
     missed = [
         f"{d.name}: {d.caught_by} said {d.checks[d.caught_by].status} on {d.shows_on}"
         for d in result.detections
@@ -72,7 +112,36 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
     flagged = [f"{c}: {r.headline}" for c, r in result.false_alarms]
     assert not flagged, "\n".join(flagged)
     assert all(list(d.checks) == [d.caught_by] for d in result.detections)
+    for d in result.detections:  # each finding says its cause, in the situation it showed in
+        cell = d.checks[d.caught_by]
+        line = cell_hint(cell.detail, BEHAVIOUR[d.where[d.caught_by]]) or ""
+        assert HINTS[d.name] in line, f"{d.name}: {line!r} for {cell.detail!r}"
+        assert "verify/" not in cell.detail, f"the tool's frame as a place: {cell.detail}"
+        if "(crashed)" in cell.detail:  # gloo aborted a victim: the first line names the cause
+            first = cell.detail.splitlines()[0]
+            assert "mismatch" in first or "extra" in first, first
+            assert "failed (crashed)" not in first and "rank " in first, first
     table = format_detection(result)
     assert (
         f"PASS: {len(result.detections)}/{len(result.detections)} faulty implementations" in table
     )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hints_tell_the_wrong_divisions_apart_by_the_world_size(world):
+    """A gradient scaled by c has error |c - 1| x max |reference| on every element: summed and
+    never divided (c = N), divided twice (c = 1/N) and divided by a hard-coded 2 (c = N/2)
+    each get their own hint at each world size (verify/checks/hints.py), on the message the
+    equivalence check really prints."""
+    from verify.checks.hints import Situation, hint
+    from verify.checks.reference import TensorError
+
+    def said(c: float) -> str:
+        e = TensorError("gradients", "fc1.weight", 1, 0, abs(c - 1) * 0.3, abs(c - 1), 1e-8, 1e6)
+        return hint(f"first divergence at {e.describe()}", Situation(world_size=world)) or ""
+
+    assert "never divided by the world size" in said(world)
+    assert "divided by the world size twice" in said(1 / world)
+    if world != 2:  # at two ranks a hard-coded 2 is right
+        assert "divided by a hard-coded 2" in said(world / 2)
+    assert said(1.0001) == ""  # an error that is no such factor gets no guess

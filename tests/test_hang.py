@@ -362,9 +362,9 @@ def test_a_rank_killed_after_its_peer_timed_out_waiting_for_it_is_the_culprit():
 
 @pytest.mark.parametrize("site_packages_below_stdlib", [False, True])
 def test_where_a_rank_is_when_no_frame_is_the_users(monkeypatch, site_packages_below_stdlib):
-    """A built-in implementation inside torch's backward: this tool's frames and torch's entry
-    frame, not nothing (also where site-packages lies below the standard library's folder,
-    as in Docker's python images and conda)."""
+    """A built-in workload inside torch's backward: what the tool was doing, in words, never
+    the tool's frames as a place (also where site-packages lies below the standard library's
+    folder, as in Docker's python images and conda)."""
     from verify.watching import stacks
 
     if site_packages_below_stdlib:
@@ -379,8 +379,21 @@ def test_where_a_rank_is_when_no_frame_is_the_users(monkeypatch, site_packages_b
         '  File "<string>", line 1 in <module>',
     ])  # fmt: skip
     where = stacks.innermost_frames(dump)
-    assert where.startswith("backward (") and "_tensor.py:623) <- step (" in where, where
-    assert "graph.py" not in where and "rank.py" not in where, where
+    assert where == "in backward(), called by the tool's training step", where
+    traced = dump.replace(  # the tool's own collective, through the tracer's wrapper
+        f'  File "{torch_dir}autograd/graph.py", line 979 in _engine_run_backward\n'
+        f'  File "{torch_dir}_tensor.py", line 623 in backward\n'
+        f'  File "{tool}training/trainer.py", line 243 in step',
+        f'  File "{tool}watching/tracer.py", line 310 in wait\n'
+        f'  File "{torch_dir}distributed/c10d_logger.py", line 83 in wrapper\n'
+        f'  File "{tool}checks/consistency.py", line 120 in audit',
+    )
+    where = stacks.innermost_frames(traced)
+    assert where == "in a collective, called by the tool's consistency audit", where
+    tb = f'Traceback (most recent call last):\n  File "{tool}checks/tolerances.py", line 113, in f'
+    assert stacks.traceback_lines(tb) == [
+        "  raised in the tool's check (f), not in the code under test"
+    ]
 
 
 def test_torchrun_node_watchdog(tmp_path):

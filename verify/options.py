@@ -16,6 +16,7 @@ the same one line, before any rank starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tempfile
 from dataclasses import MISSING, dataclass, field, fields
@@ -101,7 +102,9 @@ def check_value(f: dataclasses.Field, value: Any) -> None:
             raise ValueError(f"{name} must be > 0, got {v:g}")
         if meta.get("choices") and v not in meta["choices"]:
             valid = ", ".join(map(str, meta["choices"]))
-            raise ValueError(f"argument {name}: invalid choice: {v!r} (choose from {valid})")
+            close = difflib.get_close_matches(str(v), map(str, meta["choices"]), n=2, cutoff=0.6)
+            guess = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(f"argument {name}: invalid choice: {v!r} ({guess}choose from {valid})")
 
 
 def default_world_size() -> int:

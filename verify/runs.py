@@ -6,6 +6,11 @@ is added if two runs start in the same second) holding a `metadata.json` with th
 options, torch version, hardware, load average and date, and, once the ranks have run, the
 thread budget they were given and the one-line description of all that (`machine_line`), so a
 table or chart found later says where it came from.
+
+Nothing cleans `<out>` by itself (a profile of every variant writes over 100 MB): the CLI says
+what a run took on disk and what the folder holds (`disk_line`), and `python -m verify clean
+--keep N` removes all but the newest N run folders (`prune`); only folders named as this module
+names them are ever touched.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from verify.options import Options, knob
 
 DEFAULT_OUT = "profiles"
 
@@ -125,3 +134,84 @@ def default_device(world_size: int) -> str:
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
+
+
+# `<name>_<world>x<device>_<stamp>[-n]`, as new_run_dir names them: nothing else is a run.
+_RUN_NAME = re.compile(r".+_\d+x[a-z]+_(\d{8}-\d{6})(-\d+)?$")
+
+
+def run_folders(out: str | os.PathLike) -> list[Path]:
+    """The run folders under `out`, oldest first (by the stamp in the name, then the suffix)."""
+    found = []
+    for path in Path(out).iterdir() if Path(out).is_dir() else ():
+        m = _RUN_NAME.match(path.name)
+        if m and path.is_dir() and not path.is_symlink():
+            found.append((m.group(1), int((m.group(2) or "-1")[1:]), path.name, path))
+    return [p for *_, p in sorted(found)]
+
+
+def folder_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files below `path` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def disk_line(run_dir: str | os.PathLike) -> str:
+    """What a run left on disk, and what its `out` folder holds in all, with the way to trim it."""
+    run_dir = Path(run_dir)
+    runs = run_folders(run_dir.parent)
+    total = sum(folder_bytes(r) for r in runs)
+    return (
+        f"disk: this run {human_bytes(folder_bytes(run_dir))}; {run_dir.parent}/ holds "
+        f"{len(runs)} run{'s' if len(runs) != 1 else ''}, {human_bytes(total)} "
+        f"(python -m verify clean --keep N --out {run_dir.parent} keeps the newest N)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanOptions(Options):
+    """`python -m verify clean`: which folder, how many runs to keep."""
+
+    keep: int = knob(help="run folders to keep, the newest ones (0 removes them all)", minimum=0)
+    out: str = knob(DEFAULT_OUT, "the folder whose run folders are trimmed")
+    dry_run: bool = knob(False, "say what would be removed, remove nothing")
+
+
+@dataclass(frozen=True)
+class CleanResult:
+    options: CleanOptions
+    removed: tuple[str, ...]
+    freed_bytes: int
+    kept: tuple[str, ...]
+    verdict: str = "pass"
+
+    def to_dict(self) -> dict:
+        return {"check": "clean", "verdict": self.verdict, "removed": list(self.removed),
+                "freed_bytes": self.freed_bytes, "kept": list(self.kept),
+                "dry_run": self.options.dry_run}  # fmt: skip
+
+
+def prune(options: CleanOptions) -> CleanResult:
+    """Remove all but the newest `options.keep` run folders under `options.out`."""
+    runs = run_folders(options.out)
+    cut = max(0, len(runs) - options.keep)
+    old, kept = runs[:cut], runs[cut:]
+    freed = sum(folder_bytes(p) for p in old)
+    if not options.dry_run:
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+    return CleanResult(options, tuple(map(str, old)), freed, tuple(map(str, kept)))

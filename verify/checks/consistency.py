@@ -38,6 +38,7 @@ from verify.checks.verdict import (
     Finding,
     Refusal,
     collapse,
+    every_rank,
     failure_text,
     run_check,
     verdict_of,
@@ -97,7 +98,7 @@ class ConsistencyResult:
         if self.passed:
             n = len(self.checkpoints)
             return (
-                f"PASS: replicas bitwise identical on all {self.options.world_size} ranks at "
+                f"PASS: replicas bitwise identical on {every_rank(self.options.world_size)} at "
                 f"all {n} checkpoints"
             )
         if self.findings:

@@ -30,6 +30,7 @@ from verify.checks.verdict import (
     Finding,
     Refusal,
     collapse,
+    every_rank,
     failure_text,
     run_check,
     verdict_of,
@@ -149,8 +150,9 @@ class EquivalenceResult:
         o = self.options
         if self.passed:
             return (
-                f"PASS: gradients and parameters match one process on all {o.world_size} "
-                f"ranks for {o.steps} steps ({self.report.checks} tensor checks)"
+                f"PASS: gradients and parameters match one process on {every_rank(o.world_size)} "
+                f"for {o.steps} step{'s' if o.steps != 1 else ''} ({self.report.checks} tensor "
+                "checks)"
             )
         if self.report is not None and self.report.findings:
             findings = self.report.findings

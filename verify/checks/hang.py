@@ -34,7 +34,7 @@ from verify import progress, runs
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, RunOptions, knob, launch_knobs
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Progress, Trainer, TrainSpec
 from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
 
@@ -203,12 +203,13 @@ def run_hang_on_rank(ctx: RankContext, options: HangOptions) -> int:
     """Train the implementation for a few steps on each hang-prone workload (SGD); the
     watchdog in the parent does the checking. Returns the number of steps run."""
     steps = 0
-    for workload, bucket_mb in HANG_WORKLOADS:
+    for i, (workload, bucket_mb) in enumerate(HANG_WORKLOADS, 1):
         spec = TrainSpec(
             impl=options.impl, workload=workload, bucket_mb=bucket_mb, steps=options.steps,
             optimizer="sgd",
         )  # fmt: skip
-        Trainer(ctx, spec).run()
+        label = f"hang {options.impl}: workload {i}/{len(HANG_WORKLOADS)} ({workload})"
+        Trainer(ctx, spec, (Progress(label),)).run()
         steps += spec.steps
     return steps
 

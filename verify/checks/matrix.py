@@ -216,7 +216,7 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
             run = launch(
                 run_cells_on_rank,
                 world_size=world_size,
-                args=(cells, journal_dir, options.same_init, sanitized),
+                args=(cells, journal_dir, options.same_init, sanitized, options.command),
                 **launch_knobs(options),
                 ranks_at_once=at_once,
             )
@@ -251,14 +251,19 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
 
 
 def run_cells_on_rank(
-    ctx: RankContext, cells: list[Cell], journal: str, same_init: bool, sanitized: frozenset
+    ctx: RankContext,
+    cells: list[Cell],
+    journal: str,
+    same_init: bool,
+    sanitized: frozenset,
+    label: str = "matrix",
 ) -> None:
     """Run `cells` one after the other; the ranks agree on each cell's result before any
     starts the next (`agreement.py`), and rank 0 journals it as soon as it is known."""
     agreement = CellAgreement(ctx.rank, ctx.world_size, journal, _AGREEMENT_TIMEOUT_S)
     for index, (impl, key, check) in enumerate(cells):
         if ctx.rank == 0:
-            rank.say(f"matrix, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
+            rank.say(f"{label}, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
                      f"{impl} / {key} / {check}")  # fmt: skip
         start = time.perf_counter()
         result = run_cell_on_rank(

@@ -143,3 +143,8 @@ def only_some_text(ranks: list[int], others: list[int], reason: str) -> str:
 def failure_text(run: LaunchResult) -> str | None:
     """The launcher's summary of a run that did not end with every rank returning."""
     return None if run.ok else run.summary()
+
+
+def every_rank(n: int) -> str:
+    """ "all 3 ranks", "both ranks", "the one rank": for headlines."""
+    return {1: "the one rank", 2: "both ranks"}.get(n, f"all {n} ranks")

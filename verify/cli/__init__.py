@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 
-from verify import progress
+from verify import progress, runs
 from verify.checks.verdict import EXIT_CODES
 from verify.cli.command import Command
 from verify.cli.flags import add_flags, given, options_from
@@ -34,7 +36,16 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
-        raise UsageError(message)
+        # argparse puts "argument --flag: " before a message that already names the flag
+        raise UsageError(re.sub(r"^argument (\S+): (?=.*\1)", "", message))
+
+
+class _Help(argparse.HelpFormatter):
+    """Wraps help at spaces only: a row key or a name with hyphens (`more-ranks-than-params`)
+    stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -44,10 +55,14 @@ class _Terminated(KeyboardInterrupt):
 def build_parser(commands: tuple[Command, ...] | None = None) -> argparse.ArgumentParser:
     from verify.cli.commands import all_commands
 
-    parser = _Parser(prog="python -m verify", description="Verify data-parallel training.")
+    parser = _Parser(
+        prog="python -m verify", description="Verify data-parallel training.", formatter_class=_Help
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in commands or all_commands():
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p = sub.add_parser(
+            command.name, help=command.help, description=command.help, formatter_class=_Help
+        )
         if command.options is not None:
             add_flags(p, command.options)
             p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -90,15 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, handler)
 
 
-def _run(argv: list[str] | None) -> int:
-    from verify.launching import reset_interrupt
-
-    reset_interrupt()
+def parse(argv: list[str] | None) -> tuple[Command, object, argparse.Namespace]:
+    """The command, its options and the parsed flags; raises UsageError or ValueError (one
+    line) for bad input, before anything runs. Options are None for a command without."""
     args = build_parser().parse_args(argv)
     command: Command = args._command
     if command.options is None:
-        print(command.text(None))
-        return EXIT_PASS
+        return command, None, args
     typed = given(args) - {"command", "json", "progress", "script"}
     for a, b in command.conflicts:
         if a in typed and b in typed:
@@ -108,10 +121,21 @@ def _run(argv: list[str] | None) -> int:
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
-    options = options_from(args, command.options, **fixed)
+    return command, options_from(args, command.options, **fixed), args
+
+
+def _run(argv: list[str] | None) -> int:
+    from verify.launching import reset_interrupt
+
+    reset_interrupt()
+    command, options, args = parse(argv)
+    if options is None:
+        print(command.text(None))
+        return EXIT_PASS
     if not args.json or args.progress:
         progress.enable(sys.stderr)
     result = command.run(options)
+    progress.disable()  # a progress line on a terminal is cleared before the report
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         text = command.text(result)
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)
@@ -119,6 +143,9 @@ def _run(argv: list[str] | None) -> int:
         if folder:  # the report folder keeps what a run printed
             with open(os.path.join(folder, "report.txt"), "w") as f:
                 f.write(text + "\n")
+        folder = folder or getattr(result, "run_dir", None)
+        if folder and not args.json and os.path.isdir(folder):  # nothing ever cleans --out
+            print(runs.disk_line(folder))
     return EXIT_CODES[result.verdict]
 
 

@@ -13,6 +13,7 @@ from verify.checks.hang import HangOptions, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.cli import text_checks, text_matrix
 from verify.cli.command import Command
+from verify.runs import CleanOptions, prune
 
 
 def _hang_fixed(args) -> dict:
@@ -68,6 +69,13 @@ CHECK_COMMANDS: tuple[Command, ...] = (
     Command(
         "list", "list implementations and workloads", None, lambda _: None, text_matrix.listing
     ),  # fmt: skip
+    Command(
+        "clean",
+        "remove all but the newest N run folders under profiles/ (or --out)",
+        CleanOptions,
+        prune,
+        text_matrix.cleaned,
+    ),
 )
 
 

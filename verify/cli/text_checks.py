@@ -10,17 +10,26 @@ from tabulate import tabulate
 from verify.checks.consistency import ConsistencyResult
 from verify.checks.equivalence import EquivalenceResult
 from verify.checks.hang import HangResult, ScenariosResult, as_expected
+from verify.checks.hints import hint, situation_of
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
 
 
+def header(o) -> str:
+    """A check's first line, from its options alone (`consistency` and `equivalence`; `hang`
+    adds its time after it): what ran, as the docs' examples show it."""
+    if hasattr(o, "stall_timeout_s"):  # HangOptions
+        what = o.impl or " ".join(o.script)
+        return f"hang check: {what}, world size {o.ranks}, stall timeout {o.stall_timeout_s:g}s"
+    head = (
+        f"{o.command}: {o.impl} on {o.workload}, world size {o.world_size}, "
+        f"{_plural(o.steps, 'step')}{_bucket(o)}"
+    )
+    return head + (f", {o.optimizer} lr {o.lr:g}" if o.command == "equivalence" else "")
+
+
 def consistency(result: ConsistencyResult) -> str:
-    o = result.options
-    lines = [
-        f"consistency: {o.impl} on {o.workload}, world size {o.world_size}, {o.steps} steps, "
-        f"bucket {o.bucket_mb:g} MB",
-        "",
-    ]
+    lines = [header(result.options), ""]
     if result.checkpoints:
         rows = [
             [c.label, c.tensors, c.mismatched, f"{c.seconds * 1e3:.1f}"] for c in result.checkpoints
@@ -46,12 +55,7 @@ def consistency(result: ConsistencyResult) -> str:
 
 
 def equivalence(result: EquivalenceResult) -> str:
-    o = result.options
-    lines = [
-        f"equivalence: {o.impl} on {o.workload}, world size {o.world_size}, {o.steps} steps, "
-        f"bucket {o.bucket_mb:g} MB, {o.optimizer} lr {o.lr:g}",
-        "",
-    ]
+    lines = [header(result.options), ""]
     report = result.report
     if report is not None and report.rows:
         # A run that stopped early compared only what it reached: "equal" means so far.
@@ -62,16 +66,37 @@ def equivalence(result: EquivalenceResult) -> str:
     return "\n".join(lines + _tail(result, notes))
 
 
+def _bucket(o) -> str:
+    """ ", bucket 25 MB" for a wrapper given a bucket size; nothing for one that takes none."""
+    from impls.registry import resolve
+
+    return f", bucket {o.bucket_mb:g} MB" if resolve(o.impl).takes_buckets else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     """Findings, the launcher's diagnosis, notes, the machine's thread budget, the verdict."""
     lines = []
+    situation = situation_of(result.options)
     findings: tuple[Finding, ...] = result.findings
+    hints = [hint(f.message, situation) for f in findings]
     if len(findings) > 1 or (findings and not result.headline.endswith(findings[0].describe())):
         lines.append("findings (every distinct one, in the order they showed):")
-        lines += [f"  {i}. [{f.phase}] {f.describe()}" for i, f in enumerate(findings, 1)]
+        for i, (f, h) in enumerate(zip(findings, hints, strict=True), 1):
+            again = h in hints[: i - 1]  # the same cause under several findings: said once
+            lines += [f"  {i}. [{f.phase}] {f.describe()}"] + (
+                [f"     {h}"] if h and not again else []
+            )
         lines.append("")
+    elif hints and hints[0]:
+        lines += [hints[0], ""]
     if result.failure:
-        lines += [result.failure, ""]
+        lines += [result.failure]
+        h = hint(result.failure, situation)
+        lines += [h, ""] if h and h not in hints else [""]
     lines += [f"note: {n}" for n in (*notes, *result.notes)]
     if result.threads:
         lines.append(f"note: ranks ran with {result.threads}")
@@ -105,13 +130,11 @@ def hang(result: HangResult | ScenariosResult) -> str:
     if isinstance(result, ScenariosResult):
         return scenarios(result)
     o = result.options
-    what = o.impl or " ".join(o.script)
-    head = (
-        f"hang check: {what}, world size {o.ranks}, stall timeout {o.stall_timeout_s:g}s "
-        f"({result.elapsed_s:.1f}s)"
-    )
+    head = f"{header(o)} ({result.elapsed_s:.1f}s)"
     d = result.diagnosis
-    lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d)]
+    lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o)]
+    h = hint(d.text(), situation_of(o)) if d.faulty else None
+    lines += [h] if h else []
     if result.races:
         lines.append(f"RACES: {len(result.races)} found by --sanitize:")
         lines += [f"  - {r['message']}" for r in result.races[:10]]
@@ -121,10 +144,16 @@ def hang(result: HangResult | ScenariosResult) -> str:
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
-def _ok(d) -> str:
+def _ok(d, o) -> str:
     if d.headline.startswith("no collective"):
         return f"NO COLLECTIVES: {d.headline}"
-    return "no hang: every rank finished and every collective matched on every rank"
+    ok = "no hang: every rank finished and every collective matched on every rank"
+    if o.impl:  # what it covered: each hang-prone workload, a few steps
+        from verify.checks.hang import HANG_WORKLOADS
+
+        names = ", ".join(w for w, _ in HANG_WORKLOADS)
+        return f"{ok} ({o.steps} SGD steps on each of the workloads {names})"
+    return ok
 
 
 def scenarios(result: ScenariosResult) -> str:

@@ -8,6 +8,7 @@ from impls.registry import REGISTRY
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
+from verify.checks.hints import hint, situation_of
 from verify.checks.matrix import MatrixResult
 from verify.checks.verdict import NOTHING
 from verify.training.workloads import WORKLOADS
@@ -52,10 +53,14 @@ def matrix(result: MatrixResult) -> str:
     failures = [(k, r) for k, r in result.results.items() if r.failed]
     if failures:
         lines += ["", "failures:"]
+        said: set[tuple[str, str]] = set()  # a cause is said once per implementation
         for (impl, key, check), r in failures:
             where = f"{BEHAVIOUR[key].title} / {check}"
             where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
+            hint_lines = _hint_lines(r.detail, BEHAVIOUR[key])
+            lines += [h for h in hint_lines if (impl, h) not in said]
+            said.update((impl, h) for h in hint_lines)
     claims = sorted(
         {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
     )
@@ -109,6 +114,7 @@ def detection(result: DetectionResult) -> str:
     for d in result.detections:
         check = d.caught_by
         lines.append(f"  {d.name} ({check}, {d.where[check]}): {d.checks[check].headline}")
+        lines += _hint_lines(d.checks[check].detail, BEHAVIOUR[d.where[check]])
     lines.append("")
     missed = [d.name for d in result.detections if not d.caught]
     if missed:
@@ -134,6 +140,16 @@ def detection(result: DetectionResult) -> str:
     return "\n".join(lines)
 
 
+def cell_hint(detail: str, behaviour) -> str | None:
+    """The hint for a failed cell's detail, in the situation its behaviour sets."""
+    return hint(detail, situation_of(behaviour))
+
+
+def _hint_lines(detail: str, behaviour) -> list[str]:
+    h = cell_hint(detail, behaviour)
+    return [f"    {h}"] if h else []
+
+
 def _detected(r) -> str:
     return {"fail": "FAULT", "pass": "pass"}.get(r.status, r.status)
 
@@ -151,3 +167,17 @@ def listing(_options=None) -> str:
     rows = [[name, cls.summary] for name, cls in WORKLOADS.items()]
     lines.append(tabulate(rows, headers=["workload", "what it exercises"]))
     return "\n".join(lines)
+
+
+def cleaned(result) -> str:
+    """What `clean` removed (or would remove, with --dry-run) and what it kept."""
+    from verify.runs import human_bytes
+
+    o = result.options
+    verb = "would remove" if o.dry_run else "removed"
+    lines = [f"  {path}" for path in result.removed]
+    head = (
+        f"{verb} {len(result.removed)} run folder{'s' * (len(result.removed) != 1)} under "
+        f"{o.out}/ ({human_bytes(result.freed_bytes)}), kept the newest {len(result.kept)}"
+    )
+    return "\n".join([head, *lines])

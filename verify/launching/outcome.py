@@ -115,6 +115,11 @@ class LaunchResult:
             return diag.text()
         base = self._failure_summary()
         if diag is not None and diag.faulty and diag.collective is not None:
+            root = self.first_failure
+            if root is not None and root.status == "crashed" and diag.culprit is not None:
+                # The backend killed a victim of the ranks' mismatch: the first line (every
+                # check's headline) names the mismatch and its culprit, not the victim.
+                return f"{diag.headline}\n{base}\n{TRACE_SAYS} {diag.text()}"
             return f"{base}\n{TRACE_SAYS} {diag.text()}"
         return base
 
@@ -140,8 +145,11 @@ class LaunchResult:
             # only on its stderr.
             lines.append("  its stderr ended with:")
             lines += [f"    {line}" for line in stacks.last_lines(root.stderr)]
-        others = [f"{o.rank} {o.status}" for o in self.outcomes if o.rank != root.rank]
+        others = [f"rank {o.rank} {_ENDED[o.status]}" for o in self.outcomes if o.rank != root.rank]
         return "\n".join(lines + (["other ranks: " + ", ".join(others)] if others else []))
 
 
 TRACE_SAYS = "collective trace says:"  # how summary() cites the diagnosis
+# how the other ranks ended, after the first failure
+_ENDED = {"ok": "finished", "error": "raised", "crashed": "crashed", "timeout": "was still running",
+          "killed": "was ended by the tool"}  # fmt: skip

@@ -281,8 +281,8 @@ def _charts(result: BenchResult, folder: RunFolder) -> list[charts.Chart]:
     out = [charts.step_breakdown(folder.path / "breakdown.png", rows, title=title)]
     if result.sweep:
         series = {
-            f"{impl} (measured)": [
-                result.sweep_exposed(f"{impl}@{mb:g}") * 1e3 for mb in o.sweep_sizes
+            f"{impl} (measured)": [  # below the noise (negative): not drawn
+                _drawn(result.sweep_exposed(f"{impl}@{mb:g}")) for mb in o.sweep_sizes
             ]
             for impl in o.sweep_impls
         }
@@ -300,3 +300,7 @@ def _charts(result: BenchResult, folder: RunFolder) -> list[charts.Chart]:
             )
         )
     return out
+
+
+def _drawn(seconds: float) -> float | None:
+    return None if seconds < 0 else seconds * 1e3

@@ -131,7 +131,7 @@ class BenchResult:
                     f">= {BAR_BUSBW}",
                     decide(r, BAR_BUSBW, at_most=False),
                     r,
-                    f"{len(b['buckets'])} buckets, {sum(b['buckets']) / MiB:.1f} MiB; ratio of "
+                    f"{len(b['buckets'])} bucket{'s' if len(b['buckets']) != 1 else ''}, {sum(b['buckets']) / MiB:.1f} MiB; ratio of "
                     f"medians {medians:.3f}",
                 )
             )

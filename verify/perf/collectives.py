@@ -57,7 +57,10 @@ def collective_call(op: str, nbytes: int, ctx: RankContext):
 
 
 def memcpy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    """Bytes per second `dst.copy_(src)` moves on this rank (median; all ranks at once)."""
+    """Bytes per second `dst.copy_(src)` moves on this rank (median; all ranks at once), on
+    buffers of `nbytes`, or of `memcpy_bytes()` when that is larger: a buffer that fits in the
+    cache measures the cache, not the memory a loopback collective copies through."""
+    nbytes = max(nbytes, memcpy_bytes())
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages first
@@ -69,6 +72,21 @@ def memcpy_name(device_type: str) -> str:
     """What `memcpy_bandwidth` measures: one core's copy on a CPU, a copy within the GPU's
     memory on CUDA (no core involved)."""
     return "memcpy (GPU memory)" if device_type == "cuda" else "memcpy (1 core)"
+
+
+def memcpy_bytes() -> int:
+    """Four times the last-level CPU cache (sysfs; 32 MiB assumed where it cannot be read),
+    at most 256 MiB: a copy that size streams from memory."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+            sizes.append(int(text[:-1]) * 1024 if text.endswith("K") else int(text))
+        except (OSError, ValueError):
+            continue
+    return min(4 * (max(sizes) if sizes else 32 * MiB), 256 * MiB)
 
 
 def measure_backward(ctx: RankContext, model_size_m: float, repeats: int = 3) -> tuple[int, float]:

@@ -64,7 +64,7 @@ class ProfileOptions(MeasureOptions, OutputOptions):
     active: int = knob(3, "profiled steps", flag="--steps", minimum=1)
     model_size_m: float | None = knob(
         DEFAULT_MODEL_M,
-        "the transformer's size (None, in code: a tiny GPT)",
+        "the transformer's size",
         flag="--model-size",
         unit="M parameters",
         positive=True,

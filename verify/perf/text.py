@@ -43,7 +43,7 @@ def profile(result: ProfileResult) -> str:
     o = result.options
     if not result.ok:
         return failed("profile", result)
-    size = f"{o.model_size_m:g}M-parameter" if o.model_size_m else "tiny"
+    size = _model(o.model_size_m) if o.model_size_m else "tiny"
     lines = [
         f"profile: {', '.join(o.variants)} on a {size} transformer, world size "
         f"{o.world_size}, bucket {o.bucket_mb:g} MB, {o.active} active steps "
@@ -96,8 +96,8 @@ def comm(result: CommResult) -> str:
         f"median of {o.repeats} interleaved rounds, slowest rank",
         f"machine: {result.machine}",
         f"memcpy bandwidth ({'on the GPU' if o.device_type == 'cuda' else 'one core'}, all "
-        "ranks copying at once): "
-        f"{result.memcpy_Bps / 1e9:.2f} GB/s",
+        f"ranks copying at once, {_memcpy_mib(o.max_bytes)} MiB buffers, past the last-level "
+        f"cache): {result.memcpy_Bps / 1e9:.2f} GB/s",
         "",
     ]
     by_key = {(p.op, p.world_size, p.nbytes): p for p in result.points}
@@ -139,7 +139,7 @@ def comm(result: CommResult) -> str:
         ]
         lines += [
             f"all-reduce fit t(S) = alpha + S/beta, and the bucket size it predicts for a "
-            f"{o.model_size_m:g}M-parameter transformer ({size(result.grad_bytes)} of "
+            f"{_model(o.model_size_m)} transformer ({size(result.grad_bytes)} of "
             f"gradients, backward {result.backward_s * 1e3:.0f} ms):",
             _table(rows, headers),
             "(the measured sweep: python -m verify bench; the model assumes communication does "
@@ -175,7 +175,7 @@ def scaling(result: ScalingResult) -> str:
         for p in result.points
     ]
     lines = [
-        f"scaling: {o.impl}, {o.model_size_m:g}M-parameter transformer, local batch "
+        f"scaling: {o.impl}, {_model(o.model_size_m)} transformer, local batch "
         f"{o.local_batch}, median of {o.repeats} steps at each world size",
         f"machine: {result.machine}",
         "",
@@ -223,3 +223,16 @@ def train(result: TrainResult) -> str:
         f"written to {result.run_dir} (loss.png: every curve beside the single-process one)",
     ]
     return "\n".join(lines + _notes(result.notes))
+
+
+def _memcpy_mib(max_bytes: int) -> str:
+    from verify.perf.collectives import memcpy_bytes
+
+    return f"{max(max_bytes, memcpy_bytes()) / MiB:g}"
+
+
+def _model(size_m: float | None) -> str:
+    """ "2.7M-parameter": the real count `--model-size 2` builds, as bench prints it."""
+    from verify.training.language import parameters_m
+
+    return f"{parameters_m(size_m):.1f}M-parameter"

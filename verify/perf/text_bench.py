@@ -52,7 +52,8 @@ def bench(result: BenchResult) -> str:
         "",
         _steps_table(result),
         "(exposed comm = (step - local step) / step, median over rounds of the same round's "
-        "steps: the step's share spent in communication not hidden by compute)",
+        "steps: the step's share spent in communication not hidden by compute; <0: below "
+        "this machine's noise)",
         "",
     ]
     if result.sweep:
@@ -96,11 +97,26 @@ def _steps_table(result: BenchResult) -> str:
                 f"{min(samples) * 1e3:.1f}",
                 "-" if ref is None else f"{med / result.median(ref):.3f}",
                 "-" if ref is None else f"{min(samples) / min(result.steps[ref]):.3f}",
-                "-" if name == LOCAL else f"{100 * result.exposed_share(name):.0f}%",
+                "-" if name == LOCAL else _share(result.exposed_share(name)),
             ]
         )
     headers = ["variant", "median ms", "min ms", "/ torch-ddp", "min / min", "exposed comm"]
     return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+_BELOW_NOISE = (
+    "(<0: the step came out faster than the local step it contains: this machine's noise is "
+    "larger than the exposed time, which it cannot measure here)"
+)
+
+
+def _ms(seconds: float) -> str:
+    """Exposed time, or "<0" where noise made the difference negative (never printed as is)."""
+    return "<0" if seconds < 0 else f"{seconds * 1e3:.1f}"
+
+
+def _share(share: float) -> str:
+    return "<0" if share < 0 else f"{100 * share:.0f}%"
 
 
 def _sweep(result: BenchResult) -> list[str]:
@@ -112,7 +128,7 @@ def _sweep(result: BenchResult) -> list[str]:
             key = f"{impl}@{mb:g}"
             row += [
                 f"{result.median(key, 'sweep') * 1e3:.1f}",
-                f"{result.sweep_exposed(key) * 1e3:.1f}",
+                _ms(result.sweep_exposed(key)),
             ]
         pred = result.predicted_exposed(mb)
         rows.append(row + ["-" if pred is None else f"{pred * 1e3:.1f}"])
@@ -125,6 +141,15 @@ def _sweep(result: BenchResult) -> list[str]:
         "over rounds of the same round's pair):",
         tabulate(rows, headers=headers + ["predicted exposed ms"], disable_numparse=True),
     ]
+    if any("<0" in cell for row in rows for cell in row):
+        out.append(_BELOW_NOISE)
+    main, swept = result.median(LOCAL), result.median(LOCAL, "sweep")
+    if max(main, swept) > 1.2 * min(main, swept):  # the machine's load moved between them
+        out.append(
+            f"note: the local step took {swept * 1e3:.1f} ms in the sweep's rounds and "
+            f"{main * 1e3:.1f} ms in the main rounds: the machine's load changed between "
+            "them; compare numbers within one table, not across"
+        )
     if result.fit is not None:
         out.append(best_bucket_line(result.fit, result.grad_bytes, result.backward_s))
     return out
@@ -151,7 +176,7 @@ def _bandwidth_line(result: BenchResult) -> str:
     ours, raw = statistics.median(b["ours_s"]), statistics.median(b["raw_s"])
     sync = statistics.median(b["ours_sync_s"])
     return (
-        f"bucket all-reduces on the wire ({len(b['buckets'])} buckets, {total / MiB:.1f} MiB, "
+        f"bucket all-reduces on the wire ({len(b['buckets'])} bucket{'s' if len(b['buckets']) != 1 else ''}, {total / MiB:.1f} MiB, "
         f"from the last rank's first launch to the last completion): ours {ours * 1e3:.1f} ms "
         f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce {raw * 1e3:.1f} ms "
         f"({total * factor / raw / 1e9:.2f} GB/s busbw); the whole synchronization with "

@@ -38,7 +38,8 @@ class RaceFinding:
     collective such as `all_reduce` that was handed memory another collective still held); for
     "never waited" it is the collective's own op. `tensor` is the touched tensor's name where
     `Sanitizer.name_tensors` gave one, else a description. Sites are "file:line (function)" of
-    the innermost frame outside torch and `verify/`. `step` is the first step the race was seen
+    the innermost frame outside torch and `verify/`, or what the tool was doing, in words
+    ("in the optimizer's step(), called by the tool's training step"). `step` is the first step the race was seen
     at; `count` how many times it was seen (same kind, op, tensor, collective and sites).
     """
 
@@ -63,13 +64,13 @@ class RaceFinding:
         coll = self.collective.describe()
         if self.kind == NEVER_WAITED:
             return (
-                f"{coll} of {self.tensor} (issued at {self.issued_at}) was never waited on, "
+                f"{coll} of {self.tensor} (issued {_at(self.issued_at)}) was never waited on, "
                 f"nor its future completed, by the end of the step; {where}"
             )
         verb = "wrote" if self.kind == WRITE_WHILE_IN_FLIGHT else "read"
         return (
-            f"`{self.op}` {verb} {self.tensor} at {self.accessed_at} while {coll} was in "
-            f"flight (issued at {self.issued_at}); {where}"
+            f"`{self.op}` {verb} {self.tensor} {_at(self.accessed_at)} while {coll} was in "
+            f"flight (issued {_at(self.issued_at)}); {where}"
         )
 
     def key(self) -> tuple:
@@ -116,3 +117,8 @@ class FindingLog:
 
     def __len__(self) -> int:
         return len(self._first)
+
+
+def _at(site: str | None) -> str:
+    """`at file:line (function)`, or a site in words ("in the optimizer's step() ...")."""
+    return site if site and site.startswith("in ") else f"at {site}"

@@ -19,10 +19,9 @@ from verify.watching.stacks import SiteFinder
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # The user's code: every frame outside torch and this package (verify/); when the tool's own
-# loop called torch (the trainer's `optimizer.step()`), the tool's line that did.
+# loop called torch (the trainer's `optimizer.step()`), what it was doing, in words.
 _find = SiteFinder(
-    (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep),
-    fallback_skip=(_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep),
+    (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 )
 
 

@@ -34,6 +34,15 @@ class GPTConfig:
         return cls(vocab_size=vocab, block_size=128, n_layer=layers, n_head=d // 64, n_embd=d)
 
 
+def parameters_m(size_m: float | None) -> float:
+    """The transformer's real size in millions of parameters for `--model-size size_m` (the
+    width is rounded to a multiple of 64, so 2 gives 2.7M): what every label prints. Counted
+    on the meta device: nothing is allocated."""
+    cfg = GPTConfig() if size_m is None else GPTConfig.with_params(size_m)
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters()) / 1e6
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -56,12 +56,15 @@ def traceback_site(tb: str | None) -> str | None:
 
 def traceback_lines(tb: str | None) -> list[str]:
     """The innermost user frame of a traceback as it was printed (the `File ...` line and its
-    source line), or the innermost frame at all when none is the user's."""
+    source line), or, when none is the user's, what the tool was doing, in words."""
     frames = _traceback_frames(tb)
     if not frames:
         return []
     users = [f for f in frames if not is_plumbing(f[0])]
-    path, line, function, source = (users or frames)[-1]
+    if not users:
+        words = in_words([f[:3] for f in reversed(frames)])
+        return [f"  raised {words}, not in the code under test"] if words else []
+    path, line, function, source = users[-1]
     out = [f'  File "{path}", line {line}, in {function}']
     return out + ([f"    {source}"] if source else [])
 
@@ -101,24 +104,62 @@ def innermost_frames(stack: str | None, depth: int = 3) -> str:
     """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
     rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
     the last dump when the file holds several). With no user frame on it (a built-in
-    implementation inside torch's backward, say), this tool's frames and torch's entry frame
-    (the outermost of each run of torch frames): where it was is worth more than nothing."""
+    workload inside torch's backward, say), what the tool was doing, in words: "in torch's
+    backward(), called by the tool's training step" (`in_words`): the tool's own frames are
+    never the place of a failure."""
     if not stack:
         return ""
     found = _main_thread_frames(stack)  # innermost first
     frames = [f for f in found if not is_plumbing(f[0])]
-    if not frames:  # torch's frames only where this tool's code entered torch
-        kept = [
-            f for f in found
-            # torch first: site-packages often lies below the standard library's folder
-            if f[0].startswith(_TORCH)
-            or not f[0].startswith((_STDLIB, "<", _PACKAGE + "launching" + os.sep))
-        ]  # fmt: skip
-        frames = [
-            f for f, outer in zip(kept, [*kept[1:], None])
-            if not (f[0].startswith(_TORCH) and outer is not None and outer[0].startswith(_TORCH))
-        ]  # fmt: skip
+    if not frames:
+        return in_words(found)
     return " <- ".join(f"{name} ({relpath(path)}:{line})" for path, line, name in frames[:depth])
+
+
+# What the tool's own code does, by where it lies under verify/ (the first match).
+_TOOL_WORDS = (
+    ("training/trainer.py", "the tool's training step"),
+    ("training/checkpoint.py", "the tool's optimizer state_dict round trip"),
+    ("checks/consistency.py", "the tool's consistency audit"),
+    ("checks/reference.py", "the tool's single-process reference"),
+    ("checks/", "the tool's check"),
+    ("training/", "the tool's training loop"),
+    ("perf/", "the tool's measurement"),
+    ("launching/", "the tool's launcher"),
+    ("", "the tool"),
+)
+# The tool's wrappers around torch's collectives: transparent, never what it was doing.
+_WRAPPERS = ("watching/tracer.py", "sanitize" + os.sep)
+
+
+def in_words(frames: list[tuple[str, str, str]]) -> str:
+    """What the tool was doing on a stack with no user frame (`(path, line, function)`,
+    innermost first): torch's entry point and the part of the tool that called it."""
+    frames = [f for f in frames if not f[0].startswith(tuple(_PACKAGE + w for w in _WRAPPERS))]
+    tool = next((i for i, f in enumerate(frames) if f[0].startswith(_PACKAGE)), None)
+    if tool is None:
+        return ""
+    rel = frames[tool][0][len(_PACKAGE) :]
+    who = next(words for prefix, words in _TOOL_WORDS if rel.startswith(prefix))
+    inside = [f for f in frames[:tool] if f[0].startswith(_TORCH)]
+    if not inside:
+        return f"in {who} ({frames[tool][2]})"
+    entry = inside[-1]  # torch's outermost frame: where the tool entered it
+    what = next(
+        (w for prefix, w in _TORCH_WORDS if entry[0][len(_TORCH) :].startswith(prefix)),
+        f"torch's {entry[2]}()",
+    )
+    return f"in {what}, called by {who}"
+
+
+# What torch does, by where its entry frame lies under torch/.
+_TORCH_WORDS = (
+    ("optim" + os.sep, "the optimizer's step()"),
+    ("_tensor.py", "backward()"),
+    ("autograd" + os.sep, "backward()"),
+    ("nn" + os.sep + "modules" + os.sep, "the model's forward"),
+    ("distributed" + os.sep, "a collective"),
+)
 
 
 def frame_site(frame: types.FrameType | None) -> str | None:
@@ -133,16 +174,16 @@ def frame_site(frame: types.FrameType | None) -> str | None:
 class SiteFinder:
     """`path:line (function)` of the innermost frame outside the `skip` directories, cached
     per code object and line: a few microseconds on a hot path (the tracer and the race
-    sanitizer ask at every collective). When every frame is skipped (the tool's own loop
-    called torch: `optimizer.step()` from the trainer), the innermost frame outside
-    `fallback_skip` (default: `skip`). Frames of code compiled from strings (`<string>`,
-    `<frozen ...>`) are never a site."""
+    sanitizer ask at every collective). When the frame found is this tool's (its own loop
+    called torch: `optimizer.step()` from the trainer), what the tool was doing, in words
+    ("in the optimizer's step(), called by the tool's training step"): the tool's lines are
+    never a site. Frames of code compiled from strings (`<string>`, `<frozen ...>`) are
+    never a site."""
 
-    def __init__(self, skip: tuple[str, ...], fallback_skip: tuple[str, ...] | None = None) -> None:
+    def __init__(self, skip: tuple[str, ...]) -> None:
         self.skip = skip + ("<",)
-        self.fallback_skip = (fallback_skip or skip) + ("<",)
         self._internal: dict[object, bool] = {}
-        self._labels: dict[tuple[object, int], str] = {}
+        self._labels: dict[tuple, str] = {}
 
     def __call__(self, frame: types.FrameType | None) -> str:
         start = frame
@@ -154,16 +195,25 @@ class SiteFinder:
             if not internal:
                 break
             frame = frame.f_back
-        if frame is None:  # nothing but skipped frames: the innermost outside fallback_skip
-            frame = start
-            while frame is not None and frame.f_code.co_filename.startswith(self.fallback_skip):
-                frame = frame.f_back
-        if frame is None:
-            return "<unknown>"
+        if frame is None or frame.f_code.co_filename.startswith(_PACKAGE):
+            return self._in_words(start, frame)
         key = (frame.f_code, frame.f_lineno)
         label = self._labels.get(key)
         if label is None:
             label = self._labels[key] = site(frame.f_code.co_filename, *key[1:], key[0].co_name)
+        return label
+
+    def _in_words(self, start: types.FrameType | None, found: types.FrameType | None) -> str:
+        """The tool's own code issued it (its training step, its audit): what it was doing,
+        in words (`in_words`), never the tool's line."""
+        key = (start and start.f_code, found and found.f_code, found and found.f_lineno)
+        label = self._labels.get(key)
+        if label is None:
+            chain, frame = [], start
+            while frame is not None:
+                chain.append((frame.f_code.co_filename, str(frame.f_lineno), frame.f_code.co_name))
+                frame = frame.f_back
+            label = self._labels[key] = in_words(chain) or "<unknown>"
         return label
 
 
