@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -138,9 +139,12 @@ def script_main(argv: list[str]) -> None:
     from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
 
     rank = int(os.environ.get("RANK", "0"))
+    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # nodes: one folder each
+    node = f"_node{os.environ['GROUP_RANK']}" if several else ""
     report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
         "profiles",
-        f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}",
+        f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}"
+        + node,
     )
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -156,8 +160,21 @@ def script_main(argv: list[str]) -> None:
         helper_dir=report_dir,
         argv=tuple(argv),
     )
+    stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
+    if several:  # one verdict for the whole job (`jobwide.py`)
+        from verify.launching import jobwide
+
+        watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
+        if watch is not None:
+            threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
+        job = replace(job, on_failure=jobwide.rank_failed(report_dir, rank))
+        try:
+            rank_side.run_job(job, None)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        raise SystemExit(jobwide.rank_ended(report_dir, rank, code, watch))
     if job.local_rank == 0:
-        stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
         threading.Thread(
             target=_node_watchdog, args=(report_dir, stall), name="ddp-verify-watchdog",
             daemon=True,
