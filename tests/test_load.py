@@ -2,7 +2,9 @@
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, and two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py) give exactly the verdicts they give on an idle
-machine, and nothing is left running afterwards.
+machine, and nothing is left running afterwards. So do two jobs of two torchrun agents (two
+nodes, `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank
+that computes for twice the stall timeout on node 1 while node 0 waits is no finding.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -24,6 +26,7 @@ import pytest
 
 from tests.fixtures import deadline_loops
 from tests.processes import alive
+from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
@@ -60,7 +63,11 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
         return check_hang(options)
 
     with hogs() as hog_pids:
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=5) as pool:
+            nodes_skip = pool.submit(two_nodes, tmp_path / "skip2", SCRIPT, "skip")
+            nodes_compute = pool.submit(
+                two_nodes, tmp_path / "compute2", SCRIPT, "compute", str(2 * STALL_S)
+            )
             scenarios = pool.submit(
                 check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             )
@@ -89,5 +96,12 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     assert not cut_short, "\n".join(cut_short)
+    hang, computed = nodes_skip.result(), nodes_compute.result()
+    said = [line for node in hang for line in node.ours()]
+    assert "HANG: rank 1 skipped all_reduce #9" in hang[0].ours()[0], said
+    assert "printed by node 0" in hang[1].ours()[0], said
+    assert [n.returncode for n in computed] == [0, 0], computed[0].stderr[-3000:]
+    assert "OK: no hang" in computed[0].ours()[0], computed[0].ours()
+    assert not [p for node in (*hang, *computed) for p in node.leftover]
     pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
     assert pids and not [p for p in pids + hog_pids if alive(p)]

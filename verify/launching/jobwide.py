@@ -186,7 +186,7 @@ class NodeWatch:
                 self._set("diagnosis", diag)
             text = f"verify.hang_run (job of {self.nodes} nodes): {diag.text()}"
             if diag.verdict != "ok":
-                text += f"\nreport: {self.report_dir} (and the same folder on every node)"
+                text += f"\nreport: {self.report_dir} (every node's folder holds the diagnosis)"
             print(text, file=sys.stderr, flush=True)
             self._write(diag, text)
             others = [f"{self.prefix}ack/{n}" for n in range(self.nodes) if n != self.node]
@@ -396,11 +396,14 @@ def _with_nodes(diag: Diagnosis, node_of: dict[int, tuple[int, str]]) -> Diagnos
     for line in diag.ranks:
         r = int(line.split()[1])
         node, host = node_of.get(r, ("?", "?"))
-        lines.append(line.replace(f"rank {r} ", f"rank {r} (node {node}, {host}) ", 1))
+        where = f"node {node}" + (f", {host}" if host != "?" else "")
+        lines.append(line.replace(f"rank {r} ", f"rank {r} ({where}) ", 1))
     headline, findings = diag.headline, diag.findings
     if diag.culprit is not None:
         node, host = node_of.get(diag.culprit, ("?", "?"))
-        headline += f" [rank {diag.culprit} runs on node {node}, {host}]"
+        headline += f" [rank {diag.culprit} runs on node {node}" + (
+            f", {host}]" if host != "?" else "]"
+        )
         findings = tuple(
             replace(f, message=headline) if f.message == diag.headline else f for f in findings
         )

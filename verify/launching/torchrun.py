@@ -139,12 +139,13 @@ def script_main(argv: list[str]) -> None:
     from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
 
     rank = int(os.environ.get("RANK", "0"))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    if run_id == "none":  # static rendezvous (--master-addr): one folder a run, from its agent
+        run_id = f"agent{os.getppid()}"
     several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # nodes: one folder each
     node = f"_node{os.environ['GROUP_RANK']}" if several else ""
     report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
-        "profiles",
-        f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}"
-        + node,
+        "profiles", f"hang_torchrun_{run_id}_{socket.gethostname()}{node}"
     )
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
