@@ -163,18 +163,19 @@ def script_main(argv: list[str]) -> None:
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
     if several:  # one verdict for the whole job (`jobwide.py`)
-        from verify.launching import jobwide
+        from verify.launching import jobwide, node_ranks
 
         watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
         if watch is not None:
             threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
-        job = replace(job, on_failure=jobwide.rank_failed(report_dir, rank))
+        job = replace(job, on_failure=node_ranks.rank_failed(report_dir, rank))
         try:
             rank_side.run_job(job, None)
             code = 0
         except SystemExit as exc:
             code = exc.code
-        raise SystemExit(jobwide.rank_ended(report_dir, rank, code, watch))
+        code = node_ranks.rank_ended(report_dir, rank, code)
+        raise SystemExit(watch.wait(code) if watch is not None else code)
     if job.local_rank == 0:
         threading.Thread(
             target=_node_watchdog, args=(report_dir, stall), name="ddp-verify-watchdog",
