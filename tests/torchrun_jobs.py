@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.processes import session_members
+
 ROOT = Path(__file__).resolve().parents[1]
 _IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
@@ -86,7 +88,7 @@ def _launch(folder: Path, script: str, args, stall_s: float, port: int) -> list[
             except subprocess.TimeoutExpired:
                 proc.kill()
                 outputs.append(proc.communicate())
-        left = [_session_members(proc.pid) for proc in procs]
+        left = [_left_of(proc.pid) for proc in procs]
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -97,19 +99,10 @@ def _launch(folder: Path, script: str, args, stall_s: float, port: int) -> list[
     ]
 
 
-def _session_members(sid: int, wait_s: float = 5.0) -> list[int]:
+def _left_of(sid: int, wait_s: float = 5.0) -> list[int]:
     """Live processes of session `sid` (each agent leads its own), after a short wait for
     ranks being torn down."""
     end = time.monotonic() + wait_s
-    while True:
-        members = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
-                members.append(int(stat.parent.name))
-        if not members or time.monotonic() > end:
-            return members
+    while (members := session_members(sid)) and time.monotonic() < end:
         time.sleep(0.1)
+    return members
