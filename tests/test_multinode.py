@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from tests.torchrun_jobs import Node, two_nodes
+from verify.watching.diagnose import pattern_break
+from verify.watching.trace_file import Record, Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTINODE = str(ROOT / "tests" / "fixtures" / "multinode_script.py")
@@ -90,3 +93,29 @@ def assert_pair_reads_as_a_desync(nodes: list[Node]) -> None:
     assert err.index(lines[0]) < err.index("Traceback") < err.index("Root Cause"), err[-3000:]
     assert "collective mismatch" in nodes[0].stderr, nodes[0].stderr[-3000:]  # gloo's own
     assert all(n.returncode != 0 for n in nodes)
+
+
+def test_a_skip_seen_from_one_side():
+    """What node 1 holds when gloo's abort of rank 0 took node 0 and the job's store with it:
+    rank 1's own records. Its history says it skipped the loss all-reduce (every earlier step
+    issued one there) in the collective it failed in; a completed collective, or a pending
+    one that follows the pattern, is no skip."""
+    loss, grad = ("m.py:31", 1), ("m.py:33", 64)
+
+    def trace(steps, last_state):
+        records = [
+            Record(index=i, seq=i + 1, op="all_reduce", group="world", reduce_op="SUM",
+                   dtype="float32", numel=n, shape=f"({n},)", peer=None, p2p=False, site=site,
+                   state="completed", t_issue=100.0 + i, t_done=100.5 + i)
+            for i, (site, n) in enumerate(steps)
+        ]  # fmt: skip
+        records[-1] = replace(records[-1], state=last_state)
+        return Trace(1, 1001, tuple(records), 2 * len(records), 0, 200.0, 0)
+
+    found = pattern_break(trace([loss, grad] * 3 + [grad], "failed"))
+    assert found is not None and (found.rank, found.site, found.culprit_site) == (
+        1, "m.py:31", "m.py:33"
+    ), found  # fmt: skip
+    assert "skipped all_reduce on world [float32 (1,) SUM] at m.py:31" in found.message
+    assert pattern_break(trace([loss, grad] * 3 + [grad], "completed")) is None
+    assert pattern_break(trace([loss, grad] * 3 + [loss], "issued")) is None

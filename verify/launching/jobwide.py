@@ -266,10 +266,15 @@ class _Store:
 
 
 def _as_desync(diag: Diagnosis, traces: list[Trace | None]) -> Diagnosis:
-    """A crash no comparison of records explains, where one rank broke its own pattern: a
-    skip the backend aborted on, reported as the desync it is, the failures below it."""
+    """A crash no comparison of records explains, because a rank's records went with its
+    node, where a survivor broke its own pattern in the collective it was in: a skip the
+    backend aborted on, reported as the desync it is, the failures below it. (With every
+    rank's records the comparison itself names a skip; a pattern all ranks changed alike,
+    an evaluation after the loop, is no skip, so this is only asked when some are missing.)"""
     head = diag.findings[0] if diag.findings else None
     if diag.verdict != "crash" or head is None or head.kind not in ("raised", "crashed"):
+        return diag
+    if all(t is not None for t in traces):
         return diag
     for trace in traces:
         found = pattern_break(trace) if trace is not None else None

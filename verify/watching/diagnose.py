@@ -342,8 +342,8 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
 
 
 def pattern_break(trace: Trace, group: str = "world") -> TraceFinding | None:
-    """A skip seen from one side: the rank's last collective on `group` is not the one its own
-    earlier steps issued at that point. What a backend abort leaves when the peer that
+    """A skip seen from one side: the rank's last collective on `group`, still pending or
+    failed, is not the one its own earlier steps issued at that point. What a backend abort leaves when the peer that
     aborted took its records with it (its node is gone): the survivor's history still says
     which collective it skipped. None when the history predicts nothing or agrees."""
     colls = trace.collectives(group)
@@ -352,8 +352,8 @@ def pattern_break(trace: Trace, group: str = "world") -> TraceFinding | None:
     k = max(colls)
     expected = _expected(k, {trace.rank: colls})
     last = colls[k]
-    if expected is None or expected == _token(last):
-        return None
+    if last.state == "completed" or expected is None or expected == _token(last):
+        return None  # (a completed one is not the collective the run broke in)
     ref = next(r for s, r in sorted(colls.items(), reverse=True) if _token(r) == expected)
     kind = " ".join(p for p in (ref.dtype, ref.shape, ref.reduce_op) if p)
     what = (
