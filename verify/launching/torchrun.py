@@ -13,7 +13,8 @@ Two ways in:
   watchdog's hang conditions it dumps their stacks, writes the report into
   `profiles/hang_torchrun_<run id>_<host>/` (or DDP_VERIFY_HANG_DIR), prints the diagnosis to
   stderr and ends the node's ranks, so torchrun tears the job down within seconds, not at the
-  collective timeout.
+  collective timeout. When torchrun starts several nodes the node watchdogs reach one
+  diagnosis for the whole job through torchrun's store instead (`jobwide.py`).
 """
 
 from __future__ import annotations
