@@ -132,7 +132,10 @@ class NodeWatch:
             and any(s.waiting for s in statuses)
             and not any(s.busy for s in statuses)
         ):
-            self.detection_s = now - self._last_change
+            # From the last event on any node, by the nodes' own clocks (exact on one
+            # machine; across machines as good as their clock sync), to the verdict.
+            last = max(s.last_event for s in statuses)
+            self.detection_s = time.time() - last if last else now - self._last_change
             self._claim("hang")
 
     def _claim(self, reason: str) -> None:

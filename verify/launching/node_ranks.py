@@ -44,6 +44,7 @@ class NodeStatus:
     waiting: bool  # one of its ranks waits in a collective
     busy: bool  # one of its ranks works (CPU) or starts outside any collective
     ended: bool  # every rank of the node has ended
+    last_event: float  # wall clock (this node's) of its ranks' last issue or completion
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class NodeRanks:
             starting = (h is None or h.events == 0) and up_s < STARTUP_S
             busy = busy or starting or (meter is not None and meter.busy())
         events = sum(h.events for h in headers.values() if h is not None)
-        return NodeStatus(events, waiting, busy, not live)
+        last = max((h.last_event for h in headers.values() if h is not None), default=0.0)
+        return NodeStatus(events, waiting, busy, not live, last)
 
     def positions(self) -> dict[int, str]:
         """Where each rank is, in words: its last collective, and that one's state."""
