@@ -12,7 +12,7 @@ from pathlib import Path
 
 from verify.launching.process import alive
 
-__all__ = ["Listener", "alive", "descendants", "listeners"]
+__all__ = ["Listener", "alive", "descendants", "listeners", "session_members"]
 
 
 def descendants(pid: int) -> set[int]:
@@ -32,6 +32,20 @@ def descendants(pid: int) -> set[int]:
         out.update(kids)
         todo.extend(kids)
     return out
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session `sid` (a launcher started as a session leader, and whatever
+    it started: its ranks die with it, or are left behind, which a test asserts against)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            members.append(int(stat.parent.name))
+    return members
 
 
 @dataclass(frozen=True)

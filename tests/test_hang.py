@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.processes import alive
+from tests.processes import alive, session_members
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
@@ -419,20 +419,7 @@ def test_torchrun_node_watchdog(tmp_path):
     assert d["verdict"] == "hang" and d["culprit"] == 1, d["headline"]
     assert f"hang_script.py:{_all_reduce_line()}" in d["headline"]
     assert "verify.hang_run (node watchdog)" in stderr, stderr[-3000:]
-    assert _session_members(proc.pid) == []  # torchrun and every rank are gone
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live processes of session `sid` (torchrun was started as a session leader)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-            members.append(int(stat.parent.name))
-    return members
+    assert session_members(proc.pid) == []  # torchrun and every rank are gone
 
 
 JOB = """

@@ -5,7 +5,9 @@ collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one ra
 (tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, and a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
 zero1 (tests/fixtures/sharded_styles.py) give exactly the verdicts they give on an idle
-machine, and nothing is left running afterwards.
+machine, and nothing is left running afterwards. So do two jobs of two torchrun agents (two
+nodes, `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank
+that computes for twice the stall timeout on node 1 while node 0 waits is no finding.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -28,6 +30,7 @@ import pytest
 from tests import test_agreement
 from tests.fixtures import deadline_loops, sharded_styles
 from tests.processes import alive
+from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
@@ -64,7 +67,11 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
         return check_hang(options)
 
     with hogs() as hog_pids:
-        with ThreadPoolExecutor(max_workers=5) as pool:
+        with ThreadPoolExecutor(max_workers=7) as pool:
+            nodes_skip = pool.submit(two_nodes, tmp_path / "skip2", SCRIPT, "skip")
+            nodes_compute = pool.submit(
+                two_nodes, tmp_path / "compute2", SCRIPT, "compute", str(2 * STALL_S)
+            )
             scenarios = pool.submit(
                 check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             )
@@ -101,6 +108,13 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert not one_rank_problems, "\n".join(one_rank_problems)
     b = blind.result().diagnosis
     assert b.verdict == "hang" and b.culprit == 1 and "parked" in b.headline, b.text()
+    hang, computed = nodes_skip.result(), nodes_compute.result()
+    said = [line for node in hang for line in node.ours()]
+    assert "HANG: rank 1 skipped all_reduce #9" in hang[0].ours()[0], said
+    assert "printed by node 0" in hang[1].ours()[0], said
+    assert [n.returncode for n in computed] == [0, 0], computed[0].stderr[-3000:]
+    assert "OK: no hang" in computed[0].ours()[0], computed[0].ours()
+    assert not [p for node in (*hang, *computed) for p in node.leftover]
     pids = [
         p
         for r in (*scenarios.results, computing, skipping, blind.result())

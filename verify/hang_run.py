@@ -7,7 +7,8 @@ train.py ARGS` starts and watches the ranks itself):
 Each rank traces its collectives into `profiles/hang_torchrun_<run id>_<host>/` (or
 DDP_VERIFY_HANG_DIR), and the process with LOCAL_RANK 0 watches its node: at a hang it writes
 the report, prints the diagnosis to stderr and ends the node's ranks, so torchrun tears the
-job down within seconds rather than at the collective timeout. DDP_VERIFY_STALL_TIMEOUT sets
+job down within seconds rather than at the collective timeout. Across nodes one node prints
+the diagnosis of the whole job, the others point to it. DDP_VERIFY_STALL_TIMEOUT sets
 the stall timeout (default 10 s). See `verify/launching/torchrun.py`.
 """
 

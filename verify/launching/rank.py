@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from verify.launching import process, threads
@@ -63,6 +64,9 @@ class RankJob:
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
     races_path: str | None = None  # run the script under the race sanitizer; findings here
+    # called with the failure report before the traceback is printed (a torchrun job's node
+    # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled
+    on_failure: Callable[[tuple], None] | None = None
 
 
 def main(job_path: str, fd: int, parent: int | None = None) -> None:
@@ -196,7 +200,10 @@ def _run_script(job: RankJob, fd: int | None) -> None:
             process.send(fd, ("error", why, None, time.time()))
         raise
     except BaseException as exc:
-        process.send(fd, error_report(exc))
+        report = error_report(exc)
+        process.send(fd, report)
+        if job.on_failure is not None:
+            job.on_failure(report)
         traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
         sys.stderr.flush()
         os._exit(1)

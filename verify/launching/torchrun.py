@@ -13,7 +13,8 @@ Two ways in:
   watchdog's hang conditions it dumps their stacks, writes the report into
   `profiles/hang_torchrun_<run id>_<host>/` (or DDP_VERIFY_HANG_DIR), prints the diagnosis to
   stderr and ends the node's ranks, so torchrun tears the job down within seconds, not at the
-  collective timeout.
+  collective timeout. When torchrun starts several nodes the node watchdogs reach one
+  diagnosis for the whole job through torchrun's store instead (`jobwide.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -152,9 +154,13 @@ def script_main(argv: list[str]) -> None:
     from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
 
     rank = int(os.environ.get("RANK", "0"))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    if run_id == "none":  # static rendezvous (--master-addr): one folder a run, from its agent
+        run_id = f"agent{os.getppid()}"
+    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # nodes: one folder each
+    node = f"_node{os.environ['GROUP_RANK']}" if several else ""
     report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
-        "profiles",
-        f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}",
+        "profiles", f"hang_torchrun_{run_id}_{socket.gethostname()}{node}"
     )
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -170,8 +176,22 @@ def script_main(argv: list[str]) -> None:
         helper_dir=report_dir,
         argv=tuple(argv),
     )
+    stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
+    if several:  # one verdict for the whole job (`jobwide.py`)
+        from verify.launching import jobwide, node_ranks
+
+        watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
+        if watch is not None:
+            threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
+        job = replace(job, on_failure=node_ranks.rank_failed(report_dir, rank))
+        try:
+            rank_side.run_job(job, None)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        code = node_ranks.rank_ended(report_dir, rank, code)
+        raise SystemExit(watch.wait(code) if watch is not None else code)
     if job.local_rank == 0:
-        stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
         threading.Thread(
             target=_node_watchdog, args=(report_dir, stall), name="ddp-verify-watchdog",
             daemon=True,

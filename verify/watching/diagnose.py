@@ -339,3 +339,27 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])
+
+
+def pattern_break(trace: Trace, group: str = "world") -> TraceFinding | None:
+    """A skip seen from one side: the rank's last collective on `group`, still pending or
+    failed, is not the one its own earlier steps issued at that point. What a backend abort leaves when the peer that
+    aborted took its records with it (its node is gone): the survivor's history still says
+    which collective it skipped. None when the history predicts nothing or agrees."""
+    colls = trace.collectives(group)
+    if not colls:
+        return None
+    k = max(colls)
+    expected = _expected(k, {trace.rank: colls})
+    last = colls[k]
+    if last.state == "completed" or expected is None or expected == _token(last):
+        return None  # (a completed one is not the collective the run broke in)
+    ref = next(r for s, r in sorted(colls.items(), reverse=True) if _token(r) == expected)
+    kind = " ".join(p for p in (ref.dtype, ref.shape, ref.reduce_op) if p)
+    what = (
+        f"rank {trace.rank} skipped {ref.op} on {ref.group} [{kind}] at {ref.site} (every earlier "
+        f"step issued it there) and issued {last.describe()} at {last.site} in its place"
+    )
+    return TraceFinding(
+        "skipped collective", trace.rank, what, last.describe(), ref.site, last.site
+    )

@@ -187,8 +187,8 @@ def read_header(path: str) -> Header | None:
     return Header(pid, rank, events, pending, last)
 
 
-def read_trace(path: str) -> Trace | None:
-    """The whole trace of one rank (None if the rank never started tracing)."""
+def read_trace(path: str, last: int | None = None) -> Trace | None:
+    """The whole trace of one rank, or its `last` records (None if it never started tracing)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -200,7 +200,8 @@ def read_trace(path: str) -> Trace | None:
     strings = _read_strings(path + ".strings")
     likes = _read_names(path + ".names")
     records = []
-    for index in range(max(0, written - capacity), written):
+    kept = capacity if last is None else min(last, capacity)
+    for index in range(max(0, written - kept), written):
         offset = _HEADER_SIZE + (index % capacity) * _RECORD_SIZE
         (idx, seq, t_issue, t_done, numel, op, dtype, shape, group, site, reduce_op, peer, state,
          p2p) = _RECORD.unpack_from(raw, offset)  # fmt: skip

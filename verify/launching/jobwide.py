@@ -1,0 +1,309 @@
+"""One diagnosis for a torchrun job that spans nodes (`-m verify.hang_run` on every node).
+
+Each node's watchdog (a thread of its LOCAL_RANK 0 process) reads only its own ranks' trace
+files; a job's verdict needs every rank's. The nodes meet in the job's key-value store:
+torchrun's agent store at MASTER_ADDR:MASTER_PORT, which every rank of the job already
+reaches, under keys of the tool's own (`ddp-verify/job/<run id>/<restart>/`):
+
+1. Every SAMPLE_S each node publishes a `NodeStatus`: a few numbers (its ranks' collective
+   events, whether one waits in a collective, whether one works or starts outside them,
+   whether all have ended). Every POSITION_S, when they moved, its ranks' positions (the
+   last collective each issued and completed): all that is left of a node whose watchdog
+   died with its rank. A position is not a trace: it is never compared (a rank whose
+   position is a second old may have issued more since), only reported.
+2. Rank 0's node applies the watchdog's rule (`watching/watchdog.py`) to the whole job: no
+   event on any node for the stall timeout, a rank waiting in a collective, and no rank of
+   any node working or starting. Progress is timed on that node's clock alone, so the
+   nodes' clocks never have to agree.
+3. A verdict is claimed once (`compare_set` on one key): by rank 0's node at a hang or when
+   every node's ranks have ended, by the first node one of whose ranks raised. The claimant
+   asks every node for its `NodeReport` (its ranks' last records, stacks, how each ended:
+   `node_ranks.py`), runs the single-machine `diagnose()` over all ranks, and prints it;
+   every other node prints one line pointing to it. Every node's report folder holds its
+   own ranks' files and the job's diagnosis.
+
+The store lives in torchrun's agent on the first node: a rank there that the backend aborts
+(gloo's "Is there a distributed collective mismatch" is a C++ abort) takes it down within a
+fraction of a second. The survivor that claims the verdict then diagnoses from what it holds,
+and a skip still shows from one side: its rank's history says which collective it skipped
+(`diagnose.pattern_break`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from verify.launching.node_ranks import POLL_S, NodeRanks, NodeReport, NodeStatus
+from verify.launching.outcome import RankOutcome
+from verify.launching.supervisor import GRACE_S, root_cause_order
+from verify.watching.diagnose import diagnose, pattern_break
+from verify.watching.findings import Diagnosis
+from verify.watching.trace_file import Trace
+
+SAMPLE_S = 0.25  # status period: the hang verdict lags the last event by at most 2 of these
+POSITION_S = 1.0
+ANSWER_S = 3.0  # how long the claimant waits for every node's report
+
+
+class NodeWatch:
+    """The node watchdog of a job that spans nodes (module docstring): `run()` in a thread
+    of the node's LOCAL_RANK 0 process, `wait(code)` in that process once its script ended."""
+
+    def __init__(self, report_dir: str, stall_timeout_s: float) -> None:
+        env = os.environ
+        self.report_dir, self.stall_timeout_s = report_dir, stall_timeout_s
+        self.node, self.nodes = int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
+        self.world = int(env["WORLD_SIZE"])
+        first = int(env["RANK"]) - int(env.get("LOCAL_RANK", "0"))
+        self.local = NodeRanks(report_dir, list(range(first, first + int(env["LOCAL_WORLD_SIZE"]))))
+        self.host = socket.gethostname()
+        run = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        self.prefix = f"ddp-verify/job/{run}/"
+        self.detection_s: float | None = None
+        self._exit_code = 0
+        self._finished = threading.Event()
+        self._positions: dict[int, str] = {}  # of the ranks of nodes that did not answer
+        self._last_events: tuple | None = None
+        self._last_change = time.monotonic()
+
+    def wait(self, code: int) -> int:
+        """The exit code of this process once its script ended with `code`: it waits for
+        the job's verdict (the store lives as long as the first node's processes), and
+        exits 1 when that found a fault."""
+        self._finished.wait()
+        return code or self._exit_code
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> None:
+        try:
+            self.store = _Store(
+                dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=datetime.timedelta(seconds=ANSWER_S),
+                )
+            )  # fmt: skip
+            start, sampled, placed, at = time.monotonic(), 0.0, 0.0, -1
+            while True:
+                now = time.monotonic()
+                if self.local.failed():
+                    self._claim("crash")
+                if now - sampled >= SAMPLE_S:  # the store hears from a node 4 times a second
+                    sampled = now
+                    status = self.local.status(now - start)
+                    self._set(f"status/{self.node}", status)
+                    if now - placed >= POSITION_S and status.events != at:
+                        placed, at = now, status.events
+                        self._set(f"position/{self.node}", self.local.positions())
+                    if self.node == 0:
+                        self._judge(now)
+                    if self.store.check([self.prefix + "claim"]):
+                        break
+                time.sleep(POLL_S)
+            self._verdict()
+        except Exception as exc:  # the store is gone: its node (the first) ended
+            self._alone(exc)
+        finally:
+            self._finished.set()
+
+    def _judge(self, now: float) -> None:
+        """Rank 0's node: the watchdog's hang rule over every node's status."""
+        keys = [f"{self.prefix}status/{n}" for n in range(self.nodes)]
+        if not self.store.check(keys):
+            return  # a node not up yet is starting
+        statuses: list[NodeStatus] = [pickle.loads(b) for b in self.store.multi_get(keys)]
+        events = tuple(s.events for s in statuses)
+        if events != self._last_events:
+            self._last_events, self._last_change = events, now
+        if all(s.ended for s in statuses):
+            self._claim("end")
+        elif (
+            now - self._last_change >= self.stall_timeout_s
+            and any(s.waiting for s in statuses)
+            and not any(s.busy for s in statuses)
+        ):
+            # From the last event on any node, by the nodes' own clocks (exact on one
+            # machine; across machines as good as their clock sync), to the verdict.
+            last = max(s.last_event for s in statuses)
+            self.detection_s = time.time() - last if last else now - self._last_change
+            self._claim("hang")
+
+    def _claim(self, reason: str) -> None:
+        self.store.compare_set(self.prefix + "claim", "", f"{reason}:{self.node}")
+
+    # ---------------------------------------------------------------- the verdict
+
+    def _verdict(self) -> None:
+        reason, claimant = self.store.get(self.prefix + "claim").decode().split(":")
+        own = self.local.report(reason, self.node, self.host)
+        with contextlib.suppress(Exception):
+            self._set(f"report/{self.node}", own)
+        if int(claimant) == self.node:
+            diag = self._diagnose(reason, self._gather(own))
+            with contextlib.suppress(Exception):
+                self._set("diagnosis", diag)
+            text = f"verify.hang_run (job of {self.nodes} nodes): {diag.text()}"
+            if diag.verdict != "ok":
+                text += f"\nreport: {self.report_dir} (every node's folder holds the diagnosis)"
+            print(text, file=sys.stderr, flush=True)
+            others = [f"{self.prefix}ack/{n}" for n in range(self.nodes) if n != self.node]
+            with contextlib.suppress(Exception):  # they read it before this node's store goes
+                self.store.wait(others, datetime.timedelta(seconds=ANSWER_S))
+        else:
+            self.store.wait([self.prefix + "diagnosis"], datetime.timedelta(seconds=3 * ANSWER_S))
+            diag = pickle.loads(self.store.get(self.prefix + "diagnosis"))
+            text = (
+                f"verify.hang_run (node {self.node}): the job's diagnosis is printed by node "
+                f"{claimant}: {diag.verdict.upper()}: {diag.headline}\nreport: {self.report_dir}"
+            )
+            if diag.verdict != "ok":
+                print(text, file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                self._set(f"ack/{self.node}", 1)
+        self._finish(reason, diag, text)
+
+    def _gather(self, own: NodeReport) -> dict[int, NodeReport]:
+        """Every node's report; a node that does not answer within ANSWER_S is gone (its
+        ranks died with its watchdog, or its store did): its last positions are kept."""
+        for n in range(self.nodes):  # read first: the store may not outlive the wait
+            with contextlib.suppress(Exception):
+                if n != self.node and self.store.check([f"{self.prefix}position/{n}"]):
+                    self._positions.update(
+                        pickle.loads(self.store.get(f"{self.prefix}position/{n}"))
+                    )
+        keys = [f"{self.prefix}report/{n}" for n in range(self.nodes) if n != self.node]
+        with contextlib.suppress(Exception):
+            self.store.wait(keys, datetime.timedelta(seconds=ANSWER_S))
+        reports = {self.node: own}
+        for key in keys:
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    report = pickle.loads(self.store.get(key))
+                    reports[report.node] = report
+        return reports
+
+    def _diagnose(self, reason: str, reports: dict[int, NodeReport]) -> Diagnosis:
+        """The single-machine diagnosis over every rank, each rank's node named."""
+        traces: list[Trace | None] = [None] * self.world
+        per_node = len(self.local.ranks)  # torchrun starts as many ranks on every node
+        node_of = {r: (r // per_node, "?") for r in range(self.world)}
+        outcomes = [self._lost(r, r // per_node) for r in range(self.world)]
+        failures, answered = [], set()
+        for report in reports.values():
+            for r, outcome in report.outcomes.items():
+                traces[r], outcomes[r] = report.traces.get(r), outcome
+                node_of[r] = (report.node, report.host)
+                answered.add(r)
+            failures += [(t, r) for r, t in report.failed_at.items()]
+        failures += [(0.0, r) for r in range(self.world) if r not in answered]
+        order = root_cause_order(failures, outcomes)
+        diag = diagnose(traces, outcomes, stalled=reason == "hang", failure_order=order,
+                        stall_timeout_s=self.stall_timeout_s, detection_s=self.detection_s)  # fmt: skip
+        return _with_nodes(_as_desync(diag, traces), node_of)
+
+    def _lost(self, rank: int, node: int) -> RankOutcome:
+        """A rank whose node did not answer: its last reported position, never compared."""
+        why = f"ended with node {node}'s watchdog, which never answered"
+        if rank in self._positions:
+            why += f"; its last reported collective: {self._positions[rank]}"
+        return RankOutcome(rank, "crashed", error=why)
+
+    def _alone(self, exc: Exception) -> None:
+        """The store went away before the verdict (its node, the first, ended: usually one of
+        its ranks died): if one of this node's ranks fails within a grace, diagnose the crash
+        from this node's ranks alone; otherwise say so and leave the ranks to torchrun."""
+        end = time.monotonic() + GRACE_S
+        while not self.local.failed() and time.monotonic() < end:
+            time.sleep(POLL_S)
+        why = f"the job's store is gone ({type(exc).__name__}): only this node's ranks were seen"
+        if not self.local.failed():
+            print(f"verify.hang_run (node {self.node}): {why}; no verdict", file=sys.stderr)
+            return
+        own = self.local.report("crash", self.node, self.host)
+        diag = self._diagnose("crash", {self.node: own})
+        text = (
+            f"verify.hang_run (node {self.node}; {why}): {diag.text()}\nreport: {self.report_dir}"
+        )
+        print(text, file=sys.stderr, flush=True)
+        self._finish("crash", diag, text)
+
+    def _finish(self, reason: str, diag: Diagnosis, text: str) -> None:
+        self.local.write(diag, text)
+        self._exit_code = 1 if diag.faulty else 0
+        self.local.end(reason)
+
+    def _set(self, key: str, value) -> None:
+        self.store.set(self.prefix + key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class _Store:
+    """The job's store until it is lost (it goes with the first node's agent): from then on
+    every call fails at once, rather than each leaving the client's warning on stderr."""
+
+    def __init__(self, store) -> None:
+        self._store, self.gone = store, False
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def call(*args):
+            if self.gone:
+                raise ConnectionError("the job's store is gone")
+            try:
+                return method(*args)
+            except dist.DistNetworkError:
+                self.gone = True
+                raise
+
+        return call
+
+
+def _as_desync(diag: Diagnosis, traces: list[Trace | None]) -> Diagnosis:
+    """A crash no comparison of records explains, because a rank's records went with its
+    node, where a survivor broke its own pattern in the collective it was in: a skip the
+    backend aborted on, reported as the desync it is, the failures below it. (With every
+    rank's records the comparison itself names a skip; a pattern all ranks changed alike,
+    an evaluation after the loop, is no skip, so this is only asked when some are missing.)"""
+    head = diag.findings[0] if diag.findings else None
+    if diag.verdict != "crash" or head is None or head.kind not in ("raised", "crashed"):
+        return diag
+    if all(t is not None for t in traces):
+        return diag
+    for trace in traces:
+        found = pattern_break(trace) if trace is not None else None
+        if found is not None:
+            found = replace(found, message=f"{found.message}; the backend aborted on the mismatch")
+            return replace(diag, headline=found.message, culprit=found.rank,
+                           collective=found.collective, site=found.site,
+                           findings=(found, *diag.findings))  # fmt: skip
+    return diag
+
+
+def _with_nodes(diag: Diagnosis, node_of: dict[int, tuple[int, str]]) -> Diagnosis:
+    """Each rank's node in the headline and the per-rank lines."""
+    lines = []
+    for line in diag.ranks:
+        r = int(line.split()[1])
+        node, host = node_of.get(r, ("?", "?"))
+        where = f"node {node}" + (f", {host}" if host != "?" else "")
+        lines.append(line.replace(f"rank {r} ", f"rank {r} ({where}) ", 1))
+    headline, findings = diag.headline, diag.findings
+    if diag.culprit is not None:
+        node, host = node_of.get(diag.culprit, ("?", "?"))
+        headline += f" [rank {diag.culprit} runs on node {node}" + (
+            f", {host}]" if host != "?" else "]"
+        )
+        findings = tuple(
+            replace(f, message=headline) if f.message == diag.headline else f for f in findings
+        )
+    return replace(diag, headline=headline, findings=findings, ranks=tuple(lines))

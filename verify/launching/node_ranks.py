@@ -1,0 +1,215 @@
+"""This node's ranks in a torchrun job that spans nodes: what the node watchdog
+(`jobwide.py`) reads of them and how it ends them.
+
+The ranks of a node share its report folder, and tell the watchdog (a thread of LOCAL_RANK
+0) how they ended through files there, since a rank's process may be gone by the time the
+watchdog looks: `rank<r>.failed` (the failure, left by `rank_failed` before the traceback is
+printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
+`job.diagnosed` once the job's verdict is out, which a failing rank waits for (bounded), so
+that the diagnosis comes before the raw error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass
+
+from verify.launching.outcome import RankOutcome
+from verify.launching.process import alive
+from verify.launching.supervisor import GRACE_S
+from verify.watching import trace_file
+from verify.watching.findings import Diagnosis
+from verify.watching.procstat import CpuMeter
+from verify.watching.trace_file import Trace
+
+TAIL = 256  # records per rank sent at a verdict (the history a skip is recognised by)
+STARTUP_S = 60.0  # as the watchdog: a rank that has issued nothing yet is still starting
+WAIT_S = 12.0  # how long a failing rank waits for the job's diagnosis before its traceback
+POLL_S = 0.1
+_STACK_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What one node says every SAMPLE_S (a few dozen bytes: the job's store carries one per
+    node and period, and only rank 0's node reads them)."""
+
+    events: int  # issues and completions of its ranks' collectives
+    waiting: bool  # one of its ranks waits in a collective
+    busy: bool  # one of its ranks works (CPU) or starts outside any collective
+    ended: bool  # every rank of the node has ended
+    last_event: float  # wall clock (this node's) of its ranks' last issue or completion
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """A node's answer at a verdict: its ranks' last TAIL records and how each ended."""
+
+    node: int
+    host: str
+    traces: dict[int, Trace | None]
+    outcomes: dict[int, RankOutcome]
+    failed_at: dict[int, float]  # wall clock of each failure (root cause first, as on one node)
+
+
+class NodeRanks:
+    """The ranks `ranks` of this node, whose files are in `report_dir`."""
+
+    def __init__(self, report_dir: str, ranks: list[int]) -> None:
+        self.report_dir, self.ranks = report_dir, ranks
+        self.pids: dict[int, int] = {}
+        self._meters: dict[int, CpuMeter] = {}
+
+    def _path(self, r: int, what: str) -> str:
+        return os.path.join(self.report_dir, f"rank{r}.{what}")
+
+    def failed(self) -> bool:
+        return any(os.path.exists(_failed(self.report_dir, r)) for r in self.ranks)
+
+    def ended(self, r: int) -> bool:
+        if os.path.exists(_failed(self.report_dir, r)) or os.path.exists(_ok(self.report_dir, r)):
+            return True
+        pid = self.pids.get(r)
+        return pid is not None and not alive(pid)
+
+    def status(self, up_s: float) -> NodeStatus:
+        """The watchdog's three conditions, for this node (`watching/watchdog.py`)."""
+        headers = {r: trace_file.read_header(self._path(r, "trace")) for r in self.ranks}
+        self.pids.update({r: h.pid for r, h in headers.items() if h is not None})
+        live = [r for r in self.ranks if not self.ended(r)]
+        waiting = any(headers[r] is not None and headers[r].pending for r in live)
+        busy = False
+        for r in live:
+            h = headers[r]
+            if h is not None and h.pending:
+                continue
+            meter = self._meters.get(r)
+            if h is not None and (meter is None or meter.pid != h.pid):
+                meter = self._meters[r] = CpuMeter(h.pid)
+            if meter is not None:
+                meter.sample(time.monotonic())
+            starting = (h is None or h.events == 0) and up_s < STARTUP_S
+            busy = busy or starting or (meter is not None and meter.busy())
+        events = sum(h.events for h in headers.values() if h is not None)
+        last = max((h.last_event for h in headers.values() if h is not None), default=0.0)
+        return NodeStatus(events, waiting, busy, not live, last)
+
+    def positions(self) -> dict[int, str]:
+        """Where each rank is, in words: its last collective, and that one's state."""
+        out = {}
+        for r in self.ranks:
+            trace = trace_file.read_trace(self._path(r, "trace"), 1)
+            if trace is not None and trace.records:
+                rec = trace.records[-1]
+                out[r] = f"{rec.describe()} at {rec.site} ({rec.state})"
+        return out
+
+    def report(self, reason: str, node: int, host: str) -> NodeReport:
+        """At a verdict ("hang", "crash" or "end"): the stacks of the ranks still running,
+        then every rank's last TAIL records and how it ended."""
+        live = [r for r in self.ranks if r in self.pids and not self.ended(r)]
+        for r in live:  # each dumps its stack into rank<r>.stack (faulthandler, SIGUSR1)
+            if self.pids[r] == os.getpid():
+                with open(self._path(r, "stack"), "w") as f:
+                    faulthandler.dump_traceback(f, all_threads=True)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pids[r], signal.SIGUSR1)
+        time.sleep(_STACK_WAIT_S if live else 0)
+        outcomes, failed_at = {}, {}
+        for r in self.ranks:
+            stack = _read(self._path(r, "stack"))
+            failed = _read(_failed(self.report_dir, r), binary=True)
+            if failed is not None:
+                error, tb, failed_at[r] = pickle.loads(failed)
+                outcomes[r] = RankOutcome(r, "error", error=error, traceback=tb)
+            elif os.path.exists(_ok(self.report_dir, r)):
+                outcomes[r] = RankOutcome(r, "ok")
+            elif r in live:
+                status = "timeout" if reason == "hang" else "killed"
+                why = "no rank of the job progressed" if reason == "hang" else "still running"
+                outcomes[r] = RankOutcome(r, status, error=why, stack=stack)
+            else:
+                why = "exited without a report (a signal, or os._exit)"
+                outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
+                failed_at[r] = time.time()
+        traces = {r: trace_file.read_trace(self._path(r, "trace"), TAIL) for r in self.ranks}
+        return NodeReport(node, host, traces, outcomes, failed_at)
+
+    def write(self, diag: Diagnosis, text: str) -> None:
+        """The report folder: each rank's records as JSON lines, and the job's diagnosis."""
+        for r in self.ranks:
+            trace_file.export_jsonl(self._path(r, "trace"), self._path(r, "collectives.jsonl"))
+        with open(os.path.join(self.report_dir, "report.json"), "w") as f:
+            json.dump(diag.to_dict(), f, indent=2, default=str)
+        with open(os.path.join(self.report_dir, "report.txt"), "w") as f:
+            f.write(text + "\n")
+
+    def end(self, reason: str) -> None:
+        """After the verdict: failing ranks go on to print their tracebacks (below the
+        diagnosis); at a hang or a crash the others are ended, this process too unless its
+        own rank failed, so torchrun tears the job down now, not at the collective timeout."""
+        with open(os.path.join(self.report_dir, "job.diagnosed"), "w"):
+            pass
+        if reason == "end":
+            return
+        time.sleep(GRACE_S if reason == "crash" else 0)  # let the failing ones print
+        for r, pid in self.pids.items():
+            if pid != os.getpid() and not os.path.exists(_failed(self.report_dir, r)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if not os.path.exists(_failed(self.report_dir, self.ranks[0])):
+            os._exit(1)
+
+
+def rank_failed(report_dir: str, rank: int):
+    """The hook a failing rank calls before its traceback is printed (`RankJob.on_failure`):
+    leave the failure for the node watchdog, and wait (at most WAIT_S) for the job's
+    diagnosis, so that it comes first."""
+
+    def hook(report: tuple) -> None:
+        _, error, tb, when, *_ = report
+        _leave(_failed(report_dir, rank), (error, tb, when))
+        end = time.monotonic() + WAIT_S
+        done = os.path.join(report_dir, "job.diagnosed")
+        while not os.path.exists(done) and time.monotonic() < end:
+            time.sleep(POLL_S)
+
+    return hook
+
+
+def rank_ended(report_dir: str, rank: int, code) -> int:
+    """In a rank whose script ended without raising, with its `sys.exit` code (None or 0
+    when it returned): a non-zero code is a failure. The exit code to leave with."""
+    if code in (None, 0):
+        _leave(_ok(report_dir, rank), None)
+        return 0
+    why = f"exited with code {code}" if isinstance(code, int) else str(code)
+    rank_failed(report_dir, rank)(("error", why, None, time.time()))
+    return code if isinstance(code, int) else 1
+
+
+def _failed(report_dir: str, rank: int) -> str:
+    return os.path.join(report_dir, f"rank{rank}.failed")
+
+
+def _ok(report_dir: str, rank: int) -> str:
+    return os.path.join(report_dir, f"rank{rank}.ended")
+
+
+def _leave(path: str, value) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read(path: str, binary: bool = False):
+    with contextlib.suppress(OSError), open(path, "rb" if binary else "r") as f:
+        return f.read() or None
+    return None
