@@ -23,6 +23,7 @@ from verify.launching.threads import JOBS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+DDP_SCRIPT = str(ROOT / "tests" / "fixtures" / "ddp_sleep_script.py")
 STALL_S = 2.0
 
 
@@ -95,12 +96,17 @@ def test_ranks_blocked_inside_pytorch_ddp_where_the_trace_is_blind_are_a_hang(tm
     """PyTorch DDP all-reduces from C++, where the trace sees nothing: rank 0 waits in its
     reducer while rank 1 sleeps. No traced collective is pending, yet the run is hung, and the
     parked rank is named (it used to run to the timeout with no verdict)."""
-    result = _script(tmp_path, "ddp-sleep", "60", console="none")
+    options = HangOptions(
+        script=(DDP_SCRIPT, "60"), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
+        console="none",
+    )  # fmt: skip
+    result = check_hang(options)
     d = result.diagnosis
     assert result.verdict == "fault" and d.verdict == "hang" and d.culprit == 1, d.text()
-    assert d.headline.startswith("rank 1 at ddp_sleep"), d.headline
+    assert d.headline.startswith("rank 1 at train (tests/fixtures/ddp_sleep_script.py:21)")
     assert "parked outside any collective" in d.headline, d.headline
-    assert "rank 0 at ddp_sleep" in d.headline and "PyTorch DDP's reducer" in d.headline
+    assert "rank 0 at train (tests/fixtures/ddp_sleep_script.py:23)" in d.headline, d.headline
+    assert "PyTorch DDP's reducer" in d.headline
     assert result.elapsed_s < 40  # not the 60 s sleep, not the timeout
 
 

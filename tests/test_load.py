@@ -37,6 +37,7 @@ from verify.checks.hang import HangOptions, as_expected, check_hang
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+DDP_SCRIPT = str(ROOT / "tests" / "fixtures" / "ddp_sleep_script.py")
 STALL_S = 3.0
 
 
@@ -60,9 +61,9 @@ def hogs():
 def test_verdicts_hold_with_every_core_busy(tmp_path):
     out = str(tmp_path)
 
-    def script(*argv):
+    def script(*argv, path=SCRIPT):
         options = HangOptions(
-            script=(SCRIPT, *argv), nproc=2, stall_timeout_s=STALL_S, out=out, console="none"
+            script=(path, *argv), nproc=2, stall_timeout_s=STALL_S, out=out, console="none"
         )
         return check_hang(options)
 
@@ -77,7 +78,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             )
             computing = pool.submit(script, "compute", str(2 * STALL_S))
             one_rank = pool.submit(test_agreement.verdict_problems, *test_agreement.load_plan())
-            blind = pool.submit(script, "ddp-sleep", "60")
+            blind = pool.submit(script, "60", path=DDP_SCRIPT)
             skipping = pool.submit(script, "skip")
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))

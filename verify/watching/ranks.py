@@ -143,7 +143,13 @@ def where(state: RankOutcome, trace: Trace | None, now: float) -> str:
     if state.status == "ok":
         return f"{head}: finished; {n} collective(s) traced"
     frames = stacks.innermost_frames(state.stack)
-    return f"{head}: outside any collective" + (f", at {frames}" if frames else "")
+    # Inside torch's C++ (PyTorch DDP's reducer, say), a collective may be running untraced.
+    what = (
+        "blocked inside torch's C++"
+        if stacks.dump_in_torch(state.stack)
+        else "outside any collective"
+    )
+    return f"{head}: {what}" + (f", at {frames}" if frames else "")
 
 
 def _last_words(stderr: str | None) -> str | None:
