@@ -26,6 +26,7 @@ from verify.launching.supervisor import GRACE_S
 from verify.watching import trace_file
 from verify.watching.findings import Diagnosis
 from verify.watching.procstat import CpuMeter
+from verify.watching.stacks import at
 from verify.watching.trace_file import Trace
 
 TAIL = 256  # records per rank sent at a verdict (the history a skip is recognised by)
@@ -107,7 +108,7 @@ class NodeRanks:
             trace = trace_file.read_trace(self._path(r, "trace"), 1)
             if trace is not None and trace.records:
                 rec = trace.records[-1]
-                out[r] = f"{rec.describe()} at {rec.site} ({rec.state})"
+                out[r] = f"{rec.describe()} {at(rec.site)} ({rec.state})"
         return out
 
     def report(self, reason: str, node: int, host: str) -> NodeReport:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.ranks import failure_finding, instead, stall_finding, where
+from verify.watching.stacks import at
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
@@ -228,21 +229,21 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     )
     if skipped and hangs:
         what = (
-            f"rank {culprit} skipped {ref.describe()} at {ref.site}, which rank(s) "
+            f"rank {culprit} skipped {ref.describe()} {at(ref.site)}, which rank(s) "
             f"{_ranks(others)} issued{' and wait in' if ref.pending else ''} (every earlier "
-            f"step issued it there); rank {culprit} issued {bad.describe()} at {bad.site} instead"
+            f"step issued it there); rank {culprit} issued {bad.describe()} {at(bad.site)} instead"
         )
         return TraceFinding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
     if why == _BY_EXTRA and hangs:
         what = (
-            f"rank {culprit} issued an extra {bad.describe()} at {bad.site} that rank(s) "
-            f"{_ranks(others)} never issued (they issued {ref.describe()} at {ref.site}; rank "
+            f"rank {culprit} issued an extra {bad.describe()} {at(bad.site)} that rank(s) "
+            f"{_ranks(others)} never issued (they issued {ref.describe()} {at(ref.site)}; rank "
             f"{culprit}'s later collectives line up with theirs from #{k} on)"
         )
         return TraceFinding("extra collective", culprit, what, ref.describe(), bad.site, bad.site)
     what = (
         f"{kind} at collective #{k} on {bad.group}: rank {culprit} issued {bad.describe()} "
-        f"at {bad.site}; rank(s) {_ranks(others)} issued {ref.describe()} at {ref.site}"
+        f"{at(bad.site)}; rank(s) {_ranks(others)} issued {ref.describe()} {at(ref.site)}"
     )
     tail = "" if hangs else " (completes, with wrong results: a desync)"
     return TraceFinding(kind, culprit, what + tail + why, ref.describe(), ref.site, bad.site, hangs)
@@ -335,7 +336,7 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
     waiting = [r for r, rec in present.items() if rec.pending]
     who = f"rank(s) {_ranks(waiting or present)} " + ("wait in it" if waiting else "issued it")
     message = (
-        f"rank {_ranks(absent)} never issued {ref.describe()}; {who} at {ref.site}; "
+        f"rank {_ranks(absent)} never issued {ref.describe()}; {who} {at(ref.site)}; "
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])
@@ -357,8 +358,8 @@ def pattern_break(trace: Trace, group: str = "world") -> TraceFinding | None:
     ref = next(r for s, r in sorted(colls.items(), reverse=True) if _token(r) == expected)
     kind = " ".join(p for p in (ref.dtype, ref.shape, ref.reduce_op) if p)
     what = (
-        f"rank {trace.rank} skipped {ref.op} on {ref.group} [{kind}] at {ref.site} (every earlier "
-        f"step issued it there) and issued {last.describe()} at {last.site} in its place"
+        f"rank {trace.rank} skipped {ref.op} on {ref.group} [{kind}] {at(ref.site)} (every earlier "
+        f"step issued it there) and issued {last.describe()} {at(last.site)} in its place"
     )
     return TraceFinding(
         "skipped collective", trace.rank, what, last.describe(), ref.site, last.site

@@ -27,7 +27,7 @@ def instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | 
     last = trace.records[-1] if trace and trace.records else None
     pending = [r for r in (trace.records if trace else ()) if r.pending]
     if state.status == "crashed":
-        after = f" after {last.describe()} at {last.site}" if last else ""
+        after = f" after {last.describe()} {stacks.at(last.site)}" if last else ""
         return f"{state.error or 'crashed'}{after}", last.site if last else None
     if state.status == "error":
         where = stacks.traceback_site(state.traceback)
@@ -36,7 +36,7 @@ def instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | 
         return "returned without issuing it (its work finished)", None
     if pending:
         p = pending[-1]
-        return f"is waiting in {p.describe()} at {p.site}", p.site
+        return f"is waiting in {p.describe()} {stacks.at(p.site)}", p.site
     frames = stacks.innermost_frames(state.stack) or None
     if frames:
         return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
@@ -54,7 +54,7 @@ def failure_finding(root: RankOutcome, traces, now) -> TraceFinding:
     wait = f"; rank(s) {_ranks(sorted(t.rank for t in traces if t and t.rank != root.rank))} "
     if waiting:
         w = waiting[0]
-        wait += f"were waiting in {w.describe()} at {w.site}"
+        wait += f"were waiting in {w.describe()} {stacks.at(w.site)}"
         collective, site = w.describe(), w.site
     else:
         wait, collective, site = "", None, doing[1]
@@ -77,19 +77,17 @@ def stall_finding(ranks, traces) -> TraceFinding:
         w = next(iter(waiting.values()))
         message = (
             f"rank {culprit.rank} {doing[0]}, while rank(s) {_ranks(waiting)} wait in "
-            f"{w.describe()} at {w.site}"
+            f"{w.describe()} {stacks.at(w.site)}"
         )
         return TraceFinding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
                        doing[1])  # fmt: skip
     if waiting:
         rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
         if w.p2p:
-            message = (
-                f"rank {rank} waits in {w.describe()} at {w.site}, which its peer never matched"
-            )
+            message = f"rank {rank} waits in {w.describe()} {stacks.at(w.site)}, which its peer never matched"
         else:
             message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
-                f"{w.describe()} at {w.site}"
+                f"{w.describe()} {stacks.at(w.site)}"
             )
         return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
     # No traced collective is pending: the watchdog saw ranks blocked inside torch's C++ (a
@@ -131,7 +129,7 @@ def where(state: RankOutcome, trace: Trace | None, now: float) -> str:
         said = _last_words(state.stderr)
         return (
             f"{head}: {state.error}; last collective: "
-            + (f"{last.describe()} at {last.site}" if last else "none")
+            + (f"{last.describe()} {stacks.at(last.site)}" if last else "none")
             + (f"; its stderr ended with: {said}" if said else "")
         )
     if state.status == "error":
@@ -139,7 +137,7 @@ def where(state: RankOutcome, trace: Trace | None, now: float) -> str:
         return f"{head}: {state.error}" + (f" at {site}" if site else "")
     if pending:
         p = pending[-1]
-        return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} at {p.site}"
+        return f"{head}: waiting {now - p.t_issue:.1f}s in {p.describe()} {stacks.at(p.site)}"
     if state.status == "ok":
         return f"{head}: finished; {n} collective(s) traced"
     frames = stacks.innermost_frames(state.stack)

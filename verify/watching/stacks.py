@@ -45,6 +45,11 @@ def site(path: str, line: int | str, function: str) -> str:
     return f"{relpath(path)}:{line} ({function})"
 
 
+def at(place: str) -> str:
+    """`at x.py:3 (f)`, or a place in words as it is ("in the tool's consistency audit")."""
+    return place if place.startswith("in ") else f"at {place}"
+
+
 def traceback_site(tb: str | None) -> str | None:
     """The innermost user frame of a formatted traceback, as `path:line (function)`."""
     frames = _traceback_frames(tb)
@@ -121,6 +126,8 @@ _TOOL_WORDS = (
     ("training/trainer.py", "the tool's training step"),
     ("training/checkpoint.py", "the tool's optimizer state_dict round trip"),
     ("checks/consistency.py", "the tool's consistency audit"),
+    ("checks/audit.py", "the tool's consistency audit"),
+    ("checks/agreement.py", "the tool's agreement on a cell's outcome"),
     ("checks/reference.py", "the tool's single-process reference"),
     ("checks/", "the tool's check"),
     ("training/", "the tool's training loop"),
