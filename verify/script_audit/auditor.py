@@ -1,0 +1,209 @@
+"""The audit inside a rank of a user's script: PyTorch's global optimizer step hooks.
+
+`Auditor.install()` runs before the script's first line (`launching/rank.py`). From then on,
+every `step()` of every optimizer the script creates is audited, on every rank in the same
+order (a step is a point all ranks reach together in data-parallel training):
+
+    before step N   the first audited step: the parameters (did the replicas start equal?);
+                    every param group's settings (lr, betas, ...); the GradScaler's scale;
+                    the buffers (as DDP broadcast them at the forward, when it does; else
+                    compared as they are, a note when they differ); the gradients
+    after step N    the parameters; the optimizer state
+
+An optimizer stepped from inside another's step (`ZeroRedundancyOptimizer` steps a local
+optimizer over this rank's shard) is not audited: only the outermost step counts. With
+`every=K` only steps 0, K, 2K, ... are audited; the script's step count is kept per optimizer.
+
+The audit never changes what the script computes: it reads tensors (fingerprints, and a
+copy of a differing tensor) and never writes one, draws nothing from a random generator, and
+talks over its own group (`side_group.py`). An error inside the audit stops the audit, with
+the reason in the report, and never reaches the script.
+"""
+
+from __future__ import annotations
+
+import traceback
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from verify.script_audit import report
+from verify.script_audit.book import Book
+from verify.script_audit.collect import Collector, Entry
+from verify.script_audit.compare import compare
+from verify.script_audit.fingerprint import fingerprints
+from verify.script_audit.naming import Modules, strip, syncs_buffers
+from verify.script_audit.report import AuditReport, AuditSettings
+from verify.script_audit.side_group import SideGroup
+
+BEFORE, AFTER = 0, 1
+
+
+class Auditor:
+    """The hooks and what they found so far (module docstring)."""
+
+    def __init__(self, settings: AuditSettings) -> None:
+        self.settings = settings
+        self.modules = Modules()
+        self.collect = Collector(self.modules)
+        self.group = SideGroup()
+        self.book = Book()
+        self.scalers: weakref.WeakSet = weakref.WeakSet()
+        self.steps: dict[int, int] = {}  # id(optimizer) -> steps taken
+        self.labels: dict[int, tuple[int, str]] = {}  # id(optimizer) -> (index, label)
+        self.started: set[int] = set()  # optimizers whose first audited step has been seen
+        self.snapshots: dict[int, list[Entry]] = {}  # id(DDP) -> buffers fingerprinted at forward
+        self._in_ddp_forward: set[int] = set()
+        self.depth = 0
+        self.audits = self.tensors = self.sharded = 0
+        self.stopped: str | None = None
+        self._handles: list = []
+        self._scaler_init = None
+
+    # ------------------------------------------------------------ set-up
+
+    def install(self) -> None:
+        self.modules.on_wrap = self._on_wrap
+        self.modules.install()
+        self._handles = [
+            register_optimizer_step_pre_hook(self._before),
+            register_optimizer_step_post_hook(self._after),
+        ]
+        from torch.amp import grad_scaler
+
+        original, scalers = grad_scaler.GradScaler.__init__, self.scalers
+
+        def __init__(scaler, *args, **kwargs):
+            original(scaler, *args, **kwargs)
+            scalers.add(scaler)
+
+        grad_scaler.GradScaler.__init__ = __init__
+        self._scaler_init = original
+
+    def remove(self) -> None:
+        self.modules.remove()
+        for handle in self._handles:
+            handle.remove()
+        if self._scaler_init is not None:
+            from torch.amp import grad_scaler
+
+            grad_scaler.GradScaler.__init__ = self._scaler_init
+
+    def _on_wrap(self, wrapper: nn.Module, model: nn.Module) -> None:
+        """A module took another as `module`: if it is DDP, fingerprint the buffers inside its
+        forward, after its broadcast and before the model's forward updates them."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(wrapper, DistributedDataParallel):
+            return
+        inside, key = self._in_ddp_forward, id(wrapper)
+        wrapper.register_forward_pre_hook(lambda m, args: inside.add(key))
+        wrapper.register_forward_hook(lambda m, args, out: inside.discard(key))
+        ref = weakref.ref(wrapper)
+
+        def snapshot(module, args):
+            ddp = ref()
+            if ddp is None or key not in inside or key in self.snapshots or not syncs_buffers(ddp):
+                return
+            named = [(strip(ddp, n), b) for n, b in ddp.named_buffers()]
+            prints = fingerprints([b for _, b in named])
+            self.snapshots[key] = [
+                Entry(report.BUFFERS_SYNCED, n, fingerprint=fp,
+                      key_extra=f"{b.dtype}|{tuple(b.shape)}")
+                for (n, b), fp in zip(named, prints)
+            ]  # fmt: skip
+
+        model.register_forward_pre_hook(snapshot)
+
+    # ------------------------------------------------------------ the hooks
+
+    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self.depth += 1
+        step = self.steps.get(id(opt), 0)
+        if self.depth == 1 and self._due(step):
+            self._guard(self._audit_before, opt, step)
+
+    def _after(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth > 0:
+            return
+        step = self.steps.get(id(opt), 0)
+        self.steps[id(opt)] = step + 1
+        self._label(opt)
+        if self._due(step):
+            self._guard(self._audit_after, opt, step)
+
+    def _due(self, step: int) -> bool:
+        return self.stopped is None and step % self.settings.every == 0 and self.group.ready()
+
+    def _audit_before(self, opt: torch.optim.Optimizer, step: int) -> None:
+        self.collect.sharded = 0
+        entries = []
+        if id(opt) not in self.started:
+            self.started.add(id(opt))
+            entries += self.collect.parameters(opt, report.PARAMS_FIRST)
+        entries += self.collect.settings(opt)
+        entries += self.collect.scalers(list(self.scalers))
+        for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
+            if syncs_buffers(root):
+                entries += self.snapshots.pop(id(root), [])
+            else:
+                entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
+        entries += self.collect.gradients(opt)
+        self._check(opt, step, BEFORE, entries)
+
+    def _audit_after(self, opt: torch.optim.Optimizer, step: int) -> None:
+        self.collect.sharded = 0
+        entries = self.collect.parameters(opt, report.PARAMS_AFTER) + self.collect.state(opt)
+        self._check(opt, step, AFTER, entries)
+
+    def _check(self, opt, step: int, point: int, entries: list[Entry]) -> None:
+        index, label = self._label(opt)
+        outcome = compare(
+            self.group, entries, (index, step, point),
+            known=lambda e: self.book.known(label, e.phase, e.name),
+        )  # fmt: skip
+        self.audits += 1
+        self.tensors = max(self.tensors, len(entries))
+        self.sharded = max(self.sharded, self.collect.sharded)
+        if self.book.add(label, step, entries, outcome) or self.audits == 1:
+            self.write()
+
+    def _label(self, opt: torch.optim.Optimizer) -> tuple[int, str]:
+        if id(opt) not in self.labels:
+            index = len(self.labels)
+            name = type(opt).__name__ + (f" #{index + 1}" if index else "")
+            self.labels[id(opt)] = (index, name)
+        return self.labels[id(opt)]
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # the audit's own failure never becomes the script's
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+            self.stopped = f"{type(exc).__name__}: {exc} (at {where})"
+            self.write()
+
+    # ------------------------------------------------------------ the report
+
+    def report(self, finished: bool = False) -> AuditReport:
+        steps = {self.labels[k][1]: n for k, n in self.steps.items() if k in self.labels}
+        return AuditReport(
+            every=self.settings.every, steps=steps, audits=self.audits, tensors=self.tensors,
+            sharded=self.sharded, findings=tuple(self.book.findings), stopped=self.stopped,
+            finished=finished,
+        )  # fmt: skip
+
+    def write(self, finished: bool = False) -> None:
+        if self.settings.path:
+            self.report(finished).write(self.settings.path)
+
+    def finish(self) -> None:
+        """The script ended: write the final report."""
+        self.write(finished=True)
