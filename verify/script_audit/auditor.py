@@ -54,10 +54,13 @@ class Auditor:
         self.group = SideGroup()
         self.book = Book()
         self.scalers: weakref.WeakSet = weakref.WeakSet()
-        self.steps: dict[int, int] = {}  # id(optimizer) -> steps taken
-        self.labels: dict[int, tuple[int, str]] = {}  # id(optimizer) -> (index, label)
-        self.started: set[int] = set()  # optimizers whose first audited step has been seen
-        self.snapshots: dict[int, list[Entry]] = {}  # id(DDP) -> buffers fingerprinted at forward
+        # Keyed by the objects, weakly: an id is reused once the script drops an optimizer.
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> steps taken
+        self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
+        self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
+        self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
+        self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
+        self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.tensors = self.sharded = 0
@@ -108,11 +111,11 @@ class Auditor:
 
         def snapshot(module, args):
             ddp = ref()
-            if ddp is None or key not in inside or key in self.snapshots or not syncs_buffers(ddp):
+            if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
                 return
             named = [(strip(ddp, n), b) for n, b in ddp.named_buffers()]
             prints = fingerprints([b for _, b in named])
-            self.snapshots[key] = [
+            self.snapshots[ddp] = [
                 Entry(report.BUFFERS_SYNCED, n, fingerprint=fp,
                       key_extra=f"{b.dtype}|{tuple(b.shape)}")
                 for (n, b), fp in zip(named, prints)
@@ -124,7 +127,7 @@ class Auditor:
 
     def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
         self.depth += 1
-        step = self.steps.get(id(opt), 0)
+        step = self.steps.get(opt, 0)
         if self.depth == 1 and self._due(step):
             self._guard(self._audit_before, opt, step)
 
@@ -132,9 +135,9 @@ class Auditor:
         self.depth = max(0, self.depth - 1)
         if self.depth > 0:
             return
-        step = self.steps.get(id(opt), 0)
-        self.steps[id(opt)] = step + 1
-        self._label(opt)
+        step = self.steps.get(opt, 0)
+        self.steps[opt] = step + 1
+        self.finished_steps[self._label(opt)[1]] = step + 1
         if self._due(step):
             self._guard(self._audit_after, opt, step)
 
@@ -144,14 +147,14 @@ class Auditor:
     def _audit_before(self, opt: torch.optim.Optimizer, step: int) -> None:
         self.collect.sharded = 0
         entries = []
-        if id(opt) not in self.started:
-            self.started.add(id(opt))
+        if opt not in self.started:
+            self.started.add(opt)
             entries += self.collect.parameters(opt, report.PARAMS_FIRST)
         entries += self.collect.settings(opt)
         entries += self.collect.scalers(list(self.scalers))
         for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
             if syncs_buffers(root):
-                entries += self.snapshots.pop(id(root), [])
+                entries += self.snapshots.pop(root, [])
             else:
                 entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
         entries += self.collect.gradients(opt)
@@ -175,11 +178,11 @@ class Auditor:
             self.write()
 
     def _label(self, opt: torch.optim.Optimizer) -> tuple[int, str]:
-        if id(opt) not in self.labels:
-            index = len(self.labels)
+        if opt not in self.labels:
+            index, self.optimizers = self.optimizers, self.optimizers + 1
             name = type(opt).__name__ + (f" #{index + 1}" if index else "")
-            self.labels[id(opt)] = (index, name)
-        return self.labels[id(opt)]
+            self.labels[opt] = (index, name)
+        return self.labels[opt]
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -193,9 +196,8 @@ class Auditor:
     # ------------------------------------------------------------ the report
 
     def report(self, finished: bool = False) -> AuditReport:
-        steps = {self.labels[k][1]: n for k, n in self.steps.items() if k in self.labels}
         return AuditReport(
-            every=self.settings.every, steps=steps, audits=self.audits, tensors=self.tensors,
+            every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits, tensors=self.tensors,
             sharded=self.sharded, findings=tuple(self.book.findings), stopped=self.stopped,
             finished=finished,
         )  # fmt: skip
