@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +41,7 @@ from verify.script_audit.side_group import SideGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
+SCHEDULER = str(ROOT / "tests" / "fixtures" / "audit_scheduler.py")
 CORRECT = ("nanogpt:ok", "hand_ddp:ok", "batchnorm:broadcast", "batchnorm:local", "sharded:zero",
            "sharded:fsdp", "scheduler:ok")  # fmt: skip
 BUGGY = ("nanogpt:late-sync", "hand_ddp:no-broadcast", "hand_ddp:no-divide", "scheduler:rank0")
@@ -90,13 +94,21 @@ def runs(tmp_path_factory):
     def plain():
         return check_hang(HangOptions(script=(SUITE, *CORRECT), nproc=2, out=out, console="none"))
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        jobs = pool.submit(correct_cli), pool.submit(run_buggy, out), pool.submit(plain)
+    def under_torchrun():
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DDP_VERIFY_HANG_DIR=out + "/tr")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "verify.audit_run", SCHEDULER, "rank0"]  # fmt: skip
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        jobs = (pool.submit(correct_cli), pool.submit(run_buggy, out), pool.submit(plain),
+                pool.submit(under_torchrun))  # fmt: skip
         return tuple(j.result() for j in jobs)
 
 
 def test_each_bug_is_named_at_its_step_and_tensor(runs):
-    _, buggy, _ = runs
+    _, buggy, _, _ = runs
     text = audit_text(buggy)
     assert not buggy_problems(buggy), "\n".join(buggy_problems(buggy)) + "\n" + text
     lr = next(f for f in buggy.faults if f.phase == report.SETTINGS).tensors[0]
@@ -107,7 +119,7 @@ def test_each_bug_is_named_at_its_step_and_tensor(runs):
 
 
 def test_correct_scripts_are_clean_and_buffers_kept_per_rank_are_a_note(runs):
-    (code, stdout, stderr), _, _ = runs
+    (code, stdout, stderr), _, _, _ = runs
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     report_text = stdout[stdout.index("\naudit: ") :]
     assert "DIVERGENCE" not in report_text and "replicas bitwise identical" in report_text
@@ -121,7 +133,7 @@ def test_correct_scripts_are_clean_and_buffers_kept_per_rank_are_a_note(runs):
 
 def test_the_audit_changes_nothing_the_script_computes(runs):
     """Every loss the scripts print (repr: every bit) is the same with and without the audit."""
-    (_, stdout, _), _, plain = runs
+    (_, stdout, _), _, plain, _ = runs
     audited_dir = Path(re.search(r"report: (\S+)", stdout).group(1))
     for r in (0, 1):
         audited = _losses(audited_dir / f"rank{r}.stdout")
@@ -131,6 +143,17 @@ def test_the_audit_changes_nothing_the_script_computes(runs):
 
 def _losses(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if " loss " in line]
+
+
+def test_under_torchrun_rank_0_prints_the_verdict_and_the_job_fails(runs):
+    """`torchrun ... -m verify.audit_run train.py`: the same audit in a job the tool did not
+    start (the scheduler stepped on rank 0 only); every rank exits 1, so torchrun does."""
+    proc = runs[3]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("verify.audit_run:") == 1, out  # rank 0 only
+    assert "REPLICAS DIVERGED: first at optimizer settings before step 1 (SGD)" in out, out
+    assert "param_groups[0].lr on rank 1 vs rank 0: rank 0: 0.05, rank 1: 0.1" in out, out
 
 
 @pytest.mark.parametrize(

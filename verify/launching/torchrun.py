@@ -133,17 +133,26 @@ def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
 # ------------------------------------------------------------ python -m verify.hang_run
 
 
-def script_main(argv: list[str]) -> None:
-    """One traced rank of a torchrun job running the user's script (module docstring)."""
-    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
-
-    rank = int(os.environ.get("RANK", "0"))
-    report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
+def script_report_dir() -> str:
+    """This node's report folder under torchrun (module docstring)."""
+    return os.environ.get(HANG_DIR_ENV) or os.path.join(
         "profiles",
         f"hang_torchrun_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}_{socket.gethostname()}",
     )
+
+
+def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bool = False) -> str:
+    """One traced rank of a torchrun job running the user's script (module docstring), with
+    the replica audit every `audit_every` optimizer steps (`verify.audit_run`) and the race
+    sanitizer when asked. Returns the report folder."""
+    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
+    from verify.script_audit.report import AuditSettings
+
+    rank = int(os.environ.get("RANK", "0"))
+    report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    audit = AuditSettings(audit_every, os.path.join(report_dir, f"rank{rank}.audit.json"))
     job = rank_side.RankJob(
         kind="script",
         rank=rank,
@@ -155,6 +164,8 @@ def script_main(argv: list[str]) -> None:
         trace_path=os.path.join(report_dir, f"rank{rank}.trace"),
         helper_dir=report_dir,
         argv=tuple(argv),
+        races_path=os.path.join(report_dir, f"rank{rank}.races.json") if sanitize else None,
+        audit=audit if audit_every is not None else None,
     )
     if job.local_rank == 0:
         stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
@@ -163,6 +174,7 @@ def script_main(argv: list[str]) -> None:
             daemon=True,
         ).start()  # fmt: skip
     rank_side.run_job(job, None)
+    return report_dir
 
 
 def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
