@@ -1,8 +1,9 @@
 """Verdicts that hold under load (issue 9): with a CPU hog on every core, the hang scenarios,
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
-run, and two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
-collective: tests/fixtures/deadline_loops.py) give exactly the verdicts they give on an idle
-machine, and nothing is left running afterwards.
+run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+collective: tests/fixtures/deadline_loops.py) and the replica audit of the buggy training
+scripts (tests/test_script_audit.py) give exactly the verdicts they give on an idle machine,
+and nothing is left running afterwards.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -24,6 +25,7 @@ import pytest
 
 from tests.fixtures import deadline_loops
 from tests.processes import alive
+from tests.test_script_audit import buggy_problems, run_buggy
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
@@ -60,20 +62,22 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
         return check_hang(options)
 
     with hogs() as hog_pids:
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=4) as pool:
             scenarios = pool.submit(
                 check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             )
             computing = pool.submit(script, "compute", str(2 * STALL_S))
             skipping = pool.submit(script, "skip")
+            audited = pool.submit(run_buggy, out)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
             cut_short = deadline_loops.verdict_problems()
-            scenarios, computing, skipping = (
+            scenarios, computing, skipping, audited = (
                 scenarios.result(),
                 computing.result(),
                 skipping.result(),
+                audited.result(),
             )
     problems = [
         f"{r.options.impl}: {r.diagnosis.verdict} ({r.diagnosis.headline})"
@@ -89,5 +93,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert equivalence.verdict == "pass", equivalence.headline + (equivalence.failure or "")
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     assert not cut_short, "\n".join(cut_short)
+    assert not buggy_problems(audited), "\n".join(buggy_problems(audited))
     pids = [p for r in (*scenarios.results, computing, skipping) for p in r.pids.values()]
+    pids += audited.run.pids.values()
     assert pids and not [p for p in pids + hog_pids if alive(p)]
