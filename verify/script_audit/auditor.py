@@ -71,12 +71,10 @@ class Auditor:
     # ------------------------------------------------------------ set-up
 
     def install(self) -> None:
+        """Note the modules and GradScalers the script builds, and audit its steps."""
         self.modules.on_wrap = self._on_wrap
         self.modules.install()
-        self._handles = [
-            register_optimizer_step_pre_hook(self._before),
-            register_optimizer_step_post_hook(self._after),
-        ]
+        self.attach()
         from torch.amp import grad_scaler
 
         original, scalers = grad_scaler.GradScaler.__init__, self.scalers
@@ -88,10 +86,23 @@ class Auditor:
         grad_scaler.GradScaler.__init__ = __init__
         self._scaler_init = original
 
-    def remove(self) -> None:
-        self.modules.remove()
+    def attach(self) -> None:
+        """Audit optimizer steps from now on (the global step hooks)."""
+        if not self._handles:
+            self._handles = [
+                register_optimizer_step_pre_hook(self._before),
+                register_optimizer_step_post_hook(self._after),
+            ]
+
+    def detach(self) -> None:
+        """No longer audit steps (the benchmark's plain arm); `attach()` resumes."""
         for handle in self._handles:
             handle.remove()
+        self._handles = []
+
+    def remove(self) -> None:
+        self.modules.remove()
+        self.detach()
         if self._scaler_init is not None:
             from torch.amp import grad_scaler
 
@@ -146,6 +157,7 @@ class Auditor:
 
     def _audit_before(self, opt: torch.optim.Optimizer, step: int) -> None:
         self.collect.sharded = 0
+        self.modules.refresh()
         entries = []
         if opt not in self.started:
             self.started.add(opt)
@@ -162,6 +174,7 @@ class Auditor:
 
     def _audit_after(self, opt: torch.optim.Optimizer, step: int) -> None:
         self.collect.sharded = 0
+        self.modules.refresh()
         entries = self.collect.parameters(opt, report.PARAMS_AFTER) + self.collect.state(opt)
         self._check(opt, step, AFTER, entries)
 

@@ -34,21 +34,48 @@ _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[int]:
-    """One signed 64-bit fingerprint per tensor (module docstring), in order."""
-    if not tensors:
-        return []
-    sums = [_sums(t.detach()) for t in tensors]
-    by_device: dict[torch.device, list[int]] = {}
+    """One signed 64-bit fingerprint per tensor (module docstring), in order.
+
+    Small tensors (most of a model's: biases, norms, small layers) are fingerprinted together,
+    a handful of operations for all of them, rather than a handful each: their words are
+    concatenated per device, weighted by position in the concatenation, and summed per tensor
+    as differences of running sums. The ranks compare fingerprints only once they agree on
+    the list of tensors (`compare.py`), so a position in the concatenation is the same on
+    every rank.
+    """
+    sums: list[torch.Tensor | None] = [None] * len(tensors)
+    small: dict[torch.device, list[int]] = {}
+    words = [_as_words(t.detach()) for t in tensors]
+    for i, w in enumerate(words):
+        if 0 < w.numel() <= FULL_WEIGHT_WORDS:
+            small.setdefault(w.device, []).append(i)
+        else:
+            sums[i] = _sums(w)
+    pairs: list[list[int]] = [[0, 0]] * len(tensors)
+    for indices in small.values():
+        for i, pair in zip(indices, _batched([words[i] for i in indices]).tolist()):
+            pairs[i] = pair
+    large: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
-        by_device.setdefault(s.device, []).append(i)
-    words: list[list[int]] = [[]] * len(tensors)
-    for indices in by_device.values():  # one device-to-host copy per device
+        if s is not None:
+            large.setdefault(s.device, []).append(i)
+    for indices in large.values():  # one device-to-host copy per device
         for i, pair in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
-            words[i] = pair
+            pairs[i] = pair
     return [
         signed(mix(_meta(t) ^ mix(total & _MASK) ^ mix((weighted & _MASK) ^ 0x5BD1E995)))
-        for t, (total, weighted) in zip(tensors, words)
+        for t, (total, weighted) in zip(tensors, pairs)
     ]
+
+
+def _batched(words: list[torch.Tensor]) -> torch.Tensor:
+    """[[word sum, weighted sum]] of each of `words` (small, on one device), together."""
+    flat = torch.cat(words)
+    ends = torch.tensor([w.numel() for w in words], device=flat.device).cumsum(0) - 1
+    weighted = flat * _weights(flat.numel(), flat.device)
+    at_ends = torch.stack([flat.cumsum(0)[ends], weighted.cumsum_(0)[ends]], dim=1)
+    at_ends[1:] -= at_ends[:-1].clone()  # running sums at each end -> each tensor's own sums
+    return at_ends
 
 
 def value_bits(value: float | int | bool) -> int:
@@ -86,17 +113,21 @@ def signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+_META: dict[tuple, int] = {}
+
+
 def _meta(t: torch.Tensor) -> int:
-    return zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
+    key = (t.dtype, t.shape)
+    code = _META.get(key)
+    if code is None:
+        code = _META[key] = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
+    return code
 
 
-def _sums(t: torch.Tensor) -> torch.Tensor:
-    """(word sum, position-weighted sum) of `t`'s bytes, int64, on t's device."""
-    if t.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
-    words = _as_words(t)
-    if words.numel() <= FULL_WEIGHT_WORDS:
-        return torch.stack([words.sum(), (words * _weights(words.numel(), words.device)).sum()])
+def _sums(words: torch.Tensor) -> torch.Tensor:
+    """(word sum, row-weighted sum) of a large tensor's words, int64, on its device."""
+    if words.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=words.device)
     full = words.numel() // ROW * ROW
     rows = words[:full].view(-1, ROW).sum(dim=1)
     tail = words[full:].sum()

@@ -35,6 +35,7 @@ class Modules:
         self._version = 0  # bumped on every registration: the name map is rebuilt lazily
         self._names: dict[int, str] = {}
         self._names_version = -1
+        self._may_rebuild = True  # one rebuild on a miss per audit point (`refresh`)
         self._handles: list = []
         self.on_wrap: Callable[[nn.Module, nn.Module], None] | None = None  # (wrapper, model)
 
@@ -72,10 +73,17 @@ class Modules:
         children = {id(c) for m in seen for c in m.children()}
         return [m for m in seen if id(m) not in children]
 
+    def refresh(self) -> None:
+        """A new audit point: a parameter missing from the names may be looked up once more
+        (a wrapper such as FSDP2 may swap a module's parameters without registering them)."""
+        self._may_rebuild = True
+
     def name_of(self, param: torch.Tensor) -> str | None:
         """The qualified name of `param` in its root module, or None if no module owns it."""
-        if self._names_version != self._version or id(param) not in self._names:
+        miss = id(param) not in self._names
+        if self._names_version != self._version or (miss and self._may_rebuild):
             self._rebuild()
+            self._may_rebuild = False
         return self._names.get(id(param))
 
     def owners_of(self, params: list[torch.Tensor]) -> list[nn.Module]:
