@@ -233,3 +233,20 @@ def test_ranks_that_audit_different_tensors_get_a_finding_not_a_crash():
     assert "rank 1: has extra 1 (w momentum_buffer)" in layout, layout
     assert mismatched == [0] and diff.ranks == (1,) and diff.max_abs_diff == 1.0
     assert diff.differing == 1 and diff.first_index == (2,), diff
+
+
+@pytest.mark.gpu
+def test_the_audit_of_a_cuda_script(tmp_path):
+    """NCCL, a GradScaler, fingerprints on the GPU: clean at world size 1 on one GPU and at 2
+    where there are two (at 1 there is nothing to compare: no audit point is reached)."""
+    nproc = min(2, torch.cuda.device_count())
+    script = str(ROOT / "tests" / "fixtures" / "audit_cuda.py")
+    result = check_audit(
+        AuditOptions(
+            script=(script,), nproc=nproc, backend="nccl", out=str(tmp_path), console="none"
+        )  # fmt: skip
+    )
+    assert result.verdict == "pass", audit_text(result)
+    assert result.audit is not None and result.audit.finished, audit_text(result)
+    if nproc > 1:
+        assert result.audit.audits >= 2 and not result.findings, audit_text(result)

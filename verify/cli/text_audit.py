@@ -56,7 +56,10 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
         first = report.faults[0]
         return f"REPLICAS DIVERGED: first at {first.where}"
     if verdict == "pass":
-        return "replicas bitwise identical at every audited step"
+        kept = report is not None and any(not f.fault for f in report.findings)
+        return "replicas bitwise identical at every audited step" + (
+            " (apart from the buffers noted, kept per rank by design)" if kept else ""
+        )
     return f"verdict: {verdict}"
 
 
