@@ -22,19 +22,18 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
 from verify import progress, runs
-from verify.checks.script import finish_report, run_watched_script
+from verify.checks.script import WatchedRun, finish_report, run_watched_script
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, RunOptions, knob, launch_knobs
 from verify.training.trainer import Trainer, TrainSpec
 from verify.watching import capture
-from verify.watching.findings import Diagnosis
 
 #: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
 #: some or all steps; many small buckets; a weight shared by two layers.
@@ -96,25 +95,14 @@ class HangOptions(RunOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class HangResult:
+class HangResult(WatchedRun):
     """The diagnosis of one run, its report folder, and the verdict the CLI exits with."""
 
     options: HangOptions
-    diagnosis: Diagnosis
-    report_dir: str
-    elapsed_s: float
-    failure: str | None = None  # the launcher's summary when a rank failed
-    files: dict = field(default_factory=dict)
-    pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
-    notes: tuple[str, ...] = ()
-    threads: str = ""
-    races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
 
     @property
     def verdict(self) -> str:
-        if self.diagnosis.faulty or self.races:
-            return "fault"
-        return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
+        return self.watched_verdict
 
     @property
     def passed(self) -> bool:
@@ -125,16 +113,8 @@ class HangResult:
             "check": "hang",
             "verdict": self.verdict,
             "passed": self.passed,
-            "report_dir": self.report_dir,
-            "elapsed_s": self.elapsed_s,
             "options": asdict(self.options),
-            "diagnosis": self.diagnosis.to_dict(),
-            "failure": self.failure,
-            "files": self.files,
-            "pids": self.pids,
-            "notes": list(self.notes),
-            "threads": self.threads,
-            "races": list(self.races),
+            **self.watched_dict(),
         }
 
 
@@ -166,10 +146,7 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
         return run_scenarios(options)
     if options.script:  # the path `audit --nproc` takes too, with the audit off
         run = run_watched_script(options, command="hang")
-        result = HangResult(
-            options, run.diagnosis, run.report_dir, run.elapsed_s, run.failure, run.files,
-            run.pids, run.notes, run.threads, run.races,
-        )  # fmt: skip
+        result = HangResult(options, **run.watched())
         runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
         return result
     device = "gpu" if options.backend == "nccl" else "cpu"
@@ -187,7 +164,8 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     diagnosis = replace(run.diagnosis, files=dict(files))
     failure = None if run.ok else run.summary()
     result = HangResult(
-        options, diagnosis, report_dir, elapsed, failure, files, pids, run.notes, run.threads
+        options, diagnosis=diagnosis, report_dir=report_dir, elapsed_s=elapsed, failure=failure,
+        files=files, pids=pids, notes=run.notes, threads=run.threads,
     )  # fmt: skip
     runs.write_json(Path(report_dir) / "report.json", result.to_dict())
     return result

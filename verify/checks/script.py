@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from verify import runs
@@ -25,19 +25,46 @@ from verify.watching.findings import Diagnosis
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScriptRun:
-    """What one run of a script left, for the command's result."""
+class WatchedRun:
+    """What a run under the watchdog left: its diagnosis, report folder and captured files;
+    the base of `hang`'s result and of a script's run."""
 
+    diagnosis: Diagnosis
     report_dir: str
     elapsed_s: float
-    diagnosis: Diagnosis
     failure: str | None = None  # the launcher's summary when a rank failed
     files: dict = field(default_factory=dict)
     pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
     notes: tuple[str, ...] = ()
     threads: str = ""
     races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
-    audit: AuditReport | None = None  # the replica audit's report, when it ran
+
+    @property
+    def watched_verdict(self) -> str:
+        """The run's verdict on its own: a hang, desync, crash or race is a fault."""
+        if self.diagnosis.faulty or self.races:
+            return "fault"
+        return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
+
+    def watched(self) -> dict:
+        """The fields of `WatchedRun`, to build another result from this one."""
+        return {f.name: getattr(self, f.name) for f in fields(WatchedRun)}
+
+    def watched_dict(self) -> dict:
+        """The JSON of the fields of `WatchedRun`."""
+        return {
+            **self.watched(),
+            "diagnosis": self.diagnosis.to_dict(),
+            "notes": list(self.notes),
+            "races": list(self.races),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptRun(WatchedRun):
+    """A script's run, and the audit's report when it ran."""
+
+    audit: AuditReport | None = None
 
 
 def run_watched_script(options, *, command: str, audit_every: int | None = None) -> ScriptRun:

@@ -86,31 +86,20 @@ class AuditResult:
 
     @property
     def verdict(self) -> str:
-        if self.faults or self.run.diagnosis.faulty or self.run.races:
-            return "fault"
-        return "timeout" if self.run.diagnosis.verdict == "timeout" else "pass"
+        return "fault" if self.faults else self.run.watched_verdict
 
     @property
     def passed(self) -> bool:
         return self.verdict == "pass"
 
     def to_dict(self) -> dict:
-        run = self.run
         return {
             "check": "audit",
             "verdict": self.verdict,
             "passed": self.passed,
-            "report_dir": run.report_dir,
-            "elapsed_s": run.elapsed_s,
             "options": asdict(self.options),
             "audit": None if self.audit is None else self.audit.to_dict(),
-            "diagnosis": run.diagnosis.to_dict(),
-            "failure": run.failure,
-            "files": run.files,
-            "pids": run.pids,
-            "notes": list(run.notes),
-            "threads": run.threads,
-            "races": list(run.races),
+            **self.run.watched_dict(),
         }
 
 

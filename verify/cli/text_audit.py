@@ -4,6 +4,7 @@ only, every verdict is decided by the check (`checks/script_audit.py`)."""
 from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
+from verify.cli.text_checks import watched_tail
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS
 
@@ -16,12 +17,7 @@ def audit(result: AuditResult) -> str:
     d = run.diagnosis
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
-    if run.races:
-        lines.append(f"RACES: {len(run.races)} found by --sanitize:")
-        lines += [f"  - {r['message']}" for r in run.races[:10]]
-    lines += [f"note: {n}" for n in run.notes]
-    if run.threads:
-        lines.append(f"note: ranks ran with {run.threads}")
+    lines += watched_tail(run)
     lines.append(verdict_line(result.audit, result.verdict))
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
