@@ -44,7 +44,8 @@ SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
 SCHEDULER = str(ROOT / "tests" / "fixtures" / "audit_scheduler.py")
 CORRECT = ("nanogpt:ok", "hand_ddp:ok", "batchnorm:broadcast", "batchnorm:local", "sharded:zero",
            "sharded:fsdp", "scheduler:ok")  # fmt: skip
-BUGGY = ("nanogpt:late-sync", "hand_ddp:no-broadcast", "hand_ddp:no-divide", "scheduler:rank0")
+BUGGY = ("nanogpt:late-sync", "hand_ddp:no-broadcast", "hand_ddp:no-divide", "scheduler:rank0",
+         "scheduler:scaler-rank0")  # fmt: skip
 
 
 def buggy_problems(result) -> list[str]:
@@ -56,6 +57,7 @@ def buggy_problems(result) -> list[str]:
         ("SGD #2", report.PARAMS_FIRST, 0, "0.weight", (1,)),
         ("SGD #3", report.GRADS, 0, "2.bias", (1,)),
         ("SGD #4", report.SETTINGS, 1, "param_groups[0].lr", (1,)),
+        ("SGD #5", report.SCALER, 1, "GradScaler scale", (1,)),
     ]
     problems = []
     if result.verdict != "fault" or EXIT_CODES[result.verdict] != 1:

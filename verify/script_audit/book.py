@@ -11,8 +11,11 @@ divergence explains it, makes a finding marked `echo_of` that one:
 - buffers: some parameter of the same optimizer already differed (the forward that updates
   them ran on different weights).
 
-Gradients, settings, the scale and the first parameters are never echoes: each of them
-differing is a fault of its own (gradients are synchronized whatever the weights were).
+- gradients: the GradScaler's scale already differed (the backward ran on differently
+  scaled losses).
+
+Otherwise gradients, and settings, the scale and the first parameters always, are a fault of
+their own (gradients are synchronized whatever the weights were).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Book:
         self._grads: dict[tuple[str, str], int] = {}
         self._state: dict[tuple[str, str], int] = {}
         self._whole: dict[str, int] = {}  # optimizer -> first settings / scaler finding
+        self._scaled: int | None = None  # the first GradScaler finding (scales every gradient)
 
     def add(self, optimizer: str, step: int, entries: list[Entry], outcome: Outcome) -> bool:
         """Fold one audit point in; True when the findings changed."""
@@ -89,6 +93,8 @@ class Book:
             param = name.rsplit(" ", 1)[0]
             causes = (self._grads.get((optimizer, param)), self._params.get((optimizer, param)),
                       self._state.get((optimizer, name)), whole)  # fmt: skip
+        elif phase == report.GRADS:
+            causes = (self._scaled,)  # different loss scales make different gradients
         elif phase in (report.BUFFERS_SYNCED, report.BUFFERS_LOCAL):
             causes = tuple(i for (o, _), i in self._params.items() if o == optimizer)
         else:
@@ -116,6 +122,8 @@ class Book:
                 self._state.setdefault(key, index)
             elif phase in (report.SETTINGS, report.SCALER):
                 self._whole.setdefault(optimizer, index)
+                if phase == report.SCALER and self._scaled is None:
+                    self._scaled = index
 
     def _layout(self, optimizer: str, step: int, detail: str) -> bool:
         key = (optimizer, report.LAYOUT, "")
