@@ -31,48 +31,51 @@ ROW = 256  # words per row in the position-weighted sum of a large tensor
 FULL_WEIGHT_WORDS = 1 << 16  # up to this many words, every word has its own weight
 _MASK = (1 << 64) - 1
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_LAYOUTS: dict[tuple, torch.Tensor] = {}  # (device, piece sizes) -> weights, in use order
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[int]:
     """One signed 64-bit fingerprint per tensor (module docstring), in order.
 
-    Small tensors (most of a model's: biases, norms, small layers) are fingerprinted together,
-    a handful of operations for all of them, rather than a handful each: their words are
-    concatenated per device, weighted by position in the concatenation, and summed per tensor
-    as differences of running sums. The ranks compare fingerprints only once they agree on
-    the list of tensors (`compare.py`), so a position in the concatenation is the same on
-    every rank.
+    All tensors of a device are fingerprinted together, a handful of operations for all of
+    them rather than a handful each: a small tensor's words, and a large tensor's row sums
+    and left-over words, are concatenated, weighted by position in the concatenation, and
+    summed per piece as differences of running sums. The ranks compare fingerprints only once
+    they agree on the list of tensors (`compare.py`), so a position in the concatenation is
+    the same on every rank.
     """
-    sums: list[torch.Tensor | None] = [None] * len(tensors)
-    small: dict[torch.device, list[int]] = {}
-    words = [_as_words(t.detach()) for t in tensors]
-    for i, w in enumerate(words):
-        if 0 < w.numel() <= FULL_WEIGHT_WORDS:
-            small.setdefault(w.device, []).append(i)
+    pieces: dict[torch.device, list[torch.Tensor]] = {}
+    owners: dict[torch.device, list[int]] = {}  # the tensor each piece belongs to
+    for i, t in enumerate(tensors):
+        words = _as_words(t.detach())
+        if words.numel() > FULL_WEIGHT_WORDS:
+            full = words.numel() // ROW * ROW
+            parts = [words[:full].view(-1, ROW).sum(dim=1)]  # one pass, at memory speed
+            if full < words.numel():
+                parts.append(words[full:])
         else:
-            sums[i] = _sums(w)
-    pairs: list[list[int]] = [[0, 0]] * len(tensors)
-    for indices in small.values():
-        for i, pair in zip(indices, _batched([words[i] for i in indices]).tolist()):
-            pairs[i] = pair
-    large: dict[torch.device, list[int]] = {}
-    for i, s in enumerate(sums):
-        if s is not None:
-            large.setdefault(s.device, []).append(i)
-    for indices in large.values():  # one device-to-host copy per device
-        for i, pair in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
-            pairs[i] = pair
+            parts = [words] if words.numel() else []
+        pieces.setdefault(words.device, []).extend(parts)
+        owners.setdefault(words.device, []).extend([i] * len(parts))
+    totals, weighted = [0] * len(tensors), [0] * len(tensors)
+    for device, parts in pieces.items():
+        if not parts:
+            continue
+        for i, (total, weight) in zip(owners[device], _batched(parts).tolist()):  # one copy
+            totals[i] += total
+            weighted[i] += weight
     return [
-        signed(mix(_meta(t) ^ mix(total & _MASK) ^ mix((weighted & _MASK) ^ 0x5BD1E995)))
-        for t, (total, weighted) in zip(tensors, pairs)
+        signed(mix(_meta(t) ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
+        for t, total, weight in zip(tensors, totals, weighted)
     ]
 
 
 def _batched(words: list[torch.Tensor]) -> torch.Tensor:
-    """[[word sum, weighted sum]] of each of `words` (small, on one device), together."""
+    """[[word sum, weighted sum]] of each of `words` (non-empty, on one device), together."""
     flat = torch.cat(words)
-    ends = torch.tensor([w.numel() for w in words], device=flat.device).cumsum(0) - 1
-    weighted = flat * _weights(flat.numel(), flat.device)
+    sizes = tuple(w.numel() for w in words)
+    ends = torch.tensor(sizes, device=flat.device).cumsum(0) - 1
+    weighted = flat * _piece_weights(sizes, flat.device)
     at_ends = torch.stack([flat.cumsum(0)[ends], weighted.cumsum_(0)[ends]], dim=1)
     at_ends[1:] -= at_ends[:-1].clone()  # running sums at each end -> each tensor's own sums
     return at_ends
@@ -124,17 +127,6 @@ def _meta(t: torch.Tensor) -> int:
     return code
 
 
-def _sums(words: torch.Tensor) -> torch.Tensor:
-    """(word sum, row-weighted sum) of a large tensor's words, int64, on its device."""
-    if words.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=words.device)
-    full = words.numel() // ROW * ROW
-    rows = words[:full].view(-1, ROW).sum(dim=1)
-    tail = words[full:].sum()
-    weighted = (rows * _weights(rows.numel(), rows.device)).sum() + tail * 0x2545F4914F6CDD1D
-    return torch.stack([rows.sum() + tail, weighted])
-
-
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes as int64 words: 8-byte words where the byte size allows (a view, no copy),
     else 4-, 2- or 1-byte words widened to int64 (a copy, for odd-sized tensors only). The
@@ -153,6 +145,22 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # a view at an offset not aligned to the word: copy it first
         words = flat.clone().view(dtype)
     return words if dtype == torch.int64 else words.to(torch.int64)
+
+
+def _piece_weights(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The weights of a concatenation of pieces of these sizes: each piece weighted from the
+    first weight on, so a tensor's fingerprint does not depend on its neighbours. Built once
+    per layout (the pieces of an audit point are the same from one step to the next) and
+    kept for the last few layouts."""
+    key = (device, sizes)
+    cached = _LAYOUTS.pop(key, None)
+    if cached is None:
+        longest = _weights(max(sizes), device)
+        cached = torch.cat([longest[:n] for n in sizes])
+    _LAYOUTS[key] = cached  # most recent last
+    while len(_LAYOUTS) > 8:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    return cached
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
