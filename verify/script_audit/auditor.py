@@ -124,6 +124,10 @@ class Auditor:
             ddp = ref()
             if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
                 return
+            if self.stopped is None:
+                self._guard(fingerprint_buffers, ddp)
+
+        def fingerprint_buffers(ddp: nn.Module) -> None:
             named = [(strip(ddp, n), b) for n, b in ddp.named_buffers()]
             prints = fingerprints([b for _, b in named])
             self.snapshots[ddp] = [
