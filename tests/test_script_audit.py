@@ -100,7 +100,8 @@ def runs(tmp_path_factory):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DDP_VERIFY_HANG_DIR=out + "/tr")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "verify.audit_run", SCHEDULER, "rank0"]  # fmt: skip
+               "--nproc-per-node", "2", "-m", "verify.audit_run", "--audit-every", "2", SCHEDULER,
+               "rank0"]  # fmt: skip
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -148,14 +149,16 @@ def _losses(path: Path) -> list[str]:
 
 
 def test_under_torchrun_rank_0_prints_the_verdict_and_the_job_fails(runs):
-    """`torchrun ... -m verify.audit_run train.py`: the same audit in a job the tool did not
-    start (the scheduler stepped on rank 0 only); every rank exits 1, so torchrun does."""
+    """`torchrun ... -m verify.audit_run --audit-every 2 train.py`: the same audit in a job the
+    tool did not start (the scheduler stepped on rank 0 only after step 0, seen at the next
+    audited step, 2); every rank exits 1, so torchrun does."""
     proc = runs[3]
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("verify.audit_run:") == 1, out  # rank 0 only
-    assert "REPLICAS DIVERGED: first at optimizer settings before step 1 (SGD)" in out, out
-    assert "param_groups[0].lr on rank 1 vs rank 0: rank 0: 0.05, rank 1: 0.1" in out, out
+    assert "REPLICAS DIVERGED: first at optimizer settings before step 2 (SGD)" in out, out
+    assert "param_groups[0].lr on rank 1 vs rank 0: rank 0: 0.025, rank 1: 0.1" in out, out
+    assert "audited: 4 points" in out, out  # steps 0 and 2, before and after each
 
 
 @pytest.mark.parametrize(
