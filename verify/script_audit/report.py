@@ -132,12 +132,18 @@ class AuditReport:
         return tuple(f for f in self.findings if f.fault)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON; each finding also says where it is and what it usually means, in words."""
+        d = asdict(self)
+        for f, fd in zip(self.findings, d["findings"]):
+            fd.update(where=f.where, hint=f.hint, fault=f.fault)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> AuditReport:
+        known = {f.name for f in fields(Finding)}
         findings = tuple(
-            Finding(**{**f, "tensors": tuple(_diff(t) for t in f["tensors"]),
+            Finding(**{**{k: v for k, v in f.items() if k in known},
+                       "tensors": tuple(_diff(t) for t in f["tensors"]),
                        "seen_at": tuple(f["seen_at"])})
             for f in d.get("findings", ())
         )  # fmt: skip
