@@ -39,6 +39,9 @@ from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules
 from verify.script_audit.side_group import SideGroup
 
+# One worker runs every test here: the module's launches (the `runs` fixture) happen once.
+pytestmark = pytest.mark.xdist_group("script_audit")
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
 SCHEDULER = str(ROOT / "tests" / "fixtures" / "audit_scheduler.py")
