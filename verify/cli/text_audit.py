@@ -12,7 +12,8 @@ from verify.script_audit.report import SETTINGS
 def audit(result: AuditResult) -> str:
     o, run = result.options, result.run
     every = "every optimizer step" if o.audit_every == 1 else f"every {o.audit_every}th step"
-    lines = [f"audit: {' '.join(o.script)}, {o.nproc} ranks, {every} ({run.elapsed_s:.1f}s)"]
+    ranks = f"{o.nproc} rank{'s' if o.nproc != 1 else ''}"
+    lines = [f"audit: {' '.join(o.script)}, {ranks}, {every} ({run.elapsed_s:.1f}s)"]
     lines += findings(result.audit)
     d = run.diagnosis
     if d.faulty or d.verdict != "ok":
@@ -51,10 +52,14 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
     if report is not None and report.faults:
         first = report.faults[0]
         return f"REPLICAS DIVERGED: first at {first.where}"
+    if verdict == "pass" and (report is None or report.audits == 0):
+        return "NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks"
     if verdict == "pass":
-        kept = report is not None and any(not f.fault for f in report.findings)
-        return "replicas bitwise identical at every audited step" + (
-            " (apart from the buffers noted, kept per rank by design)" if kept else ""
+        kept = any(not f.fault for f in report.findings)
+        return (
+            "replicas bitwise identical at every audited step"
+            + (" (apart from the buffers noted, kept per rank by design)" if kept else "")
+            + (" until the audit stopped (see the note)" if report.stopped else "")
         )
     return f"verdict: {verdict}"
 
