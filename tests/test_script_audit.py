@@ -226,8 +226,11 @@ def _compare_on_rank(ctx: RankContext) -> tuple[str, list]:
     extra = [Entry(report.STATE, "w momentum_buffer", tensor=torch.ones(2))] if ctx.rank else []
     base = [Entry(report.GRADS, "w", tensor=torch.ones(4))]
     layout = compare(group, base + extra, (0, 0, 1)).layout
+    sizes: dict = {}  # the second audit point of the same kind: header and body in one round
+    same = [Entry(report.GRADS, "w", tensor=torch.tensor([1.0, 2.0, 3.0]))]
+    assert compare(group, same, (0, 0, 0), sizes=sizes).mismatched == []
     values = [Entry(report.GRADS, "w", tensor=torch.tensor([1.0, 2.0, 3.0 + ctx.rank]))]
-    outcome = compare(group, values, (0, 1, 0))
+    outcome = compare(group, values, (0, 1, 0), sizes=sizes)
     dist.barrier()  # the script's own group still works, its sequence untouched
     return layout, [outcome.mismatched, outcome.diffs[0]]
 

@@ -100,4 +100,7 @@ def _summary(report: AuditReport) -> str:
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
     if report.sharded:
         text += f"; {report.sharded} sharded tensors never compared across ranks"
+    if report.audits:
+        per = report.seconds / report.audits * 2e3
+        text += f"; the audit took {report.seconds:.2f}s on one rank ({per:.1f} ms a step)"
     return text

@@ -83,6 +83,7 @@ class AuditBenchResult:
     plain_s: tuple[float, ...] = ()  # --script-audit: steps without the hooks
     audited_s: tuple[float, ...] = ()  # --script-audit: steps with them
     findings: int = 0  # --script-audit: findings of the audit (0: replicas identical)
+    audit_s_per_step: float = 0.0  # --script-audit: time inside the hooks, a step (rank 0)
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None

@@ -41,6 +41,7 @@ def script_audit_bench_on_rank(ctx: RankContext, options) -> dict:
             (auditor.attach if audited else auditor.detach)()
             return timed(lambda: trainer.step(trainer.step_no + 1), ctx.device)
 
+        warm = auditor.seconds  # the side group's creation is not a step's cost
         samples = interleave(
             {"plain": lambda: step(False), "audited": lambda: step(True)},
             options.repeats,
@@ -55,4 +56,5 @@ def script_audit_bench_on_rank(ctx: RankContext, options) -> dict:
         "plain_s": tuple(samples["plain"]),
         "audited_s": tuple(samples["audited"]),
         "findings": len(report.findings),
+        "audit_s_per_step": (report.seconds - warm) / options.repeats,
     }

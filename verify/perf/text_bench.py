@@ -206,7 +206,8 @@ def _script_audit(result: AuditBenchResult) -> str:
         f"audit --nproc cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
         f"world size {o.world_size}, {o.repeats} interleaved rounds",
         f"audited at every step: up to {result.audited_tensors} tensors and settings per audit "
-        f"point; findings: {result.findings}",
+        f"point; findings: {result.findings}; time inside the audit: "
+        f"{result.audit_s_per_step * 1e3:.1f} ms a step (rank 0)",
         f"machine: {result.machine}",
         "",
         tabulate(rows, headers=["what", "median ms", "min ms"]),

@@ -22,6 +22,7 @@ the reason in the report, and never reaches the script.
 
 from __future__ import annotations
 
+import time
 import traceback
 import weakref
 
@@ -64,6 +65,8 @@ class Auditor:
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.tensors = self.sharded = 0
+        self.seconds = 0.0  # time spent inside the audit, in all
+        self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
         self.stopped: str | None = None
         self._handles: list = []
         self._scaler_init = None
@@ -186,7 +189,7 @@ class Auditor:
         index, label = self._label(opt)
         outcome = compare(
             self.group, entries, (index, step, point),
-            known=lambda e: self.book.known(label, e.phase, e.name),
+            known=lambda e: self.book.known(label, e.phase, e.name), sizes=self.sizes,
         )  # fmt: skip
         self.audits += 1
         self.tensors = max(self.tensors, len(entries))
@@ -202,6 +205,7 @@ class Auditor:
         return self.labels[opt]
 
     def _guard(self, fn, *args) -> None:
+        start = time.perf_counter()
         try:
             fn(*args)
         except Exception as exc:  # the audit's own failure never becomes the script's
@@ -209,13 +213,16 @@ class Auditor:
             where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
             self.stopped = f"{type(exc).__name__}: {exc} (at {where})"
             self.write()
+        finally:
+            self.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------ the report
 
     def report(self, finished: bool = False) -> AuditReport:
         return AuditReport(
             every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits, tensors=self.tensors,
-            sharded=self.sharded, findings=tuple(self.book.findings), stopped=self.stopped,
+            sharded=self.sharded, seconds=self.seconds, findings=tuple(self.book.findings),
+            stopped=self.stopped,
             finished=finished,
         )  # fmt: skip
 

@@ -3,7 +3,8 @@ of fixed size, per-rank detail gathered only where they do not.
 
 1. The header: a digest of the entries' keys (names, dtypes, shapes), their count, the
    optimizer, its step and the point (before or after the step): 5 words, all-reduced as
-   maximum and minimum (`SideGroup.agree`). Unequal: the ranks audit different things (a
+   maximum and minimum (`SideGroup.agree`); from the second time on at the same point, in
+   the same all-reduce as the fingerprints (`compare`'s `sizes`). Unequal: the ranks audit different things (a
    state entry present on some ranks only, a step skipped on one rank); the ranks then
    gather their headers and each compares its keys with the reference rank's, and this is
    reported as what differs, never compared further (a size that differs across ranks
@@ -48,17 +49,35 @@ def compare(
     entries: list[Entry],
     where: tuple[int, int, int],
     known: Callable[[Entry], bool] = lambda e: False,
+    sizes: dict | None = None,
 ) -> Outcome:
     """Compare `entries` across ranks (module docstring); `where` = (optimizer index, step,
     point), which every rank must share. Entries for which `known` is true (a divergence
     already reported, seen again) are not described again; `known` must answer alike on
-    every rank (it reads what the ranks agreed on)."""
+    every rank (it reads what the ranks agreed on).
+
+    `sizes` (kept by the caller from one audit point to the next) remembers how many entries
+    the ranks agreed on at this optimizer's point before: the header and the fingerprints
+    then travel in one all-reduce, the fingerprints padded or cut to that agreed size, and
+    are used only if the header agrees and its count is that size (what every rank decides
+    alike, from agreed values); otherwise a second all-reduce sends them at the agreed count.
+    At steady state an audit point is one all-reduce."""
     keys = [e.key for e in entries]
     header = [text_bits("\n".join(keys)), len(entries), *where]
-    if not all(group.agree(header)):
-        return Outcome(layout=_layout(group, header, keys))
+    sizes = {} if sizes is None else sizes
+    expected = sizes.get((where[0], where[2]))
     prints = _fingerprints(entries)
-    same = group.agree(prints)
+    if expected is None:
+        agreed, same = all(group.agree(header)), None
+    else:
+        body = (prints + [0] * expected)[:expected]
+        both = group.agree(header + body)
+        agreed, same = all(both[: len(header)]), both[len(header) :]
+    if not agreed:
+        return Outcome(layout=_layout(group, header, keys))
+    if expected != len(entries):
+        sizes[(where[0], where[2])] = len(entries)
+        same = group.agree(prints)
     mismatched = [i for i, ok in enumerate(same) if not ok]
     outcome = Outcome(mismatched=mismatched)
     if not mismatched:

@@ -123,6 +123,7 @@ class AuditReport:
     audits: int = 0  # audit points (before or after a step) checked
     tensors: int = 0  # the most tensors checked at one audit point
     sharded: int = 0  # sharded tensors seen and never compared (ZeRO, FSDP2), at most at once
+    seconds: float = 0.0  # time this rank spent inside the audit, in all
     findings: tuple[Finding, ...] = ()
     stopped: str | None = None  # why auditing stopped before the script ended
     finished: bool = False  # the script ended (or exited) and the report was written then
