@@ -33,7 +33,7 @@ from verify.cli import main
 from verify.cli.text_audit import audit as audit_text
 from verify.launching import RankContext, launch
 from verify.script_audit import report
-from verify.script_audit.collect import Entry
+from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import compare
 from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules
@@ -232,12 +232,23 @@ def _compare_on_rank(ctx: RankContext) -> tuple[str, list]:
     values = [Entry(report.GRADS, "w", tensor=torch.tensor([1.0, 2.0, 3.0 + ctx.rank]))]
     outcome = compare(group, values, (0, 1, 0), sizes=sizes)
     dist.barrier()  # the script's own group still works, its sequence untouched
+    # A DTensor is compared when replicated (its local tensor is the whole), never when sharded.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    collect = Collector(Modules())
+    whole = collect.replicated(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    shard = collect.replicated(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    assert whole is not None and whole.shape == (4,) and shard is None and collect.sharded == 1
     return layout, [outcome.mismatched, outcome.diffs[0]]
 
 
 def test_ranks_that_audit_different_tensors_get_a_finding_not_a_crash():
     """The tool's collectives never depend on rank-local shapes: when one rank holds an
-    optimizer state entry the other lacks, the ranks agree on that first and say so."""
+    optimizer state entry the other lacks, the ranks agree on that first and say so. Then a
+    value that differs on rank 1, found in one all-reduce once the count is agreed, and a
+    replicated DTensor compared where a sharded one is skipped."""
     run = launch(_compare_on_rank, world_size=2, timeout_s=60)
     assert run.ok, run.summary()
     layout, (mismatched, diff) = run.values[0]
