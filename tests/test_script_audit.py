@@ -13,8 +13,10 @@ audit changes nothing the script computes: three launches of two ranks, run side
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -38,9 +40,6 @@ from verify.script_audit.compare import compare
 from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules
 from verify.script_audit.side_group import SideGroup
-
-# One worker runs every test here: the module's launches (the `runs` fixture) happen once.
-pytestmark = pytest.mark.xdist_group("script_audit")
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
@@ -86,9 +85,24 @@ def run_buggy(out: str):
     return check_audit(AuditOptions(script=(SUITE, *BUGGY), out=out, console="none"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runs(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("audit"))
+    """The four launches, run once per test session: the first xdist worker to get here runs
+    them under a file lock and leaves the results (pickled) in the session's shared temp
+    dir; the others read them."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    cached = root / "audit-runs.pickle"
+    with open(root / "audit-runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            cached.write_bytes(pickle.dumps(_run_all(str(root / "audit-reports"))))
+    return pickle.loads(cached.read_bytes())
+
+
+def _run_all(out: str) -> tuple:
+    os.makedirs(out, exist_ok=True)
 
     def correct_cli():
         stdout, stderr = io.StringIO(), io.StringIO()
