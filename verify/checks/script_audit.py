@@ -31,7 +31,7 @@ class AuditOptions(ThreadOptions, OutputOptions):
     nproc: int = knob(2, "ranks to run the script in", minimum=1)
     script: tuple[str, ...] = knob((), "the script and its arguments, after --", cli=False)
     audit_every: int = knob(
-        1, "audit every K-th optimizer step (steps 0, K, 2K, ...): less cost on large models",
+        1, "audit every N-th optimizer step (steps 0, N, 2N, ...): less cost on large models",
         minimum=1,
     )  # fmt: skip
     stall_timeout_s: float = knob(
