@@ -277,14 +277,23 @@ def test_training_follows_the_single_process_curve(tmp_path, capsys):
 
 
 def test_bench_audit_and_bench_tracer_decide_against_their_goals(capsys):
-    """The two benchmarks of the tool's own costs, tiny: every goal gets a value, an
-    interval around it, and one of the three decisions."""
+    """The benchmarks of the tool's own costs (the audit, the script audit's step hooks, the
+    tracer), tiny: every goal gets a value, an interval around it, and one of the three
+    decisions."""
     assert main(["bench-audit", *CPU, "--model-size", str(TINY_M), "--repeats", "2", "--json"]) == 0
     audit = json.loads(capsys.readouterr().out)
     assert audit["verdict"] == "pass" and audit["audited_tensors"] > 0
     for bar in audit["bars"]:
         assert bar["low"] <= bar["value"] <= bar["high"]
         assert bar["decision"] in ("met", "missed", "undecided")
+    # --script-audit: `audit --nproc`'s step hooks, audited / plain step side by side.
+    argv = ["bench-audit", *CPU, "--script-audit", "--model-size", str(TINY_M), "--repeats", "2"]
+    assert main([*argv, "--json"]) == 0
+    hooks = json.loads(capsys.readouterr().out)
+    assert hooks["findings"] == 0 and len(hooks["audited_s"]) == len(hooks["plain_s"]) == 2
+    (bar,) = hooks["bars"]
+    assert bar["what"] == "audited / plain step" and bar["goal"] == 1.02
+    assert bar["low"] <= bar["value"] <= bar["high"], bar
     assert main(["bench-tracer", *CPU, "--repeats", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "pass" and len(doc["traced_step_s"]) == 4

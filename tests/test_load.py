@@ -2,12 +2,13 @@
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
-(tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, and a
+(tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
-zero1 (tests/fixtures/sharded_styles.py) give exactly the verdicts they give on an idle
-machine, and nothing is left running afterwards. So do two jobs of two torchrun agents (two
-nodes, `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank
-that computes for twice the stall timeout on node 1 while node 0 waits is no finding.
+zero1 (tests/fixtures/sharded_styles.py), and the replica audit of the buggy training scripts
+(tests/test_script_audit.py) give exactly the verdicts they give on an idle machine, and
+nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
+`tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
+computes for twice the stall timeout on node 1 while node 0 waits is no finding.
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
@@ -30,6 +31,7 @@ import pytest
 from tests import test_agreement
 from tests.fixtures import deadline_loops, sharded_styles
 from tests.processes import alive
+from tests.test_script_audit import buggy_problems, run_buggy
 from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
@@ -68,7 +70,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
         return check_hang(options)
 
     with hogs() as hog_pids:
-        with ThreadPoolExecutor(max_workers=7) as pool:
+        with ThreadPoolExecutor(max_workers=8) as pool:
             nodes_skip = pool.submit(two_nodes, tmp_path / "skip2", SCRIPT, "skip")
             nodes_compute = pool.submit(
                 two_nodes, tmp_path / "compute2", SCRIPT, "compute", str(2 * STALL_S)
@@ -80,15 +82,17 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             one_rank = pool.submit(test_agreement.verdict_problems, *test_agreement.load_plan())
             blind = pool.submit(script, "60", path=DDP_SCRIPT)
             skipping = pool.submit(script, "skip")
+            audited = pool.submit(run_buggy, out)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
             cut_short = deadline_loops.verdict_problems()
             sharded, _ = sharded_styles.verdict_problems()
-            scenarios, computing, skipping = (
+            scenarios, computing, skipping, audited = (
                 scenarios.result(),
                 computing.result(),
                 skipping.result(),
+                audited.result(),
             )
     problems = [
         f"{r.options.impl}: {r.diagnosis.verdict} ({r.diagnosis.headline})"
@@ -116,9 +120,11 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert [n.returncode for n in computed] == [0, 0], computed[0].stderr[-3000:]
     assert "OK: no hang" in computed[0].ours()[0], computed[0].ours()
     assert not [p for node in (*hang, *computed) for p in node.leftover]
+    assert not buggy_problems(audited), "\n".join(buggy_problems(audited))
     pids = [
         p
         for r in (*scenarios.results, computing, skipping, blind.result())
         for p in r.pids.values()
     ]
+    pids += audited.run.pids.values()
     assert pids and not [p for p in pids + hog_pids if alive(p)]

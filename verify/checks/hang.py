@@ -19,24 +19,21 @@ collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` /
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
 from verify import progress, runs
-from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, run_script, thread_budget
+from verify.checks.script import WatchedRun, finish_report, run_watched_script
+from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, RunOptions, knob, launch_knobs
 from verify.training.trainer import Progress, Trainer, TrainSpec
-from verify.watching import capture, trace_file
-from verify.watching.findings import Diagnosis
+from verify.watching import capture
 
 #: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
 #: some or all steps; many small buckets; a weight shared by two layers.
@@ -98,25 +95,14 @@ class HangOptions(RunOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class HangResult:
+class HangResult(WatchedRun):
     """The diagnosis of one run, its report folder, and the verdict the CLI exits with."""
 
     options: HangOptions
-    diagnosis: Diagnosis
-    report_dir: str
-    elapsed_s: float
-    failure: str | None = None  # the launcher's summary when a rank failed
-    files: dict = field(default_factory=dict)
-    pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
-    notes: tuple[str, ...] = ()
-    threads: str = ""
-    races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
 
     @property
     def verdict(self) -> str:
-        if self.diagnosis.faulty or self.races:
-            return "fault"
-        return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
+        return self.watched_verdict
 
     @property
     def passed(self) -> bool:
@@ -127,16 +113,8 @@ class HangResult:
             "check": "hang",
             "verdict": self.verdict,
             "passed": self.passed,
-            "report_dir": self.report_dir,
-            "elapsed_s": self.elapsed_s,
             "options": asdict(self.options),
-            "diagnosis": self.diagnosis.to_dict(),
-            "failure": self.failure,
-            "files": self.files,
-            "pids": self.pids,
-            "notes": list(self.notes),
-            "threads": self.threads,
-            "races": list(self.races),
+            **self.watched_dict(),
         }
 
 
@@ -166,34 +144,28 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     return the report(s)."""
     if options.scenarios:
         return run_scenarios(options)
-    name = options.impl or os.path.basename(options.script[0])
+    if options.script:  # the path `audit --nproc` takes too, with the audit off
+        run = run_watched_script(options, command="hang")
+        result = HangResult(options, **run.watched())
+        runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
+        return result
     device = "gpu" if options.backend == "nccl" else "cpu"
-    report_dir = str(runs.new_run_dir(options.out, f"hang_{name}", options.ranks, device))
+    report_dir = str(runs.new_run_dir(options.out, f"hang_{options.impl}", options.ranks, device))
     runs.write_metadata(Path(report_dir), asdict(options))
     start = time.monotonic()
     env = capture.backend_env(options.backend, report_dir)
-    if options.script:
-        console = {"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console)
-        run = run_script(
-            options.script, nproc=options.ranks, report_dir=report_dir,
-            stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s, env=env,
-            threads_per_rank=options.threads_per_rank, console=console,
-            sanitize=options.sanitize,
-        )  # fmt: skip
-    else:
-        run = launch(
-            run_hang_on_rank, world_size=options.ranks, args=(options,), env=env,
-            stall_timeout_s=options.stall_timeout_s, report_dir=report_dir,
-            **launch_knobs(options),
-        )  # fmt: skip
+    run = launch(
+        run_hang_on_rank, world_size=options.ranks, args=(options,), env=env,
+        stall_timeout_s=options.stall_timeout_s, report_dir=report_dir,
+        **launch_knobs(options),
+    )  # fmt: skip
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.ranks)
     diagnosis = replace(run.diagnosis, files=dict(files))
     failure = None if run.ok else run.summary()
-    races = _races(report_dir, options.ranks) if options.sanitize else ()
     result = HangResult(
-        options, diagnosis, report_dir, elapsed, failure, files, pids, run.notes, run.threads,
-        races,
+        options, diagnosis=diagnosis, report_dir=report_dir, elapsed_s=elapsed, failure=failure,
+        files=files, pids=pids, notes=run.notes, threads=run.threads,
     )  # fmt: skip
     runs.write_json(Path(report_dir) / "report.json", result.to_dict())
     return result
@@ -212,38 +184,6 @@ def run_hang_on_rank(ctx: RankContext, options: HangOptions) -> int:
         Trainer(ctx, spec, (Progress(label),)).run()
         steps += spec.steps
     return steps
-
-
-def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:
-    """Turn the binary traces into rank<r>.collectives.jsonl; the captured files, and the
-    ranks' process ids (from their traces)."""
-    files: dict[str, str] = {}
-    pids: dict[int, int] = {}
-    for r in range(world):
-        jsonl = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
-        trace = trace_file.export_jsonl(os.path.join(report_dir, f"rank{r}.trace"), jsonl)
-        if trace is not None:
-            pids[r] = trace.pid
-        for kind in ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json"):
-            path = os.path.join(report_dir, f"rank{r}.{kind}")
-            if os.path.exists(path) and os.path.getsize(path) > 0:
-                files[f"rank{r}.{kind}"] = path
-        for leftover in ("where", "where.request"):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(report_dir, f"rank{r}.{leftover}"))
-    for name in sorted(os.listdir(report_dir)):
-        if name.startswith(("nccl.", "nccl_trace_rank_")):
-            files[name] = os.path.join(report_dir, name)
-    return files, pids
-
-
-def _races(report_dir: str, world: int) -> tuple[dict, ...]:
-    """The race sanitizer's findings of every rank (`rank<r>.races.json`)."""
-    found = []
-    for r in range(world):
-        with contextlib.suppress(OSError, ValueError):
-            found += json.loads((Path(report_dir) / f"rank{r}.races.json").read_text())
-    return tuple(found)
 
 
 # ------------------------------------------------------------ every scenario

@@ -11,7 +11,8 @@ from verify.checks.detection import DetectionOptions, detect
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
-from verify.cli import text_checks, text_matrix
+from verify.checks.script_audit import AuditOptions, check_audit
+from verify.cli import text_audit, text_checks, text_matrix
 from verify.cli.command import Command
 from verify.runs import CleanOptions, prune
 
@@ -63,6 +64,15 @@ CHECK_COMMANDS: tuple[Command, ...] = (
             ("nproc", "world_size"),
             ("scenarios", "steps"),
         ),
+        script=True,
+        fixed=_hang_fixed,
+    ),
+    Command(
+        "audit",
+        "run your script; find the first step and tensor where replicas disagree",
+        AuditOptions,
+        check_audit,
+        text_audit.audit,
         script=True,
         fixed=_hang_fixed,
     ),

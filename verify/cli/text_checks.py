@@ -135,13 +135,20 @@ def hang(result: HangResult | ScenariosResult) -> str:
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o)]
     h = hint(d.text(), situation_of(o)) if d.faulty else None
     lines += [h] if h else []
-    if result.races:
-        lines.append(f"RACES: {len(result.races)} found by --sanitize:")
-        lines += [f"  - {r['message']}" for r in result.races[:10]]
-    lines += [f"note: {n}" for n in result.notes]
-    if result.threads:
-        lines.append(f"note: ranks ran with {result.threads}")
-    return "\n".join(lines + [f"report: {result.report_dir}"])
+    return "\n".join(lines + watched_tail(result) + [f"report: {result.report_dir}"])
+
+
+def watched_tail(run) -> list[str]:
+    """The races `--sanitize` found, the launcher's notes and the thread budget of a run
+    under the watchdog (`hang`, `audit`)."""
+    lines = []
+    if run.races:
+        lines.append(f"RACES: {len(run.races)} found by --sanitize:")
+        lines += [f"  - {r['message']}" for r in run.races[:10]]
+    lines += [f"note: {n}" for n in run.notes]
+    if run.threads:
+        lines.append(f"note: ranks ran with {run.threads}")
+    return lines
 
 
 def _ok(d, o) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from verify.launching import process, threads
 from verify.launching.outcome import RankContext
+from verify.script_audit.report import AuditSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,7 @@ class RankJob:
     # called with the failure report before the traceback is printed (a torchrun job's node
     # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled
     on_failure: Callable[[tuple], None] | None = None
+    audit: AuditSettings | None = None  # audit the script's replicas at its optimizer steps
 
 
 def main(job_path: str, fd: int, parent: int | None = None) -> None:
@@ -190,6 +192,7 @@ def _run_script(job: RankJob, fd: int | None) -> None:
     _report_up_after_init(dist, fd, job)
     _start_helper(job)
     sanitizer = _sanitize(job)
+    auditor = _audit(job)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -206,9 +209,11 @@ def _run_script(job: RankJob, fd: int | None) -> None:
             job.on_failure(report)
         traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
         sys.stderr.flush()
+        _finish_audit(auditor)  # what it found before the crash (os._exit skips `finally`)
         os._exit(1)
     finally:
         _save_races(sanitizer, job)
+        _finish_audit(auditor)
     process.send(fd, ("ok", pickle.dumps(None)))
 
 
@@ -233,6 +238,24 @@ def _save_races(sanitizer, job: RankJob) -> None:
         sanitizer.end_step()
         with open(job.races_path, "w") as f:
             json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
+
+
+def _audit(job: RankJob):
+    """The replica audit at every optimizer step (`audit --nproc N`, `verify/script_audit/`),
+    installed before the script builds its first module."""
+    if job.audit is None:
+        return None
+    from verify.script_audit import Auditor
+
+    auditor = Auditor(job.audit)
+    auditor.install()
+    return auditor
+
+
+def _finish_audit(auditor) -> None:
+    if auditor is not None:
+        with contextlib.suppress(Exception):
+            auditor.finish()
 
 
 def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:

@@ -29,6 +29,7 @@ from verify.launching.outcome import LaunchResult
 from verify.launching.rank import RankJob
 from verify.launching.spawn import STALL_ENV
 from verify.launching.threads import thread_budget
+from verify.script_audit.report import AuditSettings
 
 
 def run_script(
@@ -42,6 +43,7 @@ def run_script(
     threads_per_rank: int | None = None,
     console: TextIO | None = None,
     sanitize: bool = False,
+    audit_every: int | None = None,
 ) -> LaunchResult:
     """Run `python argv[0] argv[1:]` as `nproc` ranks under the watchdog; see the docstring.
 
@@ -56,6 +58,8 @@ def run_script(
         console: where the ranks' output is echoed with a rank prefix (None: files only).
         sanitize: run each rank under the race sanitizer; its findings go to
             `rank<r>.races.json` in the report folder.
+        audit_every: audit the replicas at every K-th optimizer step (`verify/script_audit/`);
+            each rank's report goes to `rank<r>.audit.json`. None: no audit.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -88,6 +92,9 @@ def run_script(
                 helper_dir=report_dir,
                 argv=tuple(argv),
                 races_path=os.path.join(report_dir, f"rank{r}.races.json") if sanitize else None,
+                audit=None
+                if audit_every is None
+                else AuditSettings(audit_every, os.path.join(report_dir, f"rank{r}.audit.json")),
             )
             for r in range(nproc)
         ]

@@ -149,21 +149,34 @@ def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
 # ------------------------------------------------------------ python -m verify.hang_run
 
 
-def script_main(argv: list[str]) -> None:
-    """One traced rank of a torchrun job running the user's script (module docstring)."""
-    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
+def _several_nodes() -> bool:
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
-    rank = int(os.environ.get("RANK", "0"))
+
+def script_report_dir() -> str:
+    """This node's report folder under torchrun (module docstring): one a run (a static
+    rendezvous, --master-addr, has no run id: its agent names it), one a node."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    if run_id == "none":  # static rendezvous (--master-addr): one folder a run, from its agent
+    if run_id == "none":
         run_id = f"agent{os.getppid()}"
-    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # nodes: one folder each
-    node = f"_node{os.environ['GROUP_RANK']}" if several else ""
-    report_dir = os.environ.get(HANG_DIR_ENV) or os.path.join(
+    node = f"_node{os.environ['GROUP_RANK']}" if _several_nodes() else ""
+    return os.environ.get(HANG_DIR_ENV) or os.path.join(
         "profiles", f"hang_torchrun_{run_id}_{socket.gethostname()}{node}"
     )
+
+
+def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bool = False) -> str:
+    """One traced rank of a torchrun job running the user's script (module docstring), with
+    the replica audit every `audit_every` optimizer steps (`verify.audit_run`) and the race
+    sanitizer when asked. Returns the report folder."""
+    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
+    from verify.script_audit.report import AuditSettings
+
+    rank = int(os.environ.get("RANK", "0"))
+    report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    audit = AuditSettings(audit_every, os.path.join(report_dir, f"rank{rank}.audit.json"))
     job = rank_side.RankJob(
         kind="script",
         rank=rank,
@@ -175,9 +188,11 @@ def script_main(argv: list[str]) -> None:
         trace_path=os.path.join(report_dir, f"rank{rank}.trace"),
         helper_dir=report_dir,
         argv=tuple(argv),
+        races_path=os.path.join(report_dir, f"rank{rank}.races.json") if sanitize else None,
+        audit=audit if audit_every is not None else None,
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
-    if several:  # one verdict for the whole job (`jobwide.py`)
+    if _several_nodes():  # one verdict for the whole job (`jobwide.py`)
         from verify.launching import jobwide, node_ranks
 
         watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
@@ -197,6 +212,7 @@ def script_main(argv: list[str]) -> None:
             daemon=True,
         ).start()  # fmt: skip
     rank_side.run_job(job, None)
+    return report_dir
 
 
 def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:

@@ -13,6 +13,9 @@ turns every round, the order rotating (`timing.interleave`):
 Every time is the slowest rank's. The two ratios the project holds itself to, audit /
 all-gather at most 0.1 and audit / step under 0.05, are paired per round with a 95% interval
 and decided three ways (`timing.decide`).
+
+`--script-audit` measures instead what `audit --nproc N -- train.py` adds to a training step
+(audited / plain, goal at most 1.02: `bench_script_audit.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from verify.checks.audit import Auditor
 from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
+from verify.perf.bench_script_audit import script_audit_bench_on_rank
 from verify.perf.timing import Ratio, decide, interleave, paired, timed
 from verify.training.trainer import Trainer, TrainSpec
 
@@ -44,6 +49,9 @@ class AuditBenchOptions(MeasureOptions):
         50.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
     )
     repeats: int = knob(5, "interleaved rounds: a step, an audit, an all-gather each", minimum=1)
+    script_audit: bool = knob(
+        False, "measure `audit --nproc`'s step hooks instead: audited / plain training step"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,6 +80,10 @@ class AuditBenchResult:
     step_s: tuple[float, ...] = ()
     audit_s: tuple[float, ...] = ()
     allgather_s: tuple[float, ...] = ()
+    plain_s: tuple[float, ...] = ()  # --script-audit: steps without the hooks
+    audited_s: tuple[float, ...] = ()  # --script-audit: steps with them
+    findings: int = 0  # --script-audit: findings of the audit (0: replicas identical)
+    audit_s_per_step: float = 0.0  # --script-audit: time inside the hooks, a step (rank 0)
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None
@@ -81,7 +93,11 @@ class AuditBenchResult:
         return self.verdict == "pass"
 
     def bars(self) -> list[tuple[str, Ratio, float, str]]:
-        """(what, ratio paired per round, goal, decision) for both goals."""
+        """(what, ratio paired per round, goal, decision) for both goals (for the one goal of
+        --script-audit)."""
+        if self.options.script_audit:
+            r = paired(list(self.audited_s), list(self.plain_s))
+            return [("audited / plain step", r, GOAL_SCRIPT, decide(r, GOAL_SCRIPT))]
         out = []
         for what, other, goal in (
             ("audit / all-gather", self.allgather_s, GOAL_VS_ALLGATHER),
@@ -101,7 +117,12 @@ class AuditBenchResult:
 
     def to_dict(self) -> dict:
         d = {**asdict(self), "ok": self.ok}
-        if self.ok:
+        if self.ok and self.options.script_audit:
+            d["bars"] = [
+                {"what": w, **r.to_dict(), "goal": g, "decision": dec}
+                for w, r, g, dec in self.bars()
+            ]
+        elif self.ok:
             d["audit_vs_allgather"] = self.audit_vs_allgather
             d["audit_vs_step"] = self.audit_vs_step
             d["bars"] = [
@@ -114,7 +135,7 @@ class AuditBenchResult:
 def run_audit_bench(options: AuditBenchOptions) -> AuditBenchResult:
     info = runs.machine_info()
     run = launch(
-        audit_bench_on_rank,
+        script_audit_bench_on_rank if options.script_audit else audit_bench_on_rank,
         world_size=options.world_size,
         args=(options,),
         **launch_knobs(options),

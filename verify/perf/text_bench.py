@@ -188,6 +188,8 @@ def audit(result: AuditBenchResult) -> str:
     o = result.options
     if not result.ok:
         return failed("bench-audit", result)
+    if o.script_audit:
+        return _script_audit(result)
     rows = [
         [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
         for name, v in [
@@ -215,6 +217,29 @@ def audit(result: AuditBenchResult) -> str:
             *goals,
         ]
     )
+
+
+def _script_audit(result: AuditBenchResult) -> str:
+    """`bench-audit --script-audit`: audited / plain step, side by side."""
+    o = result.options
+    rows = [
+        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
+        for name, v in [("plain step", result.plain_s), ("audited step", result.audited_s)]
+    ]
+    what, r, goal, decided = result.bars()[0]
+    return "\n".join([
+        f"audit --nproc cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
+        f"world size {o.world_size}, {o.repeats} interleaved rounds",
+        f"audited at every step: up to {result.audited_tensors} tensors and settings per audit "
+        f"point; findings: {result.findings}; time inside the audit: "
+        f"{result.audit_s_per_step * 1e3:.1f} ms a step (rank 0)",
+        f"machine: {result.machine}",
+        "",
+        tabulate(rows, headers=["what", "median ms", "min ms"]),
+        "",
+        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})",
+    ])  # fmt: skip
 
 
 def tracer(result: TracerBenchResult) -> str:

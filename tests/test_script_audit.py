@@ -1,0 +1,288 @@
+"""`audit --nproc N -- train.py`: a user's script run unmodified, its replicas compared
+bitwise at every optimizer step (verify/script_audit/).
+
+The scripts are written fresh in the styles people write (tests/fixtures/audit_*.py): a
+nanoGPT loop with DDP and gradient accumulation, a hand-written DDP, a BatchNorm CNN under DDP
+with both `broadcast_buffers` settings, DDP with ZeroRedundancyOptimizer, FSDP2 on a CPU mesh,
+a scheduler. Each rank of a script is a fresh interpreter that imports torch (seconds of CPU),
+so the correct versions run back to back in one launch, the buggy ones in another
+(`audit_suite.py`), and the correct ones once more without the audit, for the proof that the
+audit changes nothing the script computes: three launches of two ranks, run side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import pickle
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.processes import alive
+from verify.checks.hang import HangOptions, check_hang
+from verify.checks.script_audit import AuditOptions, check_audit
+from verify.checks.verdict import EXIT_CODES
+from verify.cli import main
+from verify.cli.text_audit import audit as audit_text
+from verify.launching import RankContext, launch
+from verify.script_audit import report
+from verify.script_audit.collect import Collector, Entry
+from verify.script_audit.compare import compare
+from verify.script_audit.fingerprint import fingerprints
+from verify.script_audit.naming import Modules
+from verify.script_audit.side_group import SideGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
+SCHEDULER = str(ROOT / "tests" / "fixtures" / "audit_scheduler.py")
+CORRECT = ("nanogpt:ok", "hand_ddp:ok", "batchnorm:broadcast", "batchnorm:local", "sharded:zero",
+           "sharded:fsdp", "scheduler:ok")  # fmt: skip
+BUGGY = ("nanogpt:late-sync", "hand_ddp:no-broadcast", "hand_ddp:no-divide", "scheduler:rank0",
+         "scheduler:scaler-rank0")  # fmt: skip
+
+
+def buggy_problems(result) -> list[str]:
+    """What is wrong with the audit of the buggy scripts (empty: each bug named at its step,
+    phase and tensor, nothing else reported as a cause). Shared with the load test."""
+    causes = [f for f in result.faults if f.echo_of is None]
+    expected = [  # (optimizer, phase, step, a tensor named, the ranks that differ)
+        ("AdamW", report.GRADS, 0, "transformer.h.0.attn.c_attn.weight", (1,)),
+        ("SGD #2", report.PARAMS_FIRST, 0, "0.weight", (1,)),
+        ("SGD #3", report.GRADS, 0, "2.bias", (1,)),
+        ("SGD #4", report.SETTINGS, 1, "param_groups[0].lr", (1,)),
+        ("SGD #5", report.SCALER, 1, "GradScaler scale", (1,)),
+    ]
+    problems = []
+    if result.verdict != "fault" or EXIT_CODES[result.verdict] != 1:
+        problems.append(f"verdict {result.verdict}")
+    got = [(f.optimizer, f.phase, f.step) for f in causes]
+    if got != [e[:3] for e in expected]:
+        problems.append(f"causes {got}")
+    for f, (_, _, _, name, ranks) in zip(causes, expected):
+        names = {t.name: t for t in f.tensors}
+        if name not in names and f.count <= len(f.tensors):
+            problems.append(f"{f.where}: {name} not named ({sorted(names)})")
+        shown = [t for t in f.tensors if t.ranks]
+        if not shown or any(t.ranks != ranks or t.reference_rank != 0 for t in shown):
+            problems.append(f"{f.where}: ranks {[t.ranks for t in shown]}")
+    if not all(f.echo_of is not None for f in result.faults if f not in causes):
+        problems.append("an echo without its cause")
+    if [p for p in result.run.pids.values() if alive(p)]:
+        problems.append("a rank left running")
+    return problems
+
+
+def run_buggy(out: str):
+    return check_audit(AuditOptions(script=(SUITE, *BUGGY), out=out, console="none"))
+
+
+@pytest.fixture
+def runs(tmp_path_factory):
+    """The four launches, run once per test session: the first xdist worker to get here runs
+    them under a file lock and leaves the results (pickled) in the session's shared temp
+    dir; the others read them."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    cached = root / "audit-runs.pickle"
+    with open(root / "audit-runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            cached.write_bytes(pickle.dumps(_run_all(str(root / "audit-reports"))))
+    return pickle.loads(cached.read_bytes())
+
+
+def _run_all(out: str) -> tuple:
+    os.makedirs(out, exist_ok=True)
+
+    def correct_cli():
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(["audit", "--nproc", "2", "--out", out, "--", SUITE, *CORRECT])
+        return code, stdout.getvalue(), stderr.getvalue()
+
+    def plain():
+        return check_hang(HangOptions(script=(SUITE, *CORRECT), nproc=2, out=out, console="none"))
+
+    def under_torchrun():
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DDP_VERIFY_HANG_DIR=out + "/tr")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "verify.audit_run", "--audit-every", "2", SCHEDULER,
+               "rank0"]  # fmt: skip
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        jobs = (pool.submit(correct_cli), pool.submit(run_buggy, out), pool.submit(plain),
+                pool.submit(under_torchrun))  # fmt: skip
+        return tuple(j.result() for j in jobs)
+
+
+def test_each_bug_is_named_at_its_step_and_tensor(runs):
+    _, buggy, _, _ = runs
+    text = audit_text(buggy)
+    assert not buggy_problems(buggy), "\n".join(buggy_problems(buggy)) + "\n" + text
+    lr = next(f for f in buggy.faults if f.phase == report.SETTINGS).tensors[0]
+    assert lr.values == ("rank 0: 0.05", "rank 1: 0.1"), lr
+    assert "FIRST DIVERGENCE: gradients before step 0 (AdamW): 28 tensors differ" in text, text
+    assert "optimizer settings before step 1 (SGD #4)" in text, text
+    assert text.splitlines()[-2] == "REPLICAS DIVERGED: first at gradients before step 0 (AdamW)"
+
+
+def test_correct_scripts_are_clean_and_buffers_kept_per_rank_are_a_note(runs):
+    (code, stdout, stderr), _, _, _ = runs
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    report_text = stdout[stdout.index("\naudit: ") :]
+    assert "DIVERGENCE" not in report_text and "replicas bitwise identical" in report_text
+    # Only the BatchNorm CNN with broadcast_buffers=False (the 4th optimizer) gets a note.
+    notes = [line for line in report_text.splitlines() if line.startswith("note: buffers")]
+    assert len(notes) == 1 and "(SGD #4)" in notes[0], report_text
+    assert "1.running_mean, 1.running_var" in notes[0], notes
+    # ZeRO's and FSDP2's shards were seen and never compared.
+    assert re.search(r"; \d+ sharded tensors never compared", report_text), report_text
+
+
+def test_the_audit_changes_nothing_the_script_computes(runs):
+    """Every loss the scripts print (repr: every bit) is the same with and without the audit."""
+    (_, stdout, _), _, plain, _ = runs
+    audited_dir = Path(re.search(r"report: (\S+)", stdout).group(1))
+    for r in (0, 1):
+        audited = _losses(audited_dir / f"rank{r}.stdout")
+        assert audited and audited == _losses(Path(plain.report_dir) / f"rank{r}.stdout")
+    assert plain.verdict == "pass", plain.diagnosis.text()
+
+
+def _losses(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if " loss " in line]
+
+
+def test_under_torchrun_rank_0_prints_the_verdict_and_the_job_fails(runs):
+    """`torchrun ... -m verify.audit_run --audit-every 2 train.py`: the same audit in a job the
+    tool did not start (the scheduler stepped on rank 0 only after step 0, seen at the next
+    audited step, 2); every rank exits 1, so torchrun does."""
+    proc = runs[3]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("verify.audit_run:") == 1, out  # rank 0 only
+    assert "REPLICAS DIVERGED: first at optimizer settings before step 2 (SGD)" in out, out
+    assert "param_groups[0].lr on rank 1 vs rank 0: rank 0: 0.025, rank 1: 0.1" in out, out
+    assert "audited: 4 points" in out, out  # steps 0 and 2, before and after each
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["audit", "--nproc", "2"], "audit needs a script: audit --nproc N -- train.py ARGS"),
+        (["audit", "--", "missing.py"], "script missing.py does not exist"),
+        (
+            ["audit", "--audit-every", "0", "--", SUITE],
+            "argument --audit-every: --audit-every must be >= 1, got 0",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"verify: error: {message}\n", err
+
+
+def test_fingerprints_are_exact():
+    """One ULP anywhere, values moved within a small tensor, rows swapped in a large one: each
+    changes the fingerprint; the same bits give the same one, wherever they sit in memory."""
+    small, large = torch.randn(33), torch.randn(300, 1000)
+    ulp = small.clone()
+    ulp[7] = torch.nextafter(ulp[7], torch.tensor(float("inf")))
+    moved = small.clone()
+    moved[[3, 4]] = moved[[4, 3]]
+    rows = large.clone()
+    rows[[0, 1]] = rows[[1, 0]]
+    one = large.clone()
+    one[299, 999] = torch.nextafter(one[299, 999], torch.tensor(0.0))
+    strided = large.t().contiguous().t()  # the same values, another layout in memory
+    prints = fingerprints([small, ulp, moved, large, rows, one, strided, small[1:].clone()])
+    assert len(set(prints[:6])) == 6 and prints[6] == prints[3], prints
+    assert fingerprints([torch.zeros(3, dtype=torch.bool), torch.zeros(3)]) != [0, 0]
+
+
+def test_names_come_from_the_modules():
+    """A plain nn.Sequential, and the same model inside a wrapper that holds it as `module`
+    (DDP's name, and a hand-written wrapper's): the names a user knows, no `module.`."""
+    modules = Modules()
+    modules.install()
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        assert modules.name_of(net[2].bias) == "2.bias"
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self, module):
+                super().__init__()
+                self.module = module
+
+        Wrapper(net)
+        assert modules.name_of(net[0].weight) == "0.weight"
+        assert modules.name_of(torch.nn.Parameter(torch.ones(1))) is None
+    finally:
+        modules.remove()
+
+
+def _compare_on_rank(ctx: RankContext) -> tuple[str, list]:
+    group = SideGroup()
+    assert group.ready()
+    extra = [Entry(report.STATE, "w momentum_buffer", tensor=torch.ones(2))] if ctx.rank else []
+    base = [Entry(report.GRADS, "w", tensor=torch.ones(4))]
+    layout = compare(group, base + extra, (0, 0, 1)).layout
+    sizes: dict = {}  # the second audit point of the same kind: header and body in one round
+    same = [Entry(report.GRADS, "w", tensor=torch.tensor([1.0, 2.0, 3.0]))]
+    assert compare(group, same, (0, 0, 0), sizes=sizes).mismatched == []
+    values = [Entry(report.GRADS, "w", tensor=torch.tensor([1.0, 2.0, 3.0 + ctx.rank]))]
+    outcome = compare(group, values, (0, 1, 0), sizes=sizes)
+    dist.barrier()  # the script's own group still works, its sequence untouched
+    # A DTensor is compared when replicated (its local tensor is the whole), never when sharded.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    collect = Collector(Modules())
+    whole = collect.replicated(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    shard = collect.replicated(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    assert whole is not None and whole.shape == (4,) and shard is None and collect.sharded == 1
+    return layout, [outcome.mismatched, outcome.diffs[0]]
+
+
+def test_ranks_that_audit_different_tensors_get_a_finding_not_a_crash():
+    """The tool's collectives never depend on rank-local shapes: when one rank holds an
+    optimizer state entry the other lacks, the ranks agree on that first and say so. Then a
+    value that differs on rank 1, found in one all-reduce once the count is agreed, and a
+    replicated DTensor compared where a sharded one is skipped."""
+    run = launch(_compare_on_rank, world_size=2, timeout_s=60)
+    assert run.ok, run.summary()
+    layout, (mismatched, diff) = run.values[0]
+    assert "rank 1: has extra 1 (w momentum_buffer)" in layout, layout
+    assert mismatched == [0] and diff.ranks == (1,) and diff.max_abs_diff == 1.0
+    assert diff.differing == 1 and diff.first_index == (2,), diff
+
+
+@pytest.mark.gpu
+def test_the_audit_of_a_cuda_script(tmp_path):
+    """NCCL, a GradScaler, fingerprints on the GPU: clean at world size 1 on one GPU and at 2
+    where there are two (at 1 there is nothing to compare: no audit point is reached)."""
+    nproc = min(2, torch.cuda.device_count())
+    script = str(ROOT / "tests" / "fixtures" / "audit_cuda.py")
+    result = check_audit(
+        AuditOptions(
+            script=(script,), nproc=nproc, backend="nccl", out=str(tmp_path), console="none"
+        )  # fmt: skip
+    )
+    assert result.verdict == "pass", audit_text(result)
+    assert result.audit is not None and result.audit.finished, audit_text(result)
+    if nproc > 1:
+        assert result.audit.audits >= 2 and not result.findings, audit_text(result)

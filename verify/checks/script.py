@@ -1,0 +1,142 @@
+"""A user's script under the watchdog: the one path `hang --nproc N` and `audit --nproc N`
+take (`launching/script.py` starts the ranks), and the report folder both write.
+
+`run_watched_script` makes the run's folder, starts the script in N ranks (output streamed
+with a `[rank N]` prefix, the watchdog, `--sanitize` when asked, the replica audit when
+asked), and reads back what the ranks left: the diagnosis, the captured files, the race
+findings and the audit reports. The commands turn a `ScriptRun` into their result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from verify import runs
+from verify.launching import run_script
+from verify.script_audit import AuditReport
+from verify.watching import capture, trace_file
+from verify.watching.findings import Diagnosis
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchedRun:
+    """What a run under the watchdog left: its diagnosis, report folder and captured files;
+    the base of `hang`'s result and of a script's run."""
+
+    diagnosis: Diagnosis
+    report_dir: str
+    elapsed_s: float
+    failure: str | None = None  # the launcher's summary when a rank failed
+    files: dict = field(default_factory=dict)
+    pids: dict = field(default_factory=dict)  # rank -> process id (all ended on return)
+    notes: tuple[str, ...] = ()
+    threads: str = ""
+    races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
+
+    @property
+    def watched_verdict(self) -> str:
+        """The run's verdict on its own: a hang, desync, crash or race is a fault."""
+        if self.diagnosis.faulty or self.races:
+            return "fault"
+        return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
+
+    def watched(self) -> dict:
+        """The fields of `WatchedRun`, to build another result from this one."""
+        return {f.name: getattr(self, f.name) for f in fields(WatchedRun)}
+
+    def watched_dict(self) -> dict:
+        """The JSON of the fields of `WatchedRun`."""
+        return {
+            **self.watched(),
+            "diagnosis": self.diagnosis.to_dict(),
+            "notes": list(self.notes),
+            "races": list(self.races),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptRun(WatchedRun):
+    """A script's run, and the audit's report when it ran."""
+
+    audit: AuditReport | None = None
+
+
+def run_watched_script(options, *, command: str, audit_every: int | None = None) -> ScriptRun:
+    """Run `options.script` in `options.nproc` ranks under the watchdog (module docstring).
+
+    `options`: a command's options with the script knobs (`script`, `nproc`, `backend`,
+    `stall_timeout_s`, `timeout_s`, `threads_per_rank`, `console`, `sanitize`, `out`).
+    `command` names the report folder (`hang_train.py_2xcpu_<stamp>`).
+    """
+    name = os.path.basename(options.script[0])
+    device = "gpu" if options.backend == "nccl" else "cpu"
+    report_dir = str(runs.new_run_dir(options.out, f"{command}_{name}", options.nproc, device))
+    runs.write_metadata(Path(report_dir), options.to_dict())
+    start = time.monotonic()
+    console = {"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console)
+    run = run_script(
+        options.script, nproc=options.nproc, report_dir=report_dir,
+        stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
+        env=capture.backend_env(options.backend, report_dir),
+        threads_per_rank=options.threads_per_rank, console=console, sanitize=options.sanitize,
+        audit_every=audit_every,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    files, pids = finish_report(report_dir, options.nproc)
+    return ScriptRun(
+        report_dir=report_dir, elapsed_s=elapsed, diagnosis=replace(run.diagnosis, files=files),
+        failure=None if run.ok else run.summary(), files=files, pids=pids, notes=run.notes,
+        threads=run.threads,
+        races=races_of(report_dir, options.nproc) if options.sanitize else (),
+        audit=None if audit_every is None else audit_of(report_dir, options.nproc),
+    )  # fmt: skip
+
+
+def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:
+    """Turn the binary traces into rank<r>.collectives.jsonl; the captured files, and the
+    ranks' process ids (from their traces)."""
+    files: dict[str, str] = {}
+    pids: dict[int, int] = {}
+    for r in range(world):
+        jsonl = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
+        trace = trace_file.export_jsonl(os.path.join(report_dir, f"rank{r}.trace"), jsonl)
+        if trace is not None:
+            pids[r] = trace.pid
+        kinds = ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json",
+                 "audit.json")  # fmt: skip
+        for kind in kinds:
+            path = os.path.join(report_dir, f"rank{r}.{kind}")
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                files[f"rank{r}.{kind}"] = path
+        for leftover in ("where", "where.request"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(report_dir, f"rank{r}.{leftover}"))
+    for name in sorted(os.listdir(report_dir)):
+        if name.startswith(("nccl.", "nccl_trace_rank_")):
+            files[name] = os.path.join(report_dir, name)
+    return files, pids
+
+
+def races_of(report_dir: str, world: int) -> tuple[dict, ...]:
+    """The race sanitizer's findings of every rank (`rank<r>.races.json`)."""
+    found = []
+    for r in range(world):
+        with contextlib.suppress(OSError, ValueError):
+            found += json.loads((Path(report_dir) / f"rank{r}.races.json").read_text())
+    return tuple(found)
+
+
+def audit_of(report_dir: str, world: int) -> AuditReport | None:
+    """The audit's report: every rank reaches the same findings (they are decided by
+    reductions), so the one that audited most is taken (a rank that crashed wrote less)."""
+    reports = [
+        AuditReport.read(os.path.join(report_dir, f"rank{r}.audit.json")) for r in range(world)
+    ]
+    reports = [r for r in reports if r is not None]
+    return max(reports, key=lambda r: (r.audits, len(r.findings)), default=None)

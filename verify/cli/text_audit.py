@@ -1,0 +1,106 @@
+"""The report of `audit` (and of `verify.audit_run` under torchrun), as text: formatting
+only, every verdict is decided by the check (`checks/script_audit.py`)."""
+
+from __future__ import annotations
+
+from verify.checks.script_audit import AuditResult
+from verify.cli.text_checks import watched_tail
+from verify.script_audit import AuditReport, Finding
+from verify.script_audit.report import SETTINGS
+
+
+def audit(result: AuditResult) -> str:
+    o, run = result.options, result.run
+    every = "every optimizer step" if o.audit_every == 1 else f"every {o.audit_every}th step"
+    ranks = f"{o.nproc} rank{'s' if o.nproc != 1 else ''}"
+    lines = [f"audit: {' '.join(o.script)}, {ranks}, {every} ({run.elapsed_s:.1f}s)"]
+    lines += findings(result.audit)
+    d = run.diagnosis
+    if d.faulty or d.verdict != "ok":
+        lines.append(d.text())
+    lines += watched_tail(run)
+    lines.append(verdict_line(result.audit, result.verdict))
+    return "\n".join(lines + [f"report: {result.report_dir}"])
+
+
+def findings(audited: AuditReport | None) -> list[str]:
+    """The findings (first divergence, every distinct later one, what follows from them, the
+    notes) and what was audited."""
+    if audited is None:
+        return ["no audit report: the script never got to audit (see its output)"]
+    lines: list[str] = []
+    faults = [f for f in audited.findings if f.fault]
+    causes = [f for f in faults if f.echo_of is None]
+    for n, f in enumerate(causes):
+        title = "FIRST DIVERGENCE" if n == 0 else "ANOTHER DIVERGENCE"
+        lines += _block(f, title)
+        echoes = [e for e in faults if e.echo_of == audited.findings.index(f)]
+        if echoes:
+            lines.append("  then, following from it:")
+            lines += [f"    {e.where}: {_count(e)}{_again(e)}" for e in echoes]
+    for f in audited.findings:
+        if not f.fault:
+            names = ", ".join(t.name for t in f.tensors[:6]) + (", ..." if f.count > 6 else "")
+            lines.append(f"note: {f.where}: {_count(f)} differ across ranks ({names}): {f.hint}")
+    lines.append(_summary(audited))
+    if audited.stopped:
+        lines.append(f"note: the audit stopped early: {audited.stopped}")
+    return lines
+
+
+def verdict_line(report: AuditReport | None, verdict: str) -> str:
+    if report is not None and report.faults:
+        first = report.faults[0]
+        return f"REPLICAS DIVERGED: first at {first.where}"
+    if verdict == "pass" and (report is None or report.audits == 0):
+        return "NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks"
+    if verdict == "pass":
+        kept = any(not f.fault for f in report.findings)
+        return (
+            "replicas bitwise identical at every audited step"
+            + (" (apart from the buffers noted, kept per rank by design)" if kept else "")
+            + (" until the audit stopped (see the note)" if report.stopped else "")
+        )
+    return f"verdict: {verdict}"
+
+
+def _block(f: Finding, title: str) -> list[str]:
+    if f.kind == "layout":
+        return [f"{title}: {f.where}: {f.detail}{_again(f)}", f"  what it usually means: {f.hint}"]
+    described = [t for t in f.tensors if t.ranks or t.values]
+    lines = [f"{title}: {f.where}: {_count(f)} differ{'s' if f.count == 1 else ''}"]
+    lines += [f"  {t.describe()}" for t in described]
+    rest = [t.name for t in f.tensors if not (t.ranks or t.values)]
+    if rest:
+        more = ", ..." if f.count > len(f.tensors) else ""
+        lines.append(f"  also {', '.join(rest)}{more} ({f.count} in all)")
+    if f.seen_at:
+        lines.append(f"  seen again at step{'s' if len(f.seen_at) > 1 else ''} "
+                     f"{', '.join(map(str, f.seen_at))}")  # fmt: skip
+    lines.append(f"  what it usually means: {f.hint}")
+    return lines
+
+
+def _count(f: Finding) -> str:
+    noun = "setting" if f.phase == SETTINGS else "tensor"
+    return f"{f.count} {noun}{'s' if f.count != 1 else ''}"
+
+
+def _again(f: Finding) -> str:
+    return (
+        f" (again at step{'s' if len(f.seen_at) > 1 else ''} {', '.join(map(str, f.seen_at))})"
+        if f.seen_at
+        else ""
+    )
+
+
+def _summary(report: AuditReport) -> str:
+    steps = ", ".join(f"{name} {n} step{'s' if n != 1 else ''}" for name, n in report.steps.items())
+    text = (f"audited: {report.audits} points (before and after each audited step), up to "
+            f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
+    if report.sharded:
+        text += f"; {report.sharded} sharded tensors never compared across ranks"
+    if report.audits:
+        per = report.seconds / report.audits * 2e3
+        text += f"; the audit took {report.seconds:.2f}s on one rank ({per:.1f} ms a step)"
+    return text

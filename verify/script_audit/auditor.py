@@ -1,0 +1,235 @@
+"""The audit inside a rank of a user's script: PyTorch's global optimizer step hooks.
+
+`Auditor.install()` runs before the script's first line (`launching/rank.py`). From then on,
+every `step()` of every optimizer the script creates is audited, on every rank in the same
+order (a step is a point all ranks reach together in data-parallel training):
+
+    before step N   the first audited step: the parameters (did the replicas start equal?);
+                    every param group's settings (lr, betas, ...); the GradScaler's scale;
+                    the buffers (as DDP broadcast them at the forward, when it does; else
+                    compared as they are, a note when they differ); the gradients
+    after step N    the parameters; the optimizer state
+
+An optimizer stepped from inside another's step (`ZeroRedundancyOptimizer` steps a local
+optimizer over this rank's shard) is not audited: only the outermost step counts. With
+`every=K` only steps 0, K, 2K, ... are audited; the script's step count is kept per optimizer.
+
+The audit never changes what the script computes: it reads tensors (fingerprints, and a
+copy of a differing tensor) and never writes one, draws nothing from a random generator, and
+talks over its own group (`side_group.py`). An error inside the audit stops the audit, with
+the reason in the report, and never reaches the script.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from verify.script_audit import report
+from verify.script_audit.book import Book
+from verify.script_audit.collect import Collector, Entry
+from verify.script_audit.compare import compare
+from verify.script_audit.fingerprint import fingerprints
+from verify.script_audit.naming import Modules, strip, syncs_buffers
+from verify.script_audit.report import AuditReport, AuditSettings
+from verify.script_audit.side_group import SideGroup
+
+BEFORE, AFTER = 0, 1
+
+
+class Auditor:
+    """The hooks and what they found so far (module docstring)."""
+
+    def __init__(self, settings: AuditSettings) -> None:
+        self.settings = settings
+        self.modules = Modules()
+        self.collect = Collector(self.modules)
+        self.group = SideGroup()
+        self.book = Book()
+        self.scalers: weakref.WeakSet = weakref.WeakSet()
+        # Keyed by the objects, weakly: an id is reused once the script drops an optimizer.
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> steps taken
+        self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
+        self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
+        self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
+        self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
+        self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
+        self._in_ddp_forward: set[int] = set()
+        self.depth = 0
+        self.audits = self.tensors = self.sharded = 0
+        self.seconds = 0.0  # time spent inside the audit, in all
+        self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
+        self.stopped: str | None = None
+        self._handles: list = []
+        self._scaler_init = None
+
+    # ------------------------------------------------------------ set-up
+
+    def install(self) -> None:
+        """Note the modules and GradScalers the script builds, and audit its steps."""
+        self.modules.on_wrap = self._on_wrap
+        self.modules.install()
+        self.attach()
+        from torch.amp import grad_scaler
+
+        original, scalers = grad_scaler.GradScaler.__init__, self.scalers
+
+        def __init__(scaler, *args, **kwargs):
+            original(scaler, *args, **kwargs)
+            scalers.add(scaler)
+
+        grad_scaler.GradScaler.__init__ = __init__
+        self._scaler_init = original
+
+    def attach(self) -> None:
+        """Audit optimizer steps from now on (the global step hooks)."""
+        if not self._handles:
+            self._handles = [
+                register_optimizer_step_pre_hook(self._before),
+                register_optimizer_step_post_hook(self._after),
+            ]
+
+    def detach(self) -> None:
+        """No longer audit steps (the benchmark's plain arm); `attach()` resumes."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def remove(self) -> None:
+        self.modules.remove()
+        self.detach()
+        if self._scaler_init is not None:
+            from torch.amp import grad_scaler
+
+            grad_scaler.GradScaler.__init__ = self._scaler_init
+
+    def _on_wrap(self, wrapper: nn.Module, model: nn.Module) -> None:
+        """A module took another as `module`: if it is DDP, fingerprint the buffers inside its
+        forward, after its broadcast and before the model's forward updates them."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(wrapper, DistributedDataParallel):
+            return
+        inside, key = self._in_ddp_forward, id(wrapper)
+        wrapper.register_forward_pre_hook(lambda m, args: inside.add(key))
+        wrapper.register_forward_hook(lambda m, args, out: inside.discard(key))
+        ref = weakref.ref(wrapper)
+
+        def snapshot(module, args):
+            ddp = ref()
+            if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
+                return
+            if self.stopped is None:
+                self._guard(fingerprint_buffers, ddp)
+
+        def fingerprint_buffers(ddp: nn.Module) -> None:
+            named = [(strip(ddp, n), b) for n, b in ddp.named_buffers()]
+            prints = fingerprints([b for _, b in named])
+            self.snapshots[ddp] = [
+                Entry(report.BUFFERS_SYNCED, n, fingerprint=fp,
+                      key_extra=f"{b.dtype}|{tuple(b.shape)}")
+                for (n, b), fp in zip(named, prints)
+            ]  # fmt: skip
+
+        model.register_forward_pre_hook(snapshot)
+
+    # ------------------------------------------------------------ the hooks
+
+    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self.depth += 1
+        step = self.steps.get(opt, 0)
+        if self.depth == 1 and self._due(step):
+            self._guard(self._audit_before, opt, step)
+
+    def _after(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth > 0:
+            return
+        step = self.steps.get(opt, 0)
+        self.steps[opt] = step + 1
+        self.finished_steps[self._label(opt)[1]] = step + 1
+        if self._due(step):
+            self._guard(self._audit_after, opt, step)
+
+    def _due(self, step: int) -> bool:
+        return self.stopped is None and step % self.settings.every == 0 and self.group.ready()
+
+    def _audit_before(self, opt: torch.optim.Optimizer, step: int) -> None:
+        self.collect.sharded = 0
+        self.modules.refresh()
+        entries = []
+        if opt not in self.started:
+            self.started.add(opt)
+            entries += self.collect.parameters(opt, report.PARAMS_FIRST)
+        entries += self.collect.settings(opt)
+        entries += self.collect.scalers(list(self.scalers))
+        for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
+            if syncs_buffers(root):
+                entries += self.snapshots.pop(root, [])
+            else:
+                entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
+        entries += self.collect.gradients(opt)
+        self._check(opt, step, BEFORE, entries)
+
+    def _audit_after(self, opt: torch.optim.Optimizer, step: int) -> None:
+        self.collect.sharded = 0
+        self.modules.refresh()
+        entries = self.collect.parameters(opt, report.PARAMS_AFTER) + self.collect.state(opt)
+        self._check(opt, step, AFTER, entries)
+
+    def _check(self, opt, step: int, point: int, entries: list[Entry]) -> None:
+        index, label = self._label(opt)
+        outcome = compare(
+            self.group, entries, (index, step, point),
+            known=lambda e: self.book.known(label, e.phase, e.name), sizes=self.sizes,
+        )  # fmt: skip
+        self.audits += 1
+        self.tensors = max(self.tensors, len(entries))
+        self.sharded = max(self.sharded, self.collect.sharded)
+        if self.book.add(label, step, entries, outcome) or self.audits == 1:
+            self.write()
+
+    def _label(self, opt: torch.optim.Optimizer) -> tuple[int, str]:
+        if opt not in self.labels:
+            index, self.optimizers = self.optimizers, self.optimizers + 1
+            name = type(opt).__name__ + (f" #{index + 1}" if index else "")
+            self.labels[opt] = (index, name)
+        return self.labels[opt]
+
+    def _guard(self, fn, *args) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:  # the audit's own failure never becomes the script's
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+            self.stopped = f"{type(exc).__name__}: {exc} (at {where})"
+            self.write()
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------ the report
+
+    def report(self, finished: bool = False) -> AuditReport:
+        return AuditReport(
+            every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits, tensors=self.tensors,
+            sharded=self.sharded, seconds=self.seconds, findings=tuple(self.book.findings),
+            stopped=self.stopped,
+            finished=finished,
+        )  # fmt: skip
+
+    def write(self, finished: bool = False) -> None:
+        if self.settings.path:
+            self.report(finished).write(self.settings.path)
+
+    def finish(self) -> None:
+        """The script ended: write the final report."""
+        self.write(finished=True)

@@ -1,0 +1,137 @@
+"""What is meant to be replicated at an optimizer step, as named entries.
+
+An `Entry` is one thing every rank should hold bitwise alike: a tensor (compared by its
+fingerprint, `fingerprint.py`) or a setting (a number or a string, compared exactly). Its
+`key` (name, dtype, shape) is what the ranks first agree on: the ranks compare values only
+once they hold the same list of keys.
+
+Sharded tensors are never compared across ranks: a `DTensor` (FSDP2, tensor parallelism) is
+compared only when every placement is `Replicate()` (its local tensor is then the whole
+value); any other placement is counted as sharded and skipped. `ZeroRedundancyOptimizer`
+keeps its state in a local optimizer over this rank's shard: its steps run nested inside the
+outer step and are not audited (`auditor.py`), and the outer optimizer holds no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from verify.script_audit import report
+from verify.script_audit.naming import Modules, strip
+
+
+@dataclass
+class Entry:
+    """One replicated thing at one audit point."""
+
+    phase: str  # one of report.PHASES
+    name: str
+    tensor: torch.Tensor | None = None  # compared by fingerprint
+    setting: float | str | None = None  # compared exactly
+    fingerprint: int | None = None  # already computed (a buffer fingerprinted at forward)
+    key_extra: str = ""  # dtype and shape of a pre-fingerprinted tensor
+
+    @property
+    def key(self) -> str:
+        if self.tensor is not None:
+            return f"{self.phase}|{self.name}|{self.tensor.dtype}|{tuple(self.tensor.shape)}"
+        kind = "setting" if self.setting is not None else self.key_extra or "none"
+        return f"{self.phase}|{self.name}|{kind}"
+
+
+class Collector:
+    """Builds the entries of each phase for one optimizer; counts the sharded tensors it
+    skipped (`sharded`, reset by the caller)."""
+
+    def __init__(self, modules: Modules) -> None:
+        self.modules = modules
+        self.sharded = 0
+
+    def params(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """(qualified name, parameter) for every parameter of the optimizer, in order."""
+        out = []
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                out.append((self.modules.name_of(p) or f"param_groups[{g}][{i}]", p))
+        return out
+
+    def tensors(self, phase: str, named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Entry]:
+        entries = []
+        for name, t in named:
+            local = self.replicated(t)
+            if local is not None or t is None:
+                entries.append(Entry(phase, name, tensor=local))
+        return entries
+
+    def replicated(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor to compare, or None when there is none or it is sharded."""
+        if t is None:
+            return None
+        if type(t).__name__ == "DTensor":
+            from torch.distributed.tensor import Replicate
+
+            if all(isinstance(p, Replicate) for p in t.placements):
+                return t.to_local()
+            self.sharded += 1
+            return None
+        return t
+
+    def gradients(self, opt: torch.optim.Optimizer) -> list[Entry]:
+        return self.tensors(report.GRADS, ((n, p.grad) for n, p in self.params(opt)))
+
+    def parameters(self, opt: torch.optim.Optimizer, phase: str) -> list[Entry]:
+        return self.tensors(phase, self.params(opt))
+
+    def state(self, opt: torch.optim.Optimizer) -> list[Entry]:
+        entries = []
+        for name, p in self.params(opt):
+            for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                label = f"{name} {key}"
+                if isinstance(value, torch.Tensor):
+                    entries += self.tensors(report.STATE, [(label, value)])
+                elif isinstance(value, (int, float, bool)):
+                    entries.append(Entry(report.STATE, label, setting=float(value)))
+        return entries
+
+    def settings(self, opt: torch.optim.Optimizer) -> list[Entry]:
+        """Every hyperparameter of every param group (lr, betas, weight_decay, ...)."""
+        entries = []
+        for g, group in enumerate(opt.param_groups):
+            for key in sorted(k for k in group if k != "params"):
+                value = group[key]
+                items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
+                for i, v in items:
+                    name = f"param_groups[{g}].{key}" + ("" if i is None else f"[{i}]")
+                    entries.append(Entry(report.SETTINGS, name, setting=_setting(v)))
+        return entries
+
+    def buffers(self, roots: list[nn.Module], phase: str) -> list[Entry]:
+        named = [(strip(r, n), b) for r in roots for n, b in r.named_buffers()]
+        return self.tensors(phase, named)
+
+    def scalers(self, scalers: list) -> list[Entry]:
+        entries = []
+        for i, s in enumerate(scalers):
+            scale = getattr(s, "_scale", None)
+            if not getattr(s, "_enabled", False) or scale is None:
+                continue
+            name = "GradScaler" + (f" #{i + 1}" if len(scalers) > 1 else "")
+            entries.append(Entry(report.SCALER, f"{name} scale", tensor=scale))
+            tracker = getattr(s, "_growth_tracker", None)
+            if tracker is not None:
+                entries.append(Entry(report.SCALER, f"{name} growth tracker", tensor=tracker))
+        return entries
+
+
+def _setting(v) -> float | str:
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return repr(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return float(v.item())
+    return repr(v)

@@ -1,0 +1,196 @@
+"""One audit point: do all ranks hold the same entries, bitwise? Decided in two all-reduces
+of fixed size, per-rank detail gathered only where they do not.
+
+1. The header: a digest of the entries' keys (names, dtypes, shapes), their count, the
+   optimizer, its step and the point (before or after the step): 5 words, all-reduced as
+   maximum and minimum (`SideGroup.agree`); from the second time on at the same point, in
+   the same all-reduce as the fingerprints (`compare`'s `sizes`). Unequal: the ranks audit different things (a
+   state entry present on some ranks only, a step skipped on one rank); the ranks then
+   gather their headers and each compares its keys with the reference rank's, and this is
+   reported as what differs, never compared further (a size that differs across ranks
+   would crash or hang the next collective).
+2. The body: one fingerprint per entry, all-reduced as maximum and minimum. Its size is the
+   agreed count, whatever the world size.
+3. Only for entries whose minimum and maximum differ (at most `MAX_DETAIL` of them): every
+   rank's fingerprint (an all-gather), so the ranks that differ are named; for a setting, its
+   value on each rank; for a tensor, the reference rank's copy broadcast and each rank's
+   largest difference, count of differing elements and first differing index gathered.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from verify.script_audit.collect import Entry
+from verify.script_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
+from verify.script_audit.report import TensorDiff
+from verify.script_audit.side_group import SideGroup
+
+MAX_DETAIL = 12  # tensors per audit point described in full (the rest are counted)
+MAX_BROADCAST_BYTES = 256 << 20  # larger tensors: the ranks that differ, not by how much
+_TEXT = 240  # bytes each rank sends to say how its keys differ from the reference's
+
+
+@dataclass
+class Outcome:
+    """What one audit point found."""
+
+    layout: str = ""  # non-empty: the ranks audit different entries; what differs
+    mismatched: list[int] = field(default_factory=list)  # indices of entries that differ
+    diffs: dict[int, TensorDiff] = field(default_factory=dict)  # detail, by index
+
+
+def compare(
+    group: SideGroup,
+    entries: list[Entry],
+    where: tuple[int, int, int],
+    known: Callable[[Entry], bool] = lambda e: False,
+    sizes: dict | None = None,
+) -> Outcome:
+    """Compare `entries` across ranks (module docstring); `where` = (optimizer index, step,
+    point), which every rank must share. Entries for which `known` is true (a divergence
+    already reported, seen again) are not described again; `known` must answer alike on
+    every rank (it reads what the ranks agreed on).
+
+    `sizes` (kept by the caller from one audit point to the next) remembers how many entries
+    the ranks agreed on at this optimizer's point before: the header and the fingerprints
+    then travel in one all-reduce, the fingerprints padded or cut to that agreed size, and
+    are used only if the header agrees and its count is that size (what every rank decides
+    alike, from agreed values); otherwise a second all-reduce sends them at the agreed count.
+    At steady state an audit point is one all-reduce."""
+    keys = [e.key for e in entries]
+    header = [text_bits("\n".join(keys)), len(entries), *where]
+    sizes = {} if sizes is None else sizes
+    expected = sizes.get((where[0], where[2]))
+    prints = _fingerprints(entries)
+    if expected is None:
+        agreed, same = all(group.agree(header)), None
+    else:
+        body = (prints + [0] * expected)[:expected]
+        both = group.agree(header + body)
+        agreed, same = all(both[: len(header)]), both[len(header) :]
+    if not agreed:
+        return Outcome(layout=_layout(group, header, keys))
+    if expected != len(entries):
+        sizes[(where[0], where[2])] = len(entries)
+        same = group.agree(prints)
+    mismatched = [i for i, ok in enumerate(same) if not ok]
+    outcome = Outcome(mismatched=mismatched)
+    if not mismatched:
+        return outcome
+    shown, per_phase = [], Counter()
+    for i in mismatched:  # the first few of each phase: a user reads one of each kind
+        if len(shown) < MAX_DETAIL and per_phase[entries[i].phase] < 3 and not known(entries[i]):
+            shown.append(i)
+            per_phase[entries[i].phase] += 1
+    if not shown:
+        return outcome
+    everyone = group.gather([prints[i] for i in shown])
+    for j, i in enumerate(shown):
+        per_rank = [row[j] for row in everyone]
+        outcome.diffs[i] = _describe(group, entries[i], per_rank)
+    return outcome
+
+
+def _fingerprints(entries: list[Entry]) -> list[int]:
+    tensors = [e.tensor for e in entries if e.tensor is not None]
+    computed = iter(fingerprints(tensors))
+    out = []
+    for e in entries:
+        if e.tensor is not None:
+            out.append(next(computed))
+        elif e.fingerprint is not None:
+            out.append(e.fingerprint)
+        elif isinstance(e.setting, float):
+            out.append(value_bits(e.setting))
+        elif isinstance(e.setting, str):
+            out.append(text_bits(e.setting))
+        else:
+            out.append(0)  # no tensor on any rank (its key says so on every rank)
+    return out
+
+
+def _reference(per_rank: list[int]) -> int:
+    """The rank holding the value most ranks hold (the lowest such rank on a tie)."""
+    counts = Counter(per_rank)
+    best = max(counts.values())
+    return next(r for r, v in enumerate(per_rank) if counts[v] == best)
+
+
+def _describe(group: SideGroup, entry: Entry, per_rank: list[int]) -> TensorDiff:
+    ref = _reference(per_rank)
+    ranks = tuple(r for r, v in enumerate(per_rank) if v != per_rank[ref])
+    diff = TensorDiff(entry.name, ranks, ref)
+    if isinstance(entry.setting, float):
+        shown = dict.fromkeys([ref, *ranks][:8])
+        values = tuple(f"rank {r}: {bits_value(per_rank[r]):.6g}" for r in shown)
+        return TensorDiff(entry.name, ranks, ref, values=values)
+    t = entry.tensor
+    if t is None or t.numel() * t.element_size() > MAX_BROADCAST_BYTES:
+        return diff
+    mine = t.detach().to("cpu", copy=True).contiguous()
+    theirs = group.broadcast(mine.clone(), ref)
+    stats = torch.tensor(_stats(theirs, mine), dtype=torch.float64)
+    rows = [s.tolist() for s in group.gather_tensor(stats)]
+    worst = max((r for r in ranks), key=lambda r: (rows[r][0], rows[r][1]), default=ref)
+    max_abs, differing, first = rows[worst]
+    index = None if first < 0 else tuple(torch.unravel_index(torch.tensor(int(first)), t.shape))
+    return TensorDiff(
+        entry.name, ranks, ref, max_abs_diff=max(r[0] for r in rows), differing=int(differing),
+        numel=t.numel(), first_index=None if index is None else tuple(int(i) for i in index),
+    )  # fmt: skip
+
+
+def _stats(ref: torch.Tensor, mine: torch.Tensor) -> list[float]:
+    """[largest |mine - ref|, elements that differ, flat index of the first (-1: none)]."""
+    a, b = ref.reshape(-1), mine.reshape(-1)
+    if a.is_floating_point() or a.is_complex():
+        both_nan = torch.isnan(a) & torch.isnan(b)
+        differ = (a != b) & ~both_nan
+        gap = (a.double() - b.double()).abs() if not a.is_complex() else (a - b).abs().double()
+    else:
+        differ = a != b
+        gap = (a.double() - b.double()).abs()
+    count = int(differ.sum())
+    first = int(differ.nonzero()[0, 0]) if count else -1
+    largest = float(gap[differ].max()) if count else 0.0
+    return [largest, float(count), float(first)]
+
+
+def _layout(group: SideGroup, header: list[int], keys: list[str]) -> str:
+    """What differs between the ranks' entries (module docstring, step 1)."""
+    headers = group.gather(header)
+    ref = _reference([h[0] for h in headers])
+    parts = []
+    steps = {tuple(h[2:]) for h in headers}
+    if len(steps) > 1:
+        at = ", ".join(f"rank {r}: optimizer {h[2]} step {h[3]}" for r, h in enumerate(headers))
+        parts.append(f"the ranks are at different steps ({at})")
+    theirs = group.broadcast_text("\n".join(keys), ref).split("\n")
+    have, want = set(keys), set(theirs)
+    missing = [k for k in theirs if k not in have]
+    extra = [k for k in keys if k not in want]
+    mine = ""
+    if missing or extra:
+        mine = f"rank {group.rank}: " + "; ".join(
+            f"{label} {len(ks)} ({', '.join(_short(k) for k in ks[:3])})"
+            for label, ks in (("lacks", missing), ("has extra", extra)) if ks
+        )  # fmt: skip
+    data = mine.encode()[:_TEXT].ljust(_TEXT, b"\0")
+    texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    for t in texts:
+        text = bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
+        if text:
+            parts.append(text)
+    parts.append(f"(compared with rank {ref}'s {len(theirs)} entries)")
+    return "; ".join(parts)
+
+
+def _short(key: str) -> str:
+    """A key as a user reads it: the name, without the phase and dtype."""
+    parts = key.split("|")
+    return parts[1] if len(parts) > 1 else key

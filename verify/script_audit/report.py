@@ -1,0 +1,186 @@
+"""What the audit found, as typed records that travel from a rank to the parent (JSON).
+
+A `Finding` is one distinct divergence: at one audit point (an optimizer's step, before or
+after it) and one phase, the tensors that newly differ across ranks, each with the ranks that
+differ and by how much (`TensorDiff`), and what this usually means. A later step where the
+same tensors differ again adds to the finding's `seen_at` rather than making a new one, and a
+divergence that follows from an earlier one (parameters after a step whose gradients already
+differed) records which (`echo_of`). Kinds: "divergence" and "layout" (the ranks audit
+different sets of tensors, or are at different steps) are faults; "note" is not (buffers
+that the script's wrapper does not synchronize and that differ: a documented design).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+# Phases, in the order they are audited around one step; each a label with the step in it.
+PARAMS_FIRST = "parameters before step {step} (the first audited)"
+SETTINGS = "optimizer settings before step {step}"
+SCALER = "GradScaler before step {step}"
+BUFFERS_SYNCED = "buffers after DDP's broadcast, before step {step}"
+BUFFERS_LOCAL = "buffers before step {step}"
+GRADS = "gradients before step {step}"
+PARAMS_AFTER = "parameters after step {step}"
+STATE = "optimizer state after step {step}"
+LAYOUT = "the tensors audited at step {step}"
+PHASES = (PARAMS_FIRST, SETTINGS, SCALER, BUFFERS_SYNCED, BUFFERS_LOCAL, GRADS, PARAMS_AFTER,
+          STATE, LAYOUT)  # fmt: skip
+
+HINTS = {
+    PARAMS_FIRST: "the replicas start from different weights: the initial broadcast from rank "
+    "0 is missing (a hand-written DDP must broadcast parameters and buffers when it wraps the "
+    "model), or each rank initializes the model from its own seed",
+    SETTINGS: "an optimizer setting differs across ranks: a learning-rate scheduler (or code "
+    "that sets param_groups values) ran on some ranks only, e.g. under `if master_process:`; "
+    "every rank must step it",
+    SCALER: "the GradScaler's scale differs: scaler.update() ran on some ranks only, or the "
+    "ranks saw different inf/NaN gradients (gradients not synchronized before unscale)",
+    BUFFERS_SYNCED: "buffers differ right after DDP broadcast them from rank 0: the ranks "
+    "modified them between the broadcast and the forward, or wrap different models",
+    BUFFERS_LOCAL: "the script's wrapper does not synchronize these buffers (no DDP wrapper, "
+    "or DDP with broadcast_buffers=False), so running statistics are kept per rank: a "
+    "documented design, not a fault; broadcast them from rank 0 before evaluating or saving "
+    "if you need one model",
+    GRADS: "gradients were not synchronized, or synchronized only on some micro-steps (with "
+    "gradient accumulation, `require_backward_grad_sync` / `no_sync()` must be decided before "
+    "the forward of each micro-step), or averaged differently on some ranks (a sum not divided "
+    "by the world size, or divided on some ranks only)",
+    PARAMS_AFTER: "parameters differ after a step whose gradients and settings agreed: the "
+    "update itself ran differently on some ranks (a rank-local clip, learning rate or "
+    "optimizer setting, or an edit of the parameters outside the optimizer)",
+    STATE: "optimizer state differs although the gradients agreed: state changed on some ranks "
+    "only (a rank-local load_state_dict or reset)",
+    LAYOUT: "the ranks audit different sets of tensors here: optimizer state or gradients "
+    "present on some ranks only (a parameter used or frozen on some ranks only), or the "
+    "ranks are at different optimizer steps (a step skipped on some ranks)",
+}
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One tensor that is not bitwise identical on every rank."""
+
+    name: str
+    ranks: tuple[int, ...]  # ranks whose value differs from the reference rank's
+    reference_rank: int  # the rank holding the value most ranks hold (the lowest on a tie)
+    max_abs_diff: float | None = None  # largest |difference| on any rank, vs the reference
+    differing: int | None = None  # elements that differ, on the worst rank
+    numel: int | None = None
+    first_index: tuple[int, ...] | None = None  # first differing element, on the worst rank
+    values: tuple[str, ...] = ()  # a setting's value on each rank ("rank 0: 0.001")
+
+    def describe(self) -> str:
+        if not self.ranks:  # not described: beyond the detail gathered at its audit point
+            return self.name
+        s = "s" if len(self.ranks) > 1 else ""
+        head = f"{self.name} on rank{s} {_ranks(self.ranks)} vs rank {self.reference_rank}"
+        if self.values:
+            return f"{head}: {', '.join(self.values)}"
+        if self.differing is None:
+            return head
+        where = "" if self.first_index is None else f", first at {list(self.first_index)}"
+        return (f"{head}: max |diff| {self.max_abs_diff:.3g}, {self.differing}/{self.numel} "
+                f"elements differ{where}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One distinct divergence (module docstring)."""
+
+    kind: str  # "divergence" | "layout" | "note"
+    optimizer: str  # the optimizer's class, numbered when the script has several
+    step: int  # the script's optimizer step (0 = the first step() call)
+    phase: str  # one of PHASES
+    tensors: tuple[TensorDiff, ...]  # the first few, with detail
+    count: int  # tensors that differ (more than `tensors` holds when many do)
+    detail: str = ""  # for "layout": what differs between the ranks
+    echo_of: int | None = None  # index of the earlier finding this one follows from
+    seen_at: tuple[int, ...] = ()  # later steps where the same tensors differed again
+
+    @property
+    def where(self) -> str:
+        return self.phase.format(step=self.step) + f" ({self.optimizer})"
+
+    @property
+    def hint(self) -> str:
+        return HINTS[self.phase]
+
+    @property
+    def fault(self) -> bool:
+        return self.kind != "note"
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What one rank's audit saw; every rank reaches the same findings (they are decided by
+    reductions over all ranks), so the parent may read any rank's."""
+
+    every: int = 1
+    steps: dict[str, int] = field(default_factory=dict)  # optimizer -> steps the script took
+    audits: int = 0  # audit points (before or after a step) checked
+    tensors: int = 0  # the most tensors checked at one audit point
+    sharded: int = 0  # sharded tensors seen and never compared (ZeRO, FSDP2), at most at once
+    seconds: float = 0.0  # time this rank spent inside the audit, in all
+    findings: tuple[Finding, ...] = ()
+    stopped: str | None = None  # why auditing stopped before the script ended
+    finished: bool = False  # the script ended (or exited) and the report was written then
+
+    @property
+    def faults(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.fault)
+
+    def to_dict(self) -> dict:
+        """As JSON; each finding also says where it is and what it usually means, in words."""
+        d = asdict(self)
+        for f, fd in zip(self.findings, d["findings"]):
+            fd.update(where=f.where, hint=f.hint, fault=f.fault)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AuditReport:
+        known = {f.name for f in fields(Finding)}
+        findings = tuple(
+            Finding(**{**{k: v for k, v in f.items() if k in known},
+                       "tensors": tuple(_diff(t) for t in f["tensors"]),
+                       "seen_at": tuple(f["seen_at"])})
+            for f in d.get("findings", ())
+        )  # fmt: skip
+        known = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in known}, "findings": findings})
+
+    def write(self, path: str) -> None:
+        """Atomically: the parent may read it while the rank runs, or after it was killed."""
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def read(cls, path: str) -> AuditReport | None:
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+
+def _diff(d: dict) -> TensorDiff:
+    first = d.get("first_index")
+    return TensorDiff(**{**d, "ranks": tuple(d["ranks"]), "values": tuple(d.get("values", ())),
+                         "first_index": None if first is None else tuple(first)})  # fmt: skip
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 8:
+        return ", ".join(map(str, ranks[:8])) + f" and {len(ranks) - 8} more"
+    return ", ".join(map(str, ranks))
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    """How a rank audits its script: every `every`-th optimizer step, the report at `path`."""
+
+    every: int = 1
+    path: str | None = None
