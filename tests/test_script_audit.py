@@ -185,7 +185,7 @@ def test_under_torchrun_rank_0_prints_the_verdict_and_the_job_fails(runs):
         (["audit", "--", "missing.py"], "script missing.py does not exist"),
         (
             ["audit", "--audit-every", "0", "--", SUITE],
-            "argument --audit-every: --audit-every must be >= 1, got 0",
+            "--audit-every must be >= 1, got 0",
         ),
     ],
 )
