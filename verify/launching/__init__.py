@@ -9,9 +9,10 @@ a rank (`rank.py`), one supervisor (`supervisor.py`), one rank record (`outcome.
 thread budget (`threads.py`); `torchrun.py` joins a job the tool did not start.
 """
 
+from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, STALL_ENV
 from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
 from verify.launching.script import run_script
-from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S, STALL_ENV, launch
+from verify.launching.spawn import launch
 from verify.launching.supervisor import Interrupted, check_interrupted, interrupt, reset_interrupt
 from verify.launching.threads import ThreadBudget, thread_budget
 

@@ -25,9 +25,9 @@ from typing import TextIO
 import torch.distributed as dist
 
 from verify.launching import runner
+from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank import RankJob
-from verify.launching.spawn import STALL_ENV
 from verify.launching.threads import thread_budget
 from verify.script_audit.report import AuditSettings
 

@@ -41,23 +41,18 @@ from typing import Any
 import torch
 
 from verify.launching import gpus, runner, torchrun
+from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, NO_ZYGOTE_ENV, SPAWNED_ENV, STALL_ENV
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank import RankJob
 from verify.launching.supervisor import STARTUP_CAP_S
 from verify.launching.threads import thread_budget
 from verify.launching.zygote import Zygote
 
-SPAWNED_ENV = "DDP_VERIFY_SPAWNED"  # marks our ranks: they must not mistake us for torchrun
-STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (scenarios do)
-# No collective issued or completed by any rank for this long while one waits and none works
-# (see the watchdog): a hang. The one default of every command and helper.
-DEFAULT_STALL_TIMEOUT_S = 10.0
 # The parent's deadline must come first, so a hang yields stacks rather than a gloo error.
 _PG_TIMEOUT_SLACK_S = 10.0
 # Variables torch may read when it is imported: a launch that sets them forks its ranks from a
 # zygote started with them (the thread budget's are applied in the rank, after the fork).
 _READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_", "GLOO_")
-NO_ZYGOTE_ENV = "DDP_VERIFY_NO_ZYGOTE"  # "1": always start fresh interpreters
 
 
 def launch(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-JOBS_ENV = "DDP_VERIFY_JOBS"
+from verify.launching.env import JOBS_ENV
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,12 @@ import torch
 import torch.distributed as dist
 
 from verify.launching import rank as rank_side
+from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, SPAWNED_ENV, STALL_ENV
 from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
 from verify.launching.process import alive
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
-SPAWNED_ENV = "DDP_VERIFY_SPAWNED"
-HANG_DIR_ENV = "DDP_VERIFY_HANG_DIR"
-STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"
 _joins = 0
 
 
@@ -169,7 +167,6 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
     """One traced rank of a torchrun job running the user's script (module docstring), with
     the replica audit every `audit_every` optimizer steps (`verify.audit_run`) and the race
     sanitizer when asked. Returns the report folder."""
-    from verify.launching.spawn import DEFAULT_STALL_TIMEOUT_S
     from verify.script_audit.report import AuditSettings
 
     rank = int(os.environ.get("RANK", "0"))
