@@ -60,6 +60,8 @@ class Implementation:
         kind: one of KINDS.
         cls: the class `from_class` built the recipe from (user and faulty kinds), which
             `interface_problem` checks; None for recipes of our own.
+        optimizer_takes_wrapper: `sharded_optimizer` also gets `wrapped=` (the model `wrap`
+            returned): ZeRO-2's optimizer steps the parameters its wrapper assigned.
     """
 
     name: str
@@ -68,14 +70,19 @@ class Implementation:
     sharded_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     kind: str = "builtin"
     cls: type | None = None
+    optimizer_takes_wrapper: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{self.name}: kind must be one of {', '.join(KINDS)}")
 
-    def make_optimizer(self, params, optimizer_cls, *, process_group=None, **defaults):
+    def make_optimizer(
+        self, params, optimizer_cls, *, process_group=None, wrapped=None, **defaults
+    ):
         if self.sharded_optimizer is None:
             return optimizer_cls(params, **defaults)
+        if self.optimizer_takes_wrapper:
+            defaults["wrapped"] = wrapped
         return self.sharded_optimizer(
             params, optimizer_cls, process_group=process_group, **defaults
         )

@@ -2,7 +2,7 @@
 
 `REGISTRY` is a read-only mapping, filled here at import and nowhere else, in this order:
 
-    builtin     naive, flat, overlap, bucketed, zero1        (our ladder, `impls/*.py`)
+    builtin     naive, flat, overlap, bucketed, zero1, zero2 (our ladder, `impls/*.py`)
     reference   torch-ddp, torch-zero                         (PyTorch's own)
     faulty      faulty:<name>  (`impls.faulty.FAULTS`, built as a user's class would be)
     hang        hang:<name>    (`impls.faulty.hang_scenarios.SCENARIOS`)
@@ -40,6 +40,7 @@ from .recipes import (
     wrapper_recipe,
 )
 from .zero import ShardedOptimizer
+from .zero2 import Zero2DDP, zero2_optimizer
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -83,6 +84,13 @@ def _build() -> Mapping[str, Implementation]:
             "bucketed DDP + ZeRO-1 sharded optimizer state",
             wrapper_recipe(BucketedDDP),
             ShardedOptimizer,
+        ),
+        Implementation(
+            "zero2",
+            "zero1 + gradients reduce-scattered to their owner rank",
+            wrapper_recipe(Zero2DDP),
+            zero2_optimizer,
+            optimizer_takes_wrapper=True,
         ),
         Implementation("torch-ddp", "PyTorch DistributedDataParallel", torch_ddp, kind="reference"),
         Implementation(

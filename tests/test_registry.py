@@ -28,7 +28,7 @@ from impls.registry import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILTINS = ["naive", "flat", "overlap", "bucketed", "zero1"]
+BUILTINS = ["naive", "flat", "overlap", "bucketed", "zero1", "zero2"]
 REFERENCES = ["torch-ddp", "torch-zero"]
 TAIL = ", or give package.module:Class or path/to/file.py:Class"
 

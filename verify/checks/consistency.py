@@ -45,6 +45,7 @@ from verify.checks.verdict import (
 from verify.launching import RankContext
 from verify.options import knob
 from verify.training.interface import InterfaceError
+from verify.training.sharded import full_gradients
 from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
 
 NO_BROADCAST = (
@@ -170,7 +171,10 @@ class AuditHooks(Hooks):
             self.findings[-1] = replace(last, message=f"{last.message}: {NO_BROADCAST}")
 
     def after_sync(self, run: Trainer, step: int) -> None:
-        self._audit(f"step {step} gradients", step, "gradients", self.auditor.grad_tensors())
+        # Full gradients: a sharded class's put together from the shards (training/sharded.py).
+        grads = full_gradients(run.model, run.wrapped)
+        named = [(f"grad:{name}", grad) for name, grad in grads.items()]
+        self._audit(f"step {step} gradients", step, "gradients", named)
 
     def after_step(self, run: Trainer, step: int) -> None:
         if self.auditor.optimizer is not None:

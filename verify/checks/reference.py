@@ -33,6 +33,7 @@ from torch import nn
 
 from verify.checks import tolerances
 from verify.checks.verdict import Finding
+from verify.training.sharded import full_gradients
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
 from verify.training.workloads import Batch
 
@@ -190,14 +191,14 @@ class Reference(Hooks):
     def after_sync(self, run: Trainer, step: int) -> None:
         """Every gradient against the average of the shards' (module docstring, item 2)."""
         found = []
-        mine = dict(run.model.named_parameters())
+        grads = full_gradients(run.model, run.wrapped)  # a sharded class puts them together
         for name, p in self._trainable().items():
             parts = [acc[name] for acc in self.shards if name in acc]
             if not parts:  # no shard used it: its gradient is what zero_grad left
                 p.grad = self.start[name]
                 found.append(
                     compare(
-                        "gradients", name, mine[name].grad, p.grad, 0.0, step=step, rank=self.rank
+                        "gradients", name, grads[name], p.grad, 0.0, step=step, rank=self.rank
                     )  # fmt: skip
                 )
                 continue
@@ -212,7 +213,7 @@ class Reference(Hooks):
                 compare(
                     "gradients",
                     name,
-                    mine[name].grad,
+                    grads[name],
                     mean,
                     tol,
                     step=step,

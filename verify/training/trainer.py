@@ -26,6 +26,7 @@ says raises `InterfaceError` (`interface.py`): a usage error rather than a fault
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -189,7 +190,9 @@ class Trainer:
         cls, extra = torch.optim.AdamW, {}
         if s.optimizer == "sgd":
             cls, extra = torch.optim.SGD, {"momentum": SGD_MOMENTUM}
-        make = self.impl.make_optimizer if self.impl is not None else _plain
+        make = _plain
+        if self.impl is not None:  # ZeRO-2's optimizer steps what its wrapper assigned
+            make = functools.partial(self.impl.make_optimizer, wrapped=self.wrapped)
         with self._constructing("the optimizer"):
             if s.add_param_group:
                 optimizer = make(groups[:1], cls, **extra)
