@@ -141,6 +141,62 @@ def torch_zero(params, optimizer_cls, *, process_group=None, **defaults):
     )
 
 
+def torch_fsdp(module, *, process_group=None, find_unused_parameters=False, **_hints):
+    """PyTorch's FSDP2: `fully_shard` on each block, then on the root (torchtitan's order).
+
+    A block is a child of the root, or of a child container without a forward (a
+    `ModuleList` of transformer blocks). A block that shares a parameter with another block
+    (tied weights) is left to the root's unit: FSDP2 refuses one parameter in two units.
+    FSDP2 does not broadcast at construction; as FSDP1's `sync_module_states=True` does, the
+    parameters and buffers are broadcast from rank 0 first, so ranks seeded apart agree.
+    Parameters become `DTensor` shards (dim 0, padded); the checks put them together with
+    `full_tensor()` (`verify/training/sharded.py`).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .base import sync_module_states
+
+    if find_unused_parameters:  # refused here rather than as a gloo size mismatch mid-step
+        raise ValueError(
+            "FSDP2 cannot train parameters unused on some ranks: a unit whose forward did not "
+            "run on a rank misses its all-gather and reduce-scatter there"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    sync_module_states(module, group)
+    device = next(module.parameters()).device.type
+    mesh = DeviceMesh.from_group(group, device)
+    for block in fsdp_blocks(module):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def fsdp_blocks(module: nn.Module) -> list[nn.Module]:
+    """The units `torch_fsdp` shards before the root, in registration order (its docstring)."""
+    candidates = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            candidates += list(child.children())
+        else:
+            candidates.append(child)
+    owners: dict[int, int] = {}  # id(parameter) -> how many candidates hold it
+    for block in candidates:
+        for p in block.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [
+        b
+        for b in candidates
+        if any(True for _ in b.parameters()) and all(owners[id(p)] == 1 for p in b.parameters())
+    ]
+
+
+def plain_over_shards(params, optimizer_cls, *, process_group=None, **defaults):
+    """The optimizer of FSDP2: a plain one, over parameters that are this rank's shards, so
+    its state is sharded with them."""
+    return optimizer_cls(params, **defaults)
+
+
 # --- any class, by the promised interface -------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 `REGISTRY` is a read-only mapping, filled here at import and nowhere else, in this order:
 
     builtin     naive, flat, overlap, bucketed, zero1, zero2 (our ladder, `impls/*.py`)
-    reference   torch-ddp, torch-zero                         (PyTorch's own)
+    reference   torch-ddp, torch-zero, torch-fsdp             (PyTorch's own)
     faulty      faulty:<name>  (`impls.faulty.FAULTS`, built as a user's class would be)
     hang        hang:<name>    (`impls.faulty.hang_scenarios.SCENARIOS`)
 
@@ -34,8 +34,10 @@ from .recipes import (
     ImplError,
     from_class,
     interface_problem,
+    plain_over_shards,
     takes_bucket_size,
     torch_ddp,
+    torch_fsdp,
     torch_zero,
     wrapper_recipe,
 )
@@ -98,6 +100,13 @@ def _build() -> Mapping[str, Implementation]:
             "PyTorch ZeroRedundancyOptimizer over DistributedDataParallel",
             torch_ddp,
             torch_zero,
+            kind="reference",
+        ),
+        Implementation(
+            "torch-fsdp",
+            "PyTorch FSDP2 fully_shard per block and at the root",
+            torch_fsdp,
+            plain_over_shards,
             kind="reference",
         ),
         *(from_class(f.cls, name=f.name, kind="faulty") for f in FAULTS.values()),

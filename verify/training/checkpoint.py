@@ -99,11 +99,16 @@ def round_trip(
         what = "the consolidated state (rank 0's)"
     else:
         mine = _user("state_dict", "state_dict()", optimizer.state_dict)
-        summary = (_params_listed(mine), _digest(mine))
+        # A DTensor in the state is a shard by type (FSDP2's): marked in the digest, so every
+        # rank sees that some rank holds shards and all take the per-rank path together.
+        shards = "dtensor:" if _holds_dtensor(mine, 0) else ""
+        summary = (_params_listed(mine), shards + _digest(mine))
         summaries: list = [summary] * world_size
         if world_size > 1:
             dist.all_gather_object(summaries, summary)
         kind, note = _decide(summaries, num_params)
+        if any(d.startswith("dtensor:") for _, d in summaries):
+            kind, note = "per-rank", "state_dict() holds DTensor shards: each rank loaded its own"
         if kind == "per-rank":
             state, what = _copy(mine, to_cpu=False), "this rank's own state (a per-rank checkpoint)"
         else:
@@ -156,6 +161,18 @@ def _broadcast(obj: Any, world_size: int, device: torch.device | None) -> Any:
     return box[0]
 
 
+def _holds_dtensor(obj: Any, depth: int) -> bool:
+    if hasattr(obj, "device_mesh") and isinstance(obj, torch.Tensor):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_dtensor(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_dtensor(v, depth + 1) for v in obj)
+    return False
+
+
 def _params_listed(state: Any) -> int | None:
     """How many parameters a torch.optim-format dict's `param_groups` reference, or None."""
     try:
@@ -193,6 +210,8 @@ def _feed(h, obj: Any, depth: int) -> None:
         h.update(b"<deep>")
     elif isinstance(obj, torch.Tensor):
         t = obj.detach()
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2's state): this rank's shard is its state
+            t = t.to_local()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
         try:
             if t.numel():

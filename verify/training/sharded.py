@@ -1,4 +1,4 @@
-"""Full gradients from an implementation whose ranks hold only their shard of them.
+"""Full tensors from an implementation whose ranks hold only their shard of them.
 
 The checks judge sharded data parallelism on full tensors (DESIGN.md): after the
 synchronization, every trainable parameter's averaged gradient, the same on every rank,
@@ -10,6 +10,9 @@ compared with one process. How the tool gets them, in order (docs/verify-your-ow
    gradient shaped like its parameter (ZeRO-2, `impls.zero2`, sends each from its owner);
 2. a gradient that is a `DTensor` (PyTorch FSDP2's): `.full_tensor()`, a collective;
 3. otherwise `.grad` as it is (replicated data parallelism).
+
+Parameters (and any tensor) are put together the same way: a `DTensor` by `.full_tensor()`,
+anything else as it is (`full_named`): parameters of the built-ins stay whole on every rank.
 
 A `full_gradients()` whose answer does not fit (a name missing or unknown, a shape that is
 not the parameter's) cannot be judged: `InterfaceError`, one line, exit 2.
@@ -41,6 +44,24 @@ def full_gradients(model: nn.Module, wrapped: nn.Module) -> dict[str, torch.Tens
             f"module's named_parameters() names it, shaped like it (see {GUIDE})"
         )
     return {n: _full(got[n]) for n in trainable}
+
+
+def full_named(
+    named: list[tuple[str, torch.Tensor | None]],
+) -> list[tuple[str, torch.Tensor | None]]:
+    """`named` with every DTensor replaced by its full tensor (a collective per DTensor, in
+    list order: every rank must pass the same names)."""
+    return [(name, _full(tensor)) for name, tensor in named]
+
+
+@torch.no_grad()
+def assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full tensor `full` into `target`, a DTensor's local shard taken from it."""
+    if hasattr(target, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(target.device), target.device_mesh, target.placements)
+    target.copy_(full)
 
 
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
