@@ -2,7 +2,7 @@
 
 `REGISTRY` is a read-only mapping, filled here at import and nowhere else, in this order:
 
-    builtin     naive, flat, overlap, bucketed, zero1, zero2 (our ladder, `impls/*.py`)
+    builtin     naive, flat, overlap, bucketed, zero1..zero3 (our ladder, `impls/*.py`)
     reference   torch-ddp, torch-zero, torch-fsdp             (PyTorch's own)
     faulty      faulty:<name>  (`impls.faulty.FAULTS`, built as a user's class would be)
     hang        hang:<name>    (`impls.faulty.hang_scenarios.SCENARIOS`)
@@ -43,6 +43,7 @@ from .recipes import (
 )
 from .zero import ShardedOptimizer
 from .zero2 import Zero2DDP, zero2_optimizer
+from .zero3 import zero3_wrap
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -93,6 +94,12 @@ def _build() -> Mapping[str, Implementation]:
             wrapper_recipe(Zero2DDP),
             zero2_optimizer,
             optimizer_takes_wrapper=True,
+        ),
+        Implementation(
+            "zero3",
+            "parameters sharded by rows, gathered per block around forward and backward",
+            zero3_wrap,
+            plain_over_shards,
         ),
         Implementation("torch-ddp", "PyTorch DistributedDataParallel", torch_ddp, kind="reference"),
         Implementation(

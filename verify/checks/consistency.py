@@ -45,7 +45,7 @@ from verify.checks.verdict import (
 from verify.launching import RankContext
 from verify.options import knob
 from verify.training.interface import InterfaceError
-from verify.training.sharded import full_gradients, full_named
+from verify.training.sharded import full_gradients, full_state
 from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
 
 NO_BROADCAST = (
@@ -166,7 +166,10 @@ class AuditHooks(Hooks):
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
         found = self._audit(
-            "construction", 0, "construction", full_named(self.auditor.state_tensors())
+            "construction",
+            0,
+            "construction",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
         )
         if any(m.tensor.startswith("param:") for m in found):
             last = self.findings[-1]
@@ -181,7 +184,12 @@ class AuditHooks(Hooks):
     def after_step(self, run: Trainer, step: int) -> None:
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
-        self._audit(f"step {step}", step, "step", full_named(self.auditor.state_tensors()))
+        self._audit(
+            f"step {step}",
+            step,
+            "step",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
+        )
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is not None:
@@ -194,7 +202,12 @@ class AuditHooks(Hooks):
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
         label = f"step {step} after the state_dict round trip"
-        self._audit(label, step, "checkpoint", full_named(self.auditor.state_tensors()))
+        self._audit(
+            label,
+            step,
+            "checkpoint",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
+        )
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
         checkpoint, found = self.auditor.audit(label, named)

@@ -13,8 +13,9 @@ computed). This check measures, on every rank, after training steps:
 and the unsharded size of each (full shapes; the state of a plain optimizer stepped once).
 It sits beside `cells.check_shard_sizes` (the matrix's state-only check) and uses the same
 bound. A kind counts as sharded when the ranks together hold at most the unsharded bytes (no
-tensor kept twice) and the largest rank at most (2 - 1/N) x max(total / N, largest tensor):
-sound for any whole-tensor partition (Graham's bound for list scheduling) and for slices.
+tensor kept twice; row sharding may add the padding of each tensor's rows up to a multiple of
+N) and the largest rank at most (2 - 1/N) x max(total / N, largest tensor): sound for any
+whole-tensor partition (Graham's bound for list scheduling) and for row slices.
 Which kinds a rung must shard is `RUNGS` for the registered names; for any other class the
 result says what it measured, and judges nothing it did not shard.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
+from verify.training.sharded import full_parameters
 from verify.training.trainer import Hooks, Trainer
 
 KINDS = ("parameters", "gradients", "state")
@@ -36,6 +38,7 @@ RUNGS = {
     "zero1": ("state",),
     "torch-zero": ("state",),
     "zero2": ("state", "gradients"),
+    "zero3": ("state", "gradients", "parameters"),
     "torch-fsdp": ("state", "gradients", "parameters"),
 }
 
@@ -49,6 +52,7 @@ class KindMemory:
     unsharded: int
     largest: int  # the largest single tensor's bytes (whole-tensor granularity)
     allowance: int = 0  # bytes every rank may hold beyond its share (replicated scalars)
+    padding: int = 0  # bytes row sharding may add: each tensor's rows rounded up to N's multiple
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -64,8 +68,8 @@ class KindMemory:
     def sharded(self) -> bool:
         n, extra = len(self.per_rank), self.allowance
         return (
-            sum(self.per_rank) <= self.unsharded + (n - 1) * extra
-            and max(self.per_rank) <= self.limit + extra
+            sum(self.per_rank) <= self.unsharded + (n - 1) * extra + self.padding
+            and max(self.per_rank) <= self.limit + extra + self.padding
         )
 
     def describe(self) -> str:
@@ -117,9 +121,12 @@ class MemoryHooks(Hooks):
         gathered: list = [mine] * run.ctx.world_size
         if run.ctx.world_size > 1:
             dist.all_gather_object(gathered, mine)
-        params = list(run.model.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        whole = [torch.zeros(p.shape, dtype=p.dtype) for p in trainable]  # full shapes
+        # Unsharded sizes from the whole parameters (a ZeRO-3 module's parameters are shards).
+        whole_by_name = full_parameters(run.model, run.wrapped)
+        trainable_names = {n for n, p in run.model.named_parameters() if p.requires_grad}
+        params = list(whole_by_name.values())
+        trainable = [t for n, t in whole_by_name.items() if n in trainable_names]
+        whole = [torch.zeros(p.shape, dtype=p.dtype) for p in trainable]
         state_sizes = unsharded_state_bytes(whole) if run.spec.optimizer == "adamw" else []
         if run.spec.optimizer == "sgd":
             state_sizes = unsharded_state_bytes(whole, torch.optim.SGD, momentum=0.9)
@@ -130,6 +137,15 @@ class MemoryHooks(Hooks):
         }
         # AdamW's `step` is a one-element tensor per parameter that FSDP2 keeps on every rank.
         allowance = {"state": 8 * len(trainable)}
+        n = run.ctx.world_size
+        fraction = {
+            id(t): (n * -(-t.shape[0] // n) - t.shape[0]) / t.shape[0] if t.dim() and len(t) else 0
+            for t in params
+        }
+        tensors = {"parameters": params, "gradients": trainable, "state": trainable}
+        padding = {
+            k: int(sum(fraction[id(t)] * b for t, b in zip(tensors[k], sizes[k]))) for k in KINDS
+        }
         kinds = tuple(
             KindMemory(
                 k,
@@ -137,6 +153,7 @@ class MemoryHooks(Hooks):
                 sum(sizes[k]),
                 max(sizes[k], default=0),
                 allowance.get(k, 0),
+                padding[k],
             )
             for i, k in enumerate(KINDS)
         )

@@ -33,7 +33,7 @@ from torch import nn
 
 from verify.checks import tolerances
 from verify.checks.verdict import Finding
-from verify.training.sharded import assign_full, full_gradients, full_named
+from verify.training.sharded import assign_full, full_gradients, full_parameters
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
 from verify.training.workloads import Batch
 
@@ -234,7 +234,8 @@ class Reference(Hooks):
             self.scheduler.step()
         self._check_state(run, step)
         with torch.no_grad():  # re-anchor: the next step starts from this rank's state
-            mine_full = full_named(_state(run.model))  # sharded parameters put together
+            params = full_parameters(run.model, run.wrapped)  # a sharded class's put together
+            mine_full = [*params.items(), *run.model.named_buffers()]
             for (_, mine), (_, ref) in zip(mine_full, _state(self.model), strict=True):
                 ref.copy_(mine)
 
@@ -260,7 +261,7 @@ class Reference(Hooks):
         """Parameters and buffers; at construction bitwise."""
         found = []
         ref_params = dict(self.model.named_parameters())
-        for name, param in full_named(list(run.model.named_parameters())):
+        for name, param in full_parameters(run.model, run.wrapped).items():
             ref = ref_params[name]
             tol = 0.0 if step == 0 else self._param_tol(run, name, ref)
             found.append(compare("parameters", name, param, ref, tol, step=step, rank=self.rank))

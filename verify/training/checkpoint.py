@@ -67,6 +67,7 @@ def round_trip(
     world_size: int,
     device: torch.device,
     num_params: int,
+    sharded_params: bool = False,
 ) -> RoundTrip:
     """Save `optimizer`'s state, build a fresh one with `rebuild()`, load the state into it.
 
@@ -81,6 +82,8 @@ def round_trip(
         rank, world_size: this rank in the default process group, and its size.
         device: this rank's device (NCCL's object collectives need it).
         num_params: how many parameters the optimizer was given (all groups).
+        sharded_params: the model's parameters are this rank's shards (a wrapper with
+            `full_parameters()`, ZeRO-3): state over them is this rank's own, per-rank.
 
     Raises:
         CheckpointError: `state_dict()`, `consolidate_state_dict()`, `rebuild()` or
@@ -99,16 +102,16 @@ def round_trip(
         what = "the consolidated state (rank 0's)"
     else:
         mine = _user("state_dict", "state_dict()", optimizer.state_dict)
-        # A DTensor in the state is a shard by type (FSDP2's): marked in the digest, so every
-        # rank sees that some rank holds shards and all take the per-rank path together.
-        shards = "dtensor:" if _holds_dtensor(mine, 0) else ""
+        # State of parameter shards (ZeRO-3's; a DTensor is one by type, FSDP2's) is per-rank:
+        # marked in the digest, so every rank sees it and all take the per-rank path together.
+        shards = "shards:" if sharded_params or _holds_dtensor(mine, 0) else ""
         summary = (_params_listed(mine), shards + _digest(mine))
         summaries: list = [summary] * world_size
         if world_size > 1:
             dist.all_gather_object(summaries, summary)
         kind, note = _decide(summaries, num_params)
-        if any(d.startswith("dtensor:") for _, d in summaries):
-            kind, note = "per-rank", "state_dict() holds DTensor shards: each rank loaded its own"
+        if any(d.startswith("shards:") for _, d in summaries):
+            kind, note = "per-rank", "the state is of parameter shards: each rank loaded its own"
         if kind == "per-rank":
             state, what = _copy(mine, to_cpu=False), "this rank's own state (a per-rank checkpoint)"
         else:

@@ -7,15 +7,17 @@ compared with one process. How the tool gets them, in order (docs/verify-your-ow
 1. the wrapper has `full_gradients()`: a collective the tool calls on every rank after
    `finish_gradient_synchronization()`, returning `{name: gradient or None}` for every
    trainable parameter, named as the wrapped module's `named_parameters()` names it, each
-   gradient shaped like its parameter (ZeRO-2, `impls.zero2`, sends each from its owner);
+   gradient whole (ZeRO-2, `impls.zero2`, sends each from its owner);
 2. a gradient that is a `DTensor` (PyTorch FSDP2's): `.full_tensor()`, a collective;
 3. otherwise `.grad` as it is (replicated data parallelism).
 
-Parameters (and any tensor) are put together the same way: a `DTensor` by `.full_tensor()`,
-anything else as it is (`full_named`): parameters of the built-ins stay whole on every rank.
+Parameters the same way (`full_parameters`): the wrapper's `full_parameters()` when it has
+one (a collective returning `{name: whole parameter}` for every parameter; ZeRO-3,
+`impls.zero3`), else a `DTensor` by `.full_tensor()`, else as it is (replicated).
 
-A `full_gradients()` whose answer does not fit (a name missing or unknown, a shape that is
-not the parameter's) cannot be judged: `InterfaceError`, one line, exit 2.
+A `full_gradients()` whose answer does not fit (a name missing or unknown, a value that is not
+a tensor) cannot be judged: `InterfaceError`, one line, exit 2. A gradient of the wrong shape
+(a rank's shard, not the whole) is judged: the checks report it as a finding of the class.
 """
 
 from __future__ import annotations
@@ -41,9 +43,35 @@ def full_gradients(model: nn.Module, wrapped: nn.Module) -> dict[str, torch.Tens
         raise InterfaceError(
             f"{type(wrapped).__name__}.full_gradients() {problem}; it must return "
             "{name: gradient or None} for every trainable parameter, named as the wrapped "
-            f"module's named_parameters() names it, shaped like it (see {GUIDE})"
+            f"module's named_parameters() names it (see {GUIDE})"
         )
     return {n: _full(got[n]) for n in trainable}
+
+
+def full_state(
+    named: list[tuple[str, torch.Tensor | None]], model: nn.Module, wrapped: nn.Module
+) -> list[tuple[str, torch.Tensor | None]]:
+    """An audit's `param:NAME` / `buffer:NAME` / ... list with every parameter whole
+    (`full_parameters`) and every other DTensor put together. A collective."""
+    params = full_parameters(model, wrapped)
+    named = [(k, params.get(k[6:], t) if k.startswith("param:") else t) for k, t in named]
+    return full_named(named)
+
+
+def full_parameters(model: nn.Module, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name (module docstring). A collective when sharded."""
+    gather = getattr(wrapped, "full_parameters", None)
+    if gather is None:
+        return {n: _full(p) for n, p in model.named_parameters()}
+    got = gather()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if not isinstance(got, dict) or set(got) != set(shapes):
+        raise InterfaceError(
+            f"{type(wrapped).__name__}.full_parameters() must return {{name: whole parameter}}"
+            " for every parameter, named as the wrapped module's named_parameters() names it "
+            f"(see {GUIDE})"
+        )
+    return {n: got[n] for n in shapes}
 
 
 def full_named(
@@ -83,7 +111,4 @@ def _misfit(got: object, trainable: dict[str, nn.Parameter]) -> str:
     for name, grad in got.items():
         if grad is not None and not isinstance(grad, torch.Tensor):
             return f"gave a {type(grad).__name__} for {name!r}"
-        if grad is not None and tuple(grad.shape) != tuple(trainable[name].shape):
-            shape = tuple(trainable[name].shape)
-            return f"gave {name!r} the shape {tuple(grad.shape)}, the parameter's is {shape}"
     return ""

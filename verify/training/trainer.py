@@ -273,6 +273,7 @@ class Trainer:
                 world_size=self.ctx.world_size,
                 device=self.ctx.device,
                 num_params=sum(len(g["params"]) for g in self.optimizer.param_groups),
+                sharded_params=hasattr(self.wrapped, "full_parameters"),
             )
             optimizer = self.round_trip.optimizer
         except checkpoint.CheckpointError as exc:
