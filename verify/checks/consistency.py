@@ -157,7 +157,9 @@ class AuditHooks(Hooks):
         self.notes: list[str] = []
 
     def after_build(self, run: Trainer) -> None:
+        # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
         sharded = run.impl is not None and run.impl.sharded
+        sharded = sharded or hasattr(run.wrapped, "full_parameters")
         self.auditor = Auditor(run.model, None if sharded else run.optimizer)
         if sharded:
             self.notes.append(

@@ -16,8 +16,8 @@ bound. A kind counts as sharded when the ranks together hold at most the unshard
 tensor kept twice; row sharding may add the padding of each tensor's rows up to a multiple of
 N) and the largest rank at most (2 - 1/N) x max(total / N, largest tensor): sound for any
 whole-tensor partition (Graham's bound for list scheduling) and for row slices.
-Which kinds a rung must shard is `RUNGS` for the registered names; for any other class the
-result says what it measured, and judges nothing it did not shard.
+Which kinds a rung must shard: `promised`. The matrix's shard cell uses this check for
+implementations whose parameters are sharded (`cells.py`); `check_shard_sizes` judges the rest.
 """
 
 from __future__ import annotations
@@ -116,6 +116,13 @@ class MemoryHooks(Hooks):
         self.params = sum(_local_bytes(p) for p in params)
         self.state = _state_bytes(run.optimizer, params)
 
+    def snapshot(self, run: Trainer) -> MemoryResult:
+        """Measure everything now (after a step: the step's gradients are still held) and
+        put the ranks' measures together. A collective."""
+        self.after_sync(run, run.step_no)
+        self.after_step(run, run.step_no)
+        return self.result(run)
+
     def result(self, run: Trainer) -> MemoryResult:
         mine = (self.params, self.grads, self.state)
         gathered: list = [mine] * run.ctx.world_size
@@ -157,7 +164,7 @@ class MemoryHooks(Hooks):
             )
             for i, k in enumerate(KINDS)
         )
-        return MemoryResult(kinds, RUNGS.get(run.spec.impl or "", ()))
+        return MemoryResult(kinds, promised(run))
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -182,3 +189,12 @@ def _state_bytes(optimizer, params: list[torch.Tensor]) -> int:
             if isinstance(v, torch.Tensor) and not hasattr(v, "to_local")
         )
     return local_state_bytes(optimizer, params).bytes
+
+
+def promised(run: Trainer) -> tuple[str, ...]:
+    """What the rung promises to shard: `RUNGS` for a registered name; every kind for any
+    other class with `full_parameters()` (it says its parameters are shards, and a plain
+    optimizer over shards keeps sharded state); nothing otherwise."""
+    if run.spec.impl in RUNGS:
+        return RUNGS[run.spec.impl]
+    return KINDS if hasattr(run.wrapped, "full_parameters") else ()
