@@ -62,6 +62,9 @@ class Implementation:
             `interface_problem` checks; None for recipes of our own.
         optimizer_takes_wrapper: `sharded_optimizer` also gets `wrapped=` (the model `wrap`
             returned): ZeRO-2's optimizer steps the parameters its wrapper assigned.
+        shards_parameters: the model's parameters become shards (ZeRO-3, FSDP2, a user
+            class with `full_parameters()`): a forward may read a parameter only inside
+            the forward of the block that gathers it.
     """
 
     name: str
@@ -71,6 +74,7 @@ class Implementation:
     kind: str = "builtin"
     cls: type | None = None
     optimizer_takes_wrapper: bool = False
+    shards_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -244,7 +248,8 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
             return cls(module)
 
         doc = _summary(cls, "user DDP wrapper")
-        return Implementation(name, doc, wrap, None, kind, cls)
+        shards = hasattr(cls, "full_parameters")
+        return Implementation(name, doc, wrap, None, kind, cls, shards_parameters=shards)
     raise ImplError(
         f"--impl {name!r}: {cls.__name__} is neither an nn.Module DDP wrapper nor a "
         "torch.optim.Optimizer (sharded optimizer)"

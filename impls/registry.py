@@ -100,6 +100,7 @@ def _build() -> Mapping[str, Implementation]:
             "parameters sharded by rows, gathered per block around forward and backward",
             zero3_wrap,
             plain_over_shards,
+            shards_parameters=True,
         ),
         Implementation("torch-ddp", "PyTorch DistributedDataParallel", torch_ddp, kind="reference"),
         Implementation(
@@ -115,6 +116,7 @@ def _build() -> Mapping[str, Implementation]:
             torch_fsdp,
             plain_over_shards,
             kind="reference",
+            shards_parameters=True,
         ),
         *(from_class(f.cls, name=f.name, kind="faulty") for f in FAULTS.values()),
         *(

@@ -4,7 +4,8 @@ ZeRO's promise is a ladder of memory (per rank, N ranks): ZeRO-1 shards the opti
 (~1/N), ZeRO-2 the gradients too, ZeRO-3 / FSDP the parameters too (outside the unit being
 computed). This check measures, on every rank, after training steps:
 
-- parameters: the bytes of `model.parameters()` this rank holds (a `DTensor`'s local shard);
+- parameters: the bytes of the trainable parameters this rank holds (a `DTensor`'s local
+  shard; frozen parameters may stay whole: `zero3` leaves them so);
 - gradients: the bytes of `.grad` held right after the synchronization (before the step,
   when a rank that keeps every gradient would still hold them all);
 - optimizer state: `optim_state.local_state_bytes` (every tensor reachable from the optimizer
@@ -112,7 +113,7 @@ class MemoryHooks(Hooks):
         self.grads = sum(_local_bytes(p.grad) for p in run.model.parameters() if p.grad is not None)
 
     def after_step(self, run: Trainer, step: int) -> None:
-        params = list(run.model.parameters())
+        params = [p for p in run.model.parameters() if p.requires_grad]  # frozen: may stay whole
         self.params = sum(_local_bytes(p) for p in params)
         self.state = _state_bytes(run.optimizer, params)
 
@@ -131,8 +132,8 @@ class MemoryHooks(Hooks):
         # Unsharded sizes from the whole parameters (a ZeRO-3 module's parameters are shards).
         whole_by_name = full_parameters(run.model, run.wrapped)
         trainable_names = {n for n, p in run.model.named_parameters() if p.requires_grad}
-        params = list(whole_by_name.values())
         trainable = [t for n, t in whole_by_name.items() if n in trainable_names]
+        params = trainable
         whole = [torch.zeros(p.shape, dtype=p.dtype) for p in trainable]
         state_sizes = unsharded_state_bytes(whole) if run.spec.optimizer == "adamw" else []
         if run.spec.optimizer == "sgd":
