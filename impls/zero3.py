@@ -113,8 +113,9 @@ class Unit:
         return buffer[offset : offset + torch.Size(self.shapes[i]).numel()].view(self.shapes[i])
 
     @torch.no_grad()
-    def reduce_scatter(self, group) -> list[torch.Tensor | None]:
-        """Each shard's averaged gradient (None where no rank produced one: all-reduced flag)."""
+    def reduce_scatter(self, group, divide_by: int) -> list[torch.Tensor | None]:
+        """Each shard's gradient summed over ranks, divided on the way in by `divide_by` (the
+        world size: the average); None where no rank produced one (an all-reduced flag)."""
         grads = torch.zeros(
             self.total * self.world_size, dtype=self.full.dtype, device=self.full.device
         )
@@ -126,7 +127,7 @@ class Unit:
                 padded = torch.zeros(
                     chunk * self.world_size, dtype=grads.dtype, device=grads.device
                 )
-                torch.div(leaf.grad.reshape(-1), self.world_size, out=padded[: leaf.numel()])
+                torch.div(leaf.grad.reshape(-1), divide_by, out=padded[: leaf.numel()])
                 ranks[:, start : start + chunk].copy_(padded.view(self.world_size, chunk))
             leaf.grad = None
             start += chunk
@@ -238,7 +239,8 @@ class Zero3DDP(DataParallel):
 
     def _finish_synchronization(self) -> None:
         for unit in self.units:
-            for shard, grad in zip(unit.shards, unit.reduce_scatter(self.process_group)):
+            grads = unit.reduce_scatter(self.process_group, divide_by=self.world_size)
+            for shard, grad in zip(unit.shards, grads):
                 if grad is not None:  # no rank produced one: untouched, as DDP leaves it
                     self._set_grad(shard, grad)
             unit.free()

@@ -22,7 +22,7 @@ from verify.checks.matrix import CERTIFIED
 from verify.cli.text_matrix import detection as format_detection
 
 # Modules of impls.faulty.
-FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults")
+FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults", "shard_faults")
 # The controls: the certified implementations but the sharded rungs added with issue 20,
 # which the matrix certifies on every row (tests/test_zero2.py, test_zero3.py, the docs'
 # matrix); as controls here they would add a third to this test's time.
