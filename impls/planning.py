@@ -52,3 +52,46 @@ def plan_buckets(params: Sequence[ParamInfo], bucket_size_mb: float | None) -> l
     closed.extend((last, members) for members, _, last in open_buckets.values())
     closed.sort(key=lambda item: item[0])
     return [members for _, members in closed]
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Where each member of a bucket sits in a buffer that one reduce-scatter splits by owner.
+
+    The buffer is `world_size` equal segments of `segment` elements; segment r holds, in
+    bucket order, the members rank r owns, followed by zero padding up to `segment`.
+
+    Attributes:
+        segment: elements per segment (the largest rank's share of the bucket).
+        offsets: offsets[i] is where member i starts in the whole buffer.
+        padding: zero elements the buffer carries, summed over segments.
+    """
+
+    segment: int
+    offsets: tuple[int, ...]
+    padding: int
+
+
+def plan_segments(sizes: Sequence[int], owners: Sequence[int], world_size: int) -> SegmentPlan:
+    """Lay out a bucket's members (`sizes` in elements, `owners` their ranks) by owner rank.
+
+    A reduce-scatter leaves segment r, summed over ranks, on rank r: rank r receives exactly
+    the gradients it owns. Padding is the price of whole-parameter ownership: the segment is
+    the largest rank's share, so a bucket owned by one rank costs world_size times its size on
+    the wire (`impls.zero2` says when that matters). Pure: every rank computes the same plan.
+
+    Raises:
+        ValueError: `sizes` and `owners` differ in length, or an owner is outside the world.
+    """
+    if len(sizes) != len(owners):
+        raise ValueError(f"{len(sizes)} sizes but {len(owners)} owners")
+    if any(not 0 <= o < world_size for o in owners):
+        raise ValueError(f"owners must be ranks in 0..{world_size - 1}, got {sorted(set(owners))}")
+    shares = [0] * world_size
+    starts = []  # each member's start within its owner's segment
+    for size, owner in zip(sizes, owners):
+        starts.append(shares[owner])
+        shares[owner] += size
+    segment = max(shares, default=0)
+    offsets = tuple(owner * segment + start for owner, start in zip(owners, starts))
+    return SegmentPlan(segment, offsets, segment * world_size - sum(sizes))

@@ -60,6 +60,11 @@ class Implementation:
         kind: one of KINDS.
         cls: the class `from_class` built the recipe from (user and faulty kinds), which
             `interface_problem` checks; None for recipes of our own.
+        optimizer_takes_wrapper: `sharded_optimizer` also gets `wrapped=` (the model `wrap`
+            returned): ZeRO-2's optimizer steps the parameters its wrapper assigned.
+        shards_parameters: the model's parameters become shards (ZeRO-3, FSDP2, a user
+            class with `full_parameters()`): a forward may read a parameter only inside
+            the forward of the block that gathers it.
     """
 
     name: str
@@ -68,6 +73,8 @@ class Implementation:
     sharded_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     kind: str = "builtin"
     cls: type | None = None
+    optimizer_takes_wrapper: bool = False
+    shards_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -78,9 +85,13 @@ class Implementation:
         """Whether its wrapper is given a bucket size (the keyword its constructor takes)."""
         return getattr(self.wrap, "bucket_keyword", None) is not None
 
-    def make_optimizer(self, params, optimizer_cls, *, process_group=None, **defaults):
+    def make_optimizer(
+        self, params, optimizer_cls, *, process_group=None, wrapped=None, **defaults
+    ):
         if self.sharded_optimizer is None:
             return optimizer_cls(params, **defaults)
+        if self.optimizer_takes_wrapper:
+            defaults["wrapped"] = wrapped
         return self.sharded_optimizer(
             params, optimizer_cls, process_group=process_group, **defaults
         )
@@ -140,6 +151,62 @@ def torch_zero(params, optimizer_cls, *, process_group=None, **defaults):
     )
 
 
+def torch_fsdp(module, *, process_group=None, find_unused_parameters=False, **_hints):
+    """PyTorch's FSDP2: `fully_shard` on each block, then on the root (torchtitan's order).
+
+    A block is a child of the root, or of a child container without a forward (a
+    `ModuleList` of transformer blocks). A block that shares a parameter with another block
+    (tied weights) is left to the root's unit: FSDP2 refuses one parameter in two units.
+    FSDP2 does not broadcast at construction; as FSDP1's `sync_module_states=True` does, the
+    parameters and buffers are broadcast from rank 0 first, so ranks seeded apart agree.
+    Parameters become `DTensor` shards (dim 0, padded); the checks put them together with
+    `full_tensor()` (`verify/training/sharded.py`).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .base import sync_module_states
+
+    if find_unused_parameters:  # refused here rather than as a gloo size mismatch mid-step
+        raise ValueError(
+            "FSDP2 cannot train parameters unused on some ranks: a unit whose forward did not "
+            "run on a rank misses its all-gather and reduce-scatter there"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    sync_module_states(module, group)
+    device = next(module.parameters()).device.type
+    mesh = DeviceMesh.from_group(group, device)
+    for block in fsdp_blocks(module):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def fsdp_blocks(module: nn.Module) -> list[nn.Module]:
+    """The units `torch_fsdp` shards before the root, in registration order (its docstring)."""
+    candidates = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            candidates += list(child.children())
+        else:
+            candidates.append(child)
+    owners: dict[int, int] = {}  # id(parameter) -> how many candidates hold it
+    for block in candidates:
+        for p in block.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [
+        b
+        for b in candidates
+        if any(True for _ in b.parameters()) and all(owners[id(p)] == 1 for p in b.parameters())
+    ]
+
+
+def plain_over_shards(params, optimizer_cls, *, process_group=None, **defaults):
+    """The optimizer of FSDP2: a plain one, over parameters that are this rank's shards, so
+    its state is sharded with them."""
+    return optimizer_cls(params, **defaults)
+
+
 # --- any class, by the promised interface -------------------------------------------------
 
 
@@ -191,7 +258,8 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
 
         wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
         doc = _summary(cls, "user DDP wrapper")
-        return Implementation(name, doc, wrap, None, kind, cls)
+        shards = hasattr(cls, "full_parameters")
+        return Implementation(name, doc, wrap, None, kind, cls, shards_parameters=shards)
     raise ImplError(
         f"--impl {name!r}: {cls.__name__} is neither an nn.Module DDP wrapper nor a "
         "torch.optim.Optimizer (sharded optimizer)"

@@ -2,8 +2,8 @@
 
 `REGISTRY` is a read-only mapping, filled here at import and nowhere else, in this order:
 
-    builtin     naive, flat, overlap, bucketed, zero1        (our ladder, `impls/*.py`)
-    reference   torch-ddp, torch-zero                         (PyTorch's own)
+    builtin     naive, flat, overlap, bucketed, zero1..zero3 (our ladder, `impls/*.py`)
+    reference   torch-ddp, torch-zero, torch-fsdp             (PyTorch's own)
     faulty      faulty:<name>  (`impls.faulty.FAULTS`, built as a user's class would be)
     hang        hang:<name>    (`impls.faulty.hang_scenarios.SCENARIOS`)
 
@@ -35,12 +35,16 @@ from .recipes import (
     ImplError,
     from_class,
     interface_problem,
+    plain_over_shards,
     takes_bucket_size,
     torch_ddp,
+    torch_fsdp,
     torch_zero,
     wrapper_recipe,
 )
 from .zero import ShardedOptimizer
+from .zero2 import Zero2DDP, zero2_optimizer
+from .zero3 import zero3_wrap
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -85,6 +89,20 @@ def _build() -> Mapping[str, Implementation]:
             wrapper_recipe(BucketedDDP),
             ShardedOptimizer,
         ),
+        Implementation(
+            "zero2",
+            "zero1 + gradients reduce-scattered to their owner rank",
+            wrapper_recipe(Zero2DDP),
+            zero2_optimizer,
+            optimizer_takes_wrapper=True,
+        ),
+        Implementation(
+            "zero3",
+            "parameters sharded by rows, gathered per block around forward and backward",
+            zero3_wrap,
+            plain_over_shards,
+            shards_parameters=True,
+        ),
         Implementation("torch-ddp", "PyTorch DistributedDataParallel", torch_ddp, kind="reference"),
         Implementation(
             "torch-zero",
@@ -92,6 +110,14 @@ def _build() -> Mapping[str, Implementation]:
             torch_ddp,
             torch_zero,
             kind="reference",
+        ),
+        Implementation(
+            "torch-fsdp",
+            "PyTorch FSDP2 fully_shard per block and at the root",
+            torch_fsdp,
+            plain_over_shards,
+            kind="reference",
+            shards_parameters=True,
         ),
         *(from_class(f.cls, name=f.name, kind="faulty") for f in FAULTS.values()),
         *(

@@ -142,6 +142,23 @@ def partition_parameters(
     )
 
 
+def assigned_plan(sizes: Sequence[int], owners: Sequence[int], world_size: int) -> ShardPlan:
+    """The ShardPlan of an ownership decided elsewhere (ZeRO-2's wrapper decides it, so the
+    optimizer steps exactly the parameters whose gradients the wrapper leaves on this rank).
+
+    Raises:
+        ValueError: lengths differ, or an owner is not a rank in 0..world_size-1.
+    """
+    if len(sizes) != len(owners):
+        raise ValueError(f"{len(sizes)} sizes but {len(owners)} owners")
+    loads = [0] * world_size
+    for size, owner in zip(sizes, owners):
+        if not 0 <= owner < world_size:
+            raise ValueError(f"owner {owner} is not a rank in 0..{world_size - 1}")
+        loads[owner] += size
+    return ShardPlan(tuple(owners), tuple(loads), sum(sizes), world_size, max(sizes, default=0))
+
+
 def _best_move(
     members: list[list[tuple[int, int]]], loads: list[int]
 ) -> tuple[int, int, tuple[int, int], tuple[int, int] | None] | None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from impls.sharding import ShardPlan, partition_parameters
+from impls.sharding import ShardPlan, assigned_plan, partition_parameters
 
 # Group keys that are not hyper-parameters: they list this group's tensors, so the local
 # groups hold the owned subset of them instead of a copy.
@@ -40,6 +40,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
          schedulers and manual `group["lr"] = ...` work as on any optimizer.
       2. `partition_parameters` assigns each parameter that requires grad, whole, to one
          rank (same plan on every rank, no communication). Frozen parameters get no owner.
+         With `owner_of`, the caller decides instead (ZeRO-2's wrapper, `impls.zero2`).
       3. `self.inner = optimizer_cls(local_groups, **defaults)`: one local group per global
          group, same hyper-parameters, only the owned parameters (possibly none).
       4. For each owner rank and (device, dtype), one flat buffer; every owned parameter's
@@ -73,8 +74,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         *,
         process_group: dist.ProcessGroup | None = None,
+        owner_of: Callable[[torch.Tensor], int] | None = None,
         **defaults: Any,
     ) -> None:
+        self._owner_of = owner_of  # None: partition_parameters decides
         # torch.optim.Optimizer.__init__ calls self.add_param_group once per group; until
         # `_ready` is set our override only records the group (there is no inner yet).
         self._ready = False
@@ -148,7 +151,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._trainable = [p for p in self._params if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in self._trainable]
-        self.plan: ShardPlan = partition_parameters(sizes, self.world_size)
+        if self._owner_of is None:
+            self.plan: ShardPlan = partition_parameters(sizes, self.world_size)
+        else:
+            owners = [self._owner_of(p) for p in self._trainable]
+            self.plan = assigned_plan(sizes, owners, self.world_size)
         self._owner = {id(p): r for p, r in zip(self._trainable, self.plan.owners)}
 
     def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:

@@ -56,9 +56,11 @@ def test_the_rows_the_issue_asks_for_are_there():
         "round-trip",
         "more-ranks-than-params",
     }
-    assert set(CERTIFIED) == {"naive", "flat", "overlap", "bucketed", "zero1"} | {
+    assert set(CERTIFIED) == {"naive", "flat", "overlap", "bucketed", "zero1", "zero2"} | {
+        "zero3",
         "torch-ddp",
         "torch-zero",
+        "torch-fsdp",
     }
 
 

@@ -28,8 +28,8 @@ from impls.registry import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILTINS = ["naive", "flat", "overlap", "bucketed", "zero1"]
-REFERENCES = ["torch-ddp", "torch-zero"]
+BUILTINS = ["naive", "flat", "overlap", "bucketed", "zero1", "zero2", "zero3"]
+REFERENCES = ["torch-ddp", "torch-zero", "torch-fsdp"]
 TAIL = ", or give package.module:Class or path/to/file.py:Class"
 
 # --- the registry --------------------------------------------------------------------------

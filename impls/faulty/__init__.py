@@ -14,6 +14,7 @@ Importing this package only fills `FAULTS`; `impls.registry` imports it and buil
     bucket_faults   when a bucket counts as ready, and which buckets are sent
     zero_faults     what a ZeRO-1 optimizer steps, syncs, zeroes, saves and adds
     race_faults     races on async collectives (caught on every run under --sanitize)
+    shard_faults    what a ZeRO-3 reduce-scatter divides, and when a unit is gathered
     hang_scenarios  DDPs that hang or desync on purpose, for the hang check (`hang:<name>`;
                     not imported here: `impls.registry` reads its `SCENARIOS`)
 """
@@ -22,6 +23,16 @@ Importing this package only fills `FAULTS`; `impls.registry` imports it and buil
 from . import ddp_faults  # noqa: I001
 from . import bucket_faults, zero_faults
 from . import race_faults
+from . import shard_faults
 from .catalogue import CHECKS, FAULTS, Fault
 
-__all__ = ["CHECKS", "FAULTS", "Fault", "bucket_faults", "ddp_faults", "race_faults", "zero_faults"]
+__all__ = [
+    "CHECKS",
+    "FAULTS",
+    "Fault",
+    "bucket_faults",
+    "ddp_faults",
+    "race_faults",
+    "shard_faults",
+    "zero_faults",
+]

@@ -27,6 +27,7 @@ from impls.registry import Implementation, resolve, takes_bucket_size
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import _local, _merge
+from verify.checks.memory import MemoryHooks
 from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
 from verify.launching import RankContext
@@ -83,6 +84,8 @@ def not_applicable(impl: Implementation, behaviour: Behaviour, check: str) -> st
         return "not a sharded optimizer"
     if check == "shard" and behaviour.world_size == 1:
         return "one rank: nothing to shard"
+    if behaviour.workload == "buffers" and impl.shards_parameters:
+        return "parameters sharded: the workload reads fc1.weight outside fc1's forward"
     return None
 
 
@@ -175,6 +178,10 @@ def run_cell_on_rank(
         races = guard.findings if guard is not None else []
         if races:
             return CellResult("fail", _findings_text(races))
+        if hasattr(trainer.wrapped, "full_parameters"):  # parameters sharded too: per rung
+            memory = MemoryHooks().snapshot(trainer)
+            detail = "; ".join(k.describe() for k in memory.kinds)
+            return CellResult("fail" if memory.failures else "pass", detail)
         return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 
 

@@ -46,6 +46,7 @@ from verify.checks.verdict import (
 from verify.launching import RankContext
 from verify.options import knob
 from verify.training.interface import InterfaceError
+from verify.training.sharded import full_gradients, full_state
 from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
 
 NO_BROADCAST = (
@@ -163,7 +164,9 @@ class AuditHooks(Hooks):
         self.notes: list[str] = []
 
     def after_build(self, run: Trainer) -> None:
+        # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
         sharded = run.impl is not None and run.impl.sharded
+        sharded = sharded or hasattr(run.wrapped, "full_parameters")
         self.auditor = Auditor(run.model, None if sharded else run.optimizer)
         if sharded:
             self.notes.append(
@@ -171,7 +174,12 @@ class AuditHooks(Hooks):
             )
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
-        found = self._audit("construction", 0, "construction", self.auditor.state_tensors())
+        found = self._audit(
+            "construction",
+            0,
+            "construction",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
+        )
         hint = (
             NO_BROADCAST if any(m.tensor.startswith("param:") for m in found)
             else NO_BUFFER_BROADCAST if any(m.tensor.startswith("buffer:") for m in found)
@@ -182,12 +190,20 @@ class AuditHooks(Hooks):
             self.findings[-1] = replace(last, message=f"{last.message}: {hint}")
 
     def after_sync(self, run: Trainer, step: int) -> None:
-        self._audit(f"step {step} gradients", step, "gradients", self.auditor.grad_tensors())
+        # Full gradients: a sharded class's put together from the shards (training/sharded.py).
+        grads = full_gradients(run.model, run.wrapped)
+        named = [(f"grad:{name}", grad) for name, grad in grads.items()]
+        self._audit(f"step {step} gradients", step, "gradients", named)
 
     def after_step(self, run: Trainer, step: int) -> None:
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
-        self._audit(f"step {step}", step, "step", self.auditor.state_tensors())
+        self._audit(
+            f"step {step}",
+            step,
+            "step",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
+        )
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is not None:
@@ -200,7 +216,12 @@ class AuditHooks(Hooks):
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
         label = f"step {step} after the state_dict round trip"
-        self._audit(label, step, "checkpoint", self.auditor.state_tensors())
+        self._audit(
+            label,
+            step,
+            "checkpoint",
+            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
+        )
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
         checkpoint, found = self.auditor.audit(label, named)

@@ -33,6 +33,7 @@ from torch import nn
 
 from verify.checks import tolerances
 from verify.checks.verdict import Finding
+from verify.training.sharded import assign_full, full_gradients, full_parameters
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
 from verify.training.workloads import Batch
 
@@ -142,7 +143,7 @@ class Reference(Hooks):
                 )
             with torch.no_grad():  # go on from rank 0's initialization: later bugs still show
                 for (_, mine), (_, ref) in zip(_state(run.model), _state(self.model), strict=True):
-                    mine.copy_(ref)
+                    assign_full(mine, ref)
 
     def _optimizer(self, run: Trainer):
         s = run.spec
@@ -191,14 +192,14 @@ class Reference(Hooks):
     def after_sync(self, run: Trainer, step: int) -> None:
         """Every gradient against the average of the shards' (module docstring, item 2)."""
         found = []
-        mine = dict(run.model.named_parameters())
+        grads = full_gradients(run.model, run.wrapped)  # a sharded class puts them together
         for name, p in self._trainable().items():
             parts = [acc[name] for acc in self.shards if name in acc]
             if not parts:  # no shard used it: its gradient is what zero_grad left
                 p.grad = self.start[name]
                 found.append(
                     compare(
-                        "gradients", name, mine[name].grad, p.grad, 0.0, step=step, rank=self.rank
+                        "gradients", name, grads[name], p.grad, 0.0, step=step, rank=self.rank
                     )  # fmt: skip
                 )
                 continue
@@ -213,7 +214,7 @@ class Reference(Hooks):
                 compare(
                     "gradients",
                     name,
-                    mine[name].grad,
+                    grads[name],
                     mean,
                     tol,
                     step=step,
@@ -234,7 +235,9 @@ class Reference(Hooks):
             self.scheduler.step()
         self._check_state(run, step)
         with torch.no_grad():  # re-anchor: the next step starts from this rank's state
-            for (_, mine), (_, ref) in zip(_state(run.model), _state(self.model), strict=True):
+            params = full_parameters(run.model, run.wrapped)  # a sharded class's put together
+            mine_full = [*params.items(), *run.model.named_buffers()]
+            for (_, mine), (_, ref) in zip(mine_full, _state(self.model), strict=True):
                 ref.copy_(mine)
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
@@ -259,7 +262,7 @@ class Reference(Hooks):
         """Parameters and buffers; at construction bitwise."""
         found = []
         ref_params = dict(self.model.named_parameters())
-        for name, param in run.model.named_parameters():
+        for name, param in full_parameters(run.model, run.wrapped).items():
             ref = ref_params[name]
             tol = 0.0 if step == 0 else self._param_tol(run, name, ref)
             found.append(compare("parameters", name, param, ref, tol, step=step, rank=self.rank))

@@ -75,6 +75,7 @@ def round_trip(
     world_size: int,
     device: torch.device,
     param_numels: Sequence[int],
+    sharded_params: bool = False,
 ) -> RoundTrip:
     """Save `optimizer`'s state, build a fresh one with `rebuild()`, load the state into it.
 
@@ -91,6 +92,8 @@ def round_trip(
         device: this rank's device (NCCL's object collectives need it).
         param_numels: the number of elements of each parameter the optimizer was given, in
             the order given (all groups): what the kind is measured against.
+        sharded_params: the model's parameters are this rank's shards (a wrapper with
+            `full_parameters()`, ZeRO-3): state over them is this rank's own, per-rank.
 
     Raises:
         CheckpointError: `state_dict()`, `consolidate_state_dict()`, `rebuild()` or
@@ -109,11 +112,16 @@ def round_trip(
         what = "the consolidated state (rank 0's)"
     else:
         mine = _user("state_dict", "state_dict()", optimizer.state_dict)
-        summary = (_params_listed(mine), _digest(mine), _slice_of(mine, param_numels))
+        # State of parameter shards (ZeRO-3's; a DTensor is one by type, FSDP2's) is per-rank:
+        # marked in the digest, so every rank sees it and all take the per-rank path together.
+        shards = "shards:" if sharded_params or _holds_dtensor(mine, 0) else ""
+        summary = (_params_listed(mine), shards + _digest(mine), _slice_of(mine, param_numels))
         summaries: list = [summary] * world_size
         if world_size > 1:
             dist.all_gather_object(summaries, summary)
         kind, note = _decide(summaries, len(param_numels))
+        if any(d.startswith("shards:") for _, d, _ in summaries):
+            kind, note = "per-rank", "the state is of parameter shards: each rank loaded its own"
         if kind == "per-rank":
             state, what = _copy(mine, to_cpu=False), "this rank's own state (a per-rank checkpoint)"
         else:
@@ -193,6 +201,18 @@ def _broadcast(obj: Any, world_size: int, device: torch.device | None) -> Any:
     return box[0]
 
 
+def _holds_dtensor(obj: Any, depth: int) -> bool:
+    if hasattr(obj, "device_mesh") and isinstance(obj, torch.Tensor):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_dtensor(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_dtensor(v, depth + 1) for v in obj)
+    return False
+
+
 def _params_listed(state: Any) -> int | None:
     """How many parameters a torch.optim-format dict's `param_groups` reference, or None."""
     try:
@@ -230,6 +250,8 @@ def _feed(h, obj: Any, depth: int) -> None:
         h.update(b"<deep>")
     elif isinstance(obj, torch.Tensor):
         t = obj.detach()
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2's state): this rank's shard is its state
+            t = t.to_local()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
         try:
             if t.numel():

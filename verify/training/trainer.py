@@ -26,6 +26,7 @@ says raises `InterfaceError` (`interface.py`): a usage error rather than a fault
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -195,7 +196,9 @@ class Trainer:
         cls, extra = torch.optim.AdamW, {}
         if s.optimizer == "sgd":
             cls, extra = torch.optim.SGD, {"momentum": SGD_MOMENTUM}
-        make = self.impl.make_optimizer if self.impl is not None else _plain
+        make = _plain
+        if self.impl is not None:  # ZeRO-2's optimizer steps what its wrapper assigned
+            make = functools.partial(self.impl.make_optimizer, wrapped=self.wrapped)
         with self._constructing("the optimizer"):
             if s.add_param_group:
                 optimizer = make(groups[:1], cls, **extra)
@@ -276,6 +279,7 @@ class Trainer:
                 world_size=self.ctx.world_size,
                 device=self.ctx.device,
                 param_numels=self.param_numels,
+                sharded_params=hasattr(self.wrapped, "full_parameters"),
             )
             optimizer = self.round_trip.optimizer
         except checkpoint.CheckpointError as exc:
