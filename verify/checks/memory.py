@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verify.training.optim_state import local_state_bytes, unsharded_state_bytes
+from verify.training.optim_state import local_state_bytes, unsharded_state
 from verify.training.sharded import full_parameters
 from verify.training.trainer import Hooks, Trainer
 
@@ -135,9 +135,10 @@ class MemoryHooks(Hooks):
         trainable = [t for n, t in whole_by_name.items() if n in trainable_names]
         params = trainable
         whole = [torch.zeros(p.shape, dtype=p.dtype) for p in trainable]
-        state_sizes = unsharded_state_bytes(whole) if run.spec.optimizer == "adamw" else []
+        plain = unsharded_state(whole) if run.spec.optimizer == "adamw" else []
         if run.spec.optimizer == "sgd":
-            state_sizes = unsharded_state_bytes(whole, torch.optim.SGD, momentum=0.9)
+            plain = unsharded_state(whole, torch.optim.SGD, momentum=0.9)
+        state_sizes = [s.bytes for s in plain]
         sizes = {
             "parameters": [_full_bytes(p) for p in params],
             "gradients": [_full_bytes(p) for p in trainable],
