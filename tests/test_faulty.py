@@ -51,6 +51,8 @@ HINTS = {
     "faulty:divide-before-wait": "divide after handle.wait()",
     "faulty:shared-staging-buffer": "give each bucket its own buffer",
     "faulty:zero-unwaited-broadcast": "never waited on",
+    "faulty:zero3-no-divide": "never divided by the world size",
+    "faulty:zero3-not-regathered": "gathered again before its backward",
 }
 
 # Modules of impls.faulty.

@@ -112,6 +112,32 @@ _params_not_synced = _plain(
 )
 
 
+_empty_inner = _plain(
+    r"optimizer got an empty parameter list",
+    "a rank that owns no parameter (more ranks than parameters) built its inner optimizer "
+    "from an empty list: skip the inner optimizer on such a rank; it must still take part in "
+    "every collective",
+)
+_some_ranks_raised = _plain(
+    r"only ranks? [\d, ]+ raised",
+    "the class behaved differently on some ranks: whatever depends on the rank (what it owns, "
+    "an if on dist.get_rank()) must still leave every rank constructing and communicating "
+    "alike",
+)
+_state_on_some = _plain(
+    r"optim:\S+ differs on ranks? [\d, ]+ \(vs rank \d+\): held on",
+    "optimizer state exists on some ranks only: a parameter had a gradient on some ranks and "
+    "None on others, so only they stepped it: assign the all-reduced gradient (zeros where "
+    "this rank had none) back to .grad on every rank",
+)
+_freed_parameter = _plain(
+    r"storage of size 0",
+    "a parameter was used after its storage was freed: a ZeRO-3/FSDP unit must be gathered "
+    "again before its backward (and before the next forward), not only before its first "
+    "forward",
+)
+
+
 def _in_flight(text: str, s: Situation) -> str | None:
     if "was in flight" not in text:
         return None
@@ -251,6 +277,10 @@ def _first_step(text: str, pattern: re.Pattern) -> int | None:
 _RULES = (
     _never_waited,
     _in_flight,
+    _empty_inner,
+    _some_ranks_raised,
+    _state_on_some,
+    _freed_parameter,
     _arrival_order,
     _not_broadcast,
     _not_sharded,
