@@ -140,16 +140,19 @@ class ThreadOptions(Options):
 
 def launch_knobs(options: Any) -> dict[str, Any]:
     """The launcher's keywords every command's options set alike: the time limit, the backend,
-    the thread budget and whether NCCL waits block (not for measurements: `MeasureOptions`),
-    as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
+    the thread budget, whether NCCL waits block (not for measurements: `MeasureOptions`) and,
+    where a command takes one (`--stall-timeout`), the stall timeout, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
     `options`: any command's options that start ranks (a `ThreadOptions` with `timeout_s` and
     `backend`: `RunOptions` and the checks', `MeasureOptions` and the measurements')."""
-    return {
+    knobs = {
         "timeout_s": options.timeout_s,
         "backend": options.backend,
         "threads_per_rank": options.threads_per_rank,
         "nccl_blocking_wait": getattr(options, "nccl_blocking_wait", True),
     }
+    if hasattr(options, "stall_timeout_s"):  # the commands that take --stall-timeout
+        knobs["stall_timeout_s"] = options.stall_timeout_s
+    return knobs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -156,8 +156,7 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     env = capture.backend_env(options.backend, report_dir)
     run = launch(
         run_hang_on_rank, world_size=options.ranks, args=(options,), env=env,
-        stall_timeout_s=options.stall_timeout_s, report_dir=report_dir,
-        **launch_knobs(options),
+        report_dir=report_dir, **launch_knobs(options),
     )  # fmt: skip
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.ranks)

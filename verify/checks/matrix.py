@@ -33,7 +33,7 @@ from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
 from verify.checks.options import CHECK_KINDS
 from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT
-from verify.launching import RankContext, check_interrupted, launch, rank
+from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch, rank
 from verify.options import ThreadOptions, knob, launch_knobs
 
 #: what `--impl all` certifies: the built-ins and PyTorch's references
@@ -61,6 +61,11 @@ class MatrixOptions(ThreadOptions):
         flag="--timeout", unit="s", positive=True,
     )  # fmt: skip
     same_init: bool = knob(False, "every rank builds the model from the same seed")
+    stall_timeout_s: float = knob(
+        DEFAULT_STALL_TIMEOUT_S, "seconds with no collective progress, while a rank waits and "
+        "none works, that make a hang (a cell that hangs fails within it)",
+        flag="--stall-timeout", unit="s", positive=True,
+    )  # fmt: skip
     backend: str = knob(
         "gloo", "gloo (CPU) or nccl (one GPU per rank; rows wanting more ranks than GPUs are "
         "n/a)", choices=("gloo", "nccl"),
