@@ -1,18 +1,43 @@
-"""What the tests ask about processes: is one still alive, what runs below one, and what it
-listens on."""
+"""What the tests ask about processes: is one still alive, what runs below one, what it
+listens on; and the launches a test session runs once for all its workers."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
+import pickle
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from verify.launching.process import alive
 
-__all__ = ["Listener", "alive", "descendants", "listeners", "session_members"]
+__all__ = ["Listener", "alive", "descendants", "listeners", "once_per_session", "session_members"]
+
+
+def once_per_session(
+    tmp_path_factory,
+    name: str,
+    compute: Callable[[Path], Any],
+    dumps: Callable[[Any], bytes] = pickle.dumps,
+    loads: Callable[[bytes], Any] = pickle.loads,
+) -> Any:
+    """`compute(folder)` run once per test session, whatever the number of xdist workers: the
+    first worker to get here runs it under a file lock and leaves its result (`dumps`) in the
+    session's shared temp dir; the others read it (`loads`). `folder` is for its reports."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    cached = root / f"{name}.cached"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            cached.write_bytes(dumps(compute(root / f"{name}-reports")))
+    return loads(cached.read_bytes())
 
 
 def descendants(pid: int) -> set[int]:

@@ -12,7 +12,6 @@ measured and printed, not asserted, since a loaded CI machine would make it flak
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.processes import alive, session_members
+from tests.processes import alive, once_per_session, session_members
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
@@ -81,16 +80,10 @@ def runs(tmp_path_factory) -> dict:
     """Every scenario, the user script (hanging and not) and the student DDP, run once per
     test session: the first xdist worker to get here runs them under a file lock and leaves
     the results as JSON in the session's shared temp dir; the others read that."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    cached = root / "hang-runs.json"
-    with open(root / "hang-runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not cached.exists():
-            results = _run_all(root / "hang-reports")
-            cached.write_text(json.dumps(results, default=str))
-    return json.loads(cached.read_text())
+    return once_per_session(
+        tmp_path_factory, "hang-runs", _run_all, lambda r: json.dumps(r, default=str).encode(),
+        json.loads,
+    )  # fmt: skip
 
 
 def _run_all(out: Path) -> dict:

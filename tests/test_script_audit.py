@@ -13,10 +13,8 @@ audit changes nothing the script computes: three launches of two ranks, run side
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import os
-import pickle
 import re
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.processes import alive
+from tests.processes import alive, once_per_session
 from verify.checks.hang import HangOptions, check_hang
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.checks.verdict import EXIT_CODES
@@ -90,15 +88,7 @@ def runs(tmp_path_factory):
     """The four launches, run once per test session: the first xdist worker to get here runs
     them under a file lock and leaves the results (pickled) in the session's shared temp
     dir; the others read them."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    cached = root / "audit-runs.pickle"
-    with open(root / "audit-runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not cached.exists():
-            cached.write_bytes(pickle.dumps(_run_all(str(root / "audit-reports"))))
-    return pickle.loads(cached.read_bytes())
+    return once_per_session(tmp_path_factory, "audit-runs", lambda out: _run_all(str(out)))
 
 
 def _run_all(out: str) -> tuple:
