@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -24,9 +23,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from filelock import FileLock
 
-from tests.processes import descendants, listeners
+from tests.processes import descendants, listeners, once_per_session
 from verify import runs
 from verify.perf import traces
 from verify.perf.base import all_variants
@@ -36,25 +34,21 @@ BUCKET_MB = 0.02  # several buckets even in the tiny GPT (0.1M parameters)
 
 
 @pytest.fixture(scope="session")
-def profiled(tmp_path_factory, worker_id):
-    """The profile, written once for the whole run: the first xdist worker to ask writes it
-    under a lock in the directory all workers share, the others read the pickled result."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        root = root.parent  # shared by every worker of this pytest run
-    with FileLock(str(root / "profile.lock")):
-        done = root / "profile.pickle"
-        if done.exists():
-            return pickle.loads(done.read_bytes())
+def profiled(tmp_path_factory):
+    """The profile, written once for the whole run (`once_per_session`)."""
+
+    def profile(out):
         options = ProfileOptions(
             impl="all", world_size=2, wait=0, warmup=1, active=2, model_size_m=None,
-            bucket_mb=BUCKET_MB, out=str(root / "profiles"), timeout_s=300,
+            bucket_mb=BUCKET_MB, out=str(out), timeout_s=300,
             device="cpu",  # about the CPU: a host with GPUs would default to cuda
         )  # fmt: skip
+        os.makedirs(out, exist_ok=True)
         result = run_profile(options)
         assert result.ok, result.failure
-        done.write_bytes(pickle.dumps(result))
         return result
+
+    return once_per_session(tmp_path_factory, "profile", profile)
 
 
 # --- synthetic traces: exact answers --------------------------------------------------------
