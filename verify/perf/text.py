@@ -187,7 +187,6 @@ def scaling(result: ScalingResult) -> str:
 
 
 def train(result: TrainResult) -> str:
-    from verify.perf.train import REFERENCE  # train.py imports this module
     from verify.training.workloads import Markov
 
     o = result.options
@@ -196,7 +195,7 @@ def train(result: TrainResult) -> str:
     tokens = o.world_size * o.local_batch * o.config.block_size
     rows = []
     for name, curve in result.losses.items():
-        ref = name == REFERENCE
+        ref = name == result.reference
         rows.append(
             [
                 name,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
 
 import torch.distributed as dist
 
@@ -112,6 +113,7 @@ class TrainResult:
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
+    reference: ClassVar[str] = REFERENCE  # the single process's name among `losses`
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,101 @@
+"""Imports run one way: no module of `verify/` or `impls/` imports, directly or through others,
+a module that imports it back, also from inside a function (a circle there only waits for
+the call that closes it); and `impls/` imports nothing of `verify/`.
+
+Read from the source (`ast`), not by importing: every import that can run counts, wherever it
+sits, except those under `if TYPE_CHECKING:` (annotations only, never executed).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("verify", "impls")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of ours `path` can import when it runs."""
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                out.add(child if child in known else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m in known}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    known = modules()
+    graph = {name: imports(path, known) - {name} for name, path in known.items()}
+    # A package's __init__ importing its own modules is how a package is built, not a circle.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    assert circles(graph) == []
+
+
+def test_impls_import_nothing_of_verify():
+    known = modules()
+    leaks = {
+        name: sorted(m for m in imports(path, known) if m.startswith("verify"))
+        for name, path in known.items()
+        if name.startswith("impls")
+    }
+    assert {n: m for n, m in leaks.items() if m} == {}
