@@ -40,15 +40,15 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from verify.checks.cells import CellResult, Refused
-from verify.checks.verdict import only_some_text
+from verify.checks.cells import CellResult
+from verify.checks.verdict import Refusal, only_some_text
 
 
 def raised_path(journal: str, index: int, rank: int) -> str:
     return os.path.join(journal, f"{index}.raised.{rank}.pkl")
 
 
-def read_raised(journal: str, index: int, world_size: int) -> list[Refused]:
+def read_raised(journal: str, index: int, world_size: int) -> list[Refusal]:
     """The refusals journaled for cell `index` by ranks whose peers may never have agreed."""
     found = []
     for rank in range(world_size):
@@ -60,12 +60,9 @@ def read_raised(journal: str, index: int, world_size: int) -> list[Refused]:
     return found
 
 
-def only_some_raised(raised: list[Refused], world_size: int) -> CellResult:
+def only_some_raised(raised: list[Refusal], world_size: int) -> CellResult:
     """The cell's fault when the `raised` ranks refused and the others went on."""
-    ranks = sorted(r.rank for r in raised)
-    others = [r for r in range(world_size) if r not in ranks]
-    first = min(raised, key=lambda r: r.rank)
-    return CellResult("fail", only_some_text(ranks, others, first.reason))
+    return CellResult("fail", only_some_text(raised, world_size))
 
 
 class CellAgreement:
@@ -79,10 +76,10 @@ class CellAgreement:
             timeout = datetime.timedelta(seconds=timeout_s)
             self.group = dist.new_group(backend="gloo", timeout=timeout)
 
-    def agree(self, index: int, outcome: CellResult | Refused) -> CellResult:
+    def agree(self, index: int, outcome: CellResult | Refusal) -> CellResult:
         """The outcome of cell `index` every rank agrees on (a collective of the tool's
         group: every rank, once per cell, in order)."""
-        if isinstance(outcome, Refused):
+        if isinstance(outcome, Refusal):
             path = raised_path(self.journal, index, self.rank)
             with open(path + ".tmp", "wb") as f:
                 pickle.dump(outcome, f)
@@ -99,22 +96,22 @@ class CellAgreement:
         return merge(outcomes)
 
 
-def _key(outcome: CellResult | Refused) -> tuple:
-    if isinstance(outcome, Refused):
+def _key(outcome: CellResult | Refusal) -> tuple:
+    if isinstance(outcome, Refusal):
         return ("refused", outcome.message)
     return (outcome.status, outcome.detail)
 
 
-def _as_result(outcome: CellResult | Refused) -> CellResult:
+def _as_result(outcome: CellResult | Refusal) -> CellResult:
     """An outcome every rank shares: a refusal made alike everywhere is the class's."""
-    if isinstance(outcome, Refused):
+    if isinstance(outcome, Refusal):
         return CellResult("refused", outcome.message, where=outcome.reason)
     return outcome
 
 
-def merge(outcomes: list[CellResult | Refused]) -> CellResult:
+def merge(outcomes: list[CellResult | Refusal]) -> CellResult:
     """One result from outcomes that differ between ranks (module docstring, step 3)."""
-    raised = [o for o in outcomes if isinstance(o, Refused)]
+    raised = [o for o in outcomes if isinstance(o, Refusal)]
     if len(raised) == len(outcomes):  # every rank refused, in different words: the first
         return _as_result(raised[0])
     if raised:

@@ -30,6 +30,7 @@ from verify.checks.equivalence import _local, _merge
 from verify.checks.memory import MemoryHooks
 from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
+from verify.checks.verdict import Refusal
 from verify.launching import RankContext
 from verify.training.interface import InterfaceError
 from verify.training.optim_state import PlainState, local_state_bytes, unsharded_state
@@ -114,17 +115,6 @@ class ClaimHooks(Hooks):
             raise _NotClaimed(why)
 
 
-@dataclass(frozen=True)
-class Refused:
-    """This rank could not construct or drive the class (`InterfaceError`): decided by this
-    rank alone, so the ranks must agree on it (`agreement.py`) before it becomes the cell's
-    "refused" (every rank alike) or a fault (only some ranks raised)."""
-
-    rank: int
-    message: str  # the whole usage error, with the contract it breaks
-    reason: str  # what raised, where: "constructing the optimizer raised ValueError: ... at x.py:3"
-
-
 def run_cell_on_rank(
     ctx: RankContext,
     impl_name: str,
@@ -132,9 +122,9 @@ def run_cell_on_rank(
     check: str,
     same_init: bool = False,
     sanitize: bool = False,
-) -> CellResult | Refused:
+) -> CellResult | Refusal:
     """Run one check of one cell on this rank (a collective: every rank, same arguments).
-    Every rank returns the same result, except `Refused`, which this rank reached alone. With
+    Every rank returns the same result, except a `Refusal`, which this rank reached alone. With
     `sanitize`, the race sanitizer's findings (this rank's) fail the cell too
     (`sanitizing.py`)."""
     impl = resolve(impl_name)
@@ -155,7 +145,7 @@ def run_cell_on_rank(
         except _NotClaimed as exc:
             return CellResult("not claimed", str(exc))
         except InterfaceError as exc:  # this rank's own decision: the matrix has ranks agree
-            return Refused(ctx.rank, str(exc), exc.reason)
+            return Refusal(str(exc), ctx.rank, exc.reason)
         if check == "consistency":
             report = judge.report(guard)
             if report.findings:

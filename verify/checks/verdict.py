@@ -93,7 +93,9 @@ def verdict_of(findings, run: LaunchResult) -> str:
 class Refusal:
     """What a rank returns when the class under test cannot be driven as the contract says
     (`trainer.InterfaceError`): the check cannot run, a usage error, when every rank refuses.
-    `reason` is the short form (what raised, where) for when only some ranks do."""
+    `reason` is the short form (what raised, where) for when only some ranks do: decided by
+    this rank alone, so the ranks compare their refusals (`run_check`; the matrix's cells,
+    `agreement.py`) before one becomes a usage error or a fault of the class."""
 
     message: str
     rank: int = 0
@@ -122,16 +124,19 @@ def run_check(
         raise ValueError(refusals[0].message)
     if not refusals:
         return run, reports, ()
-    ranks = sorted(r.rank for r in refusals)
-    others = [r for r in range(run.world_size) if r not in ranks]
     reason = min(refusals, key=lambda r: r.rank).reason
     phase = "construction" if reason.startswith("constructing") else "run"
-    found = Finding("run", phase, 0, only_some_text(ranks, others, reason), ranks=tuple(ranks))
+    ranks = tuple(sorted(r.rank for r in refusals))
+    found = Finding("run", phase, 0, only_some_text(refusals, run.world_size), ranks=ranks)
     return run, reports, (found,)
 
 
-def only_some_text(ranks: list[int], others: list[int], reason: str) -> str:
-    """`only rank 2 raised: constructing the optimizer raised ...; ranks 0, 1 did not ...`"""
+def only_some_text(refusals: list[Refusal], world_size: int) -> str:
+    """`only rank 2 raised: constructing the optimizer raised ...; ranks 0, 1 did not ...`:
+    what the lowest of the ranks that refused raised, and who did not."""
+    ranks = sorted(r.rank for r in refusals)
+    others = [r for r in range(world_size) if r not in ranks]
+    reason = min(refusals, key=lambda r: r.rank).reason
     who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     went_on = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
     return (
