@@ -8,13 +8,15 @@ zero1 (tests/fixtures/sharded_styles.py), and the replica audit of the buggy tra
 (tests/test_script_audit.py) give exactly the verdicts they give on an idle machine, and
 nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
 `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
-computes for twice the stall timeout on node 1 while node 0 waits is no finding.
+computes for twice the stall timeout on node 1 while node 0 waits is no finding. The CPU
+meters under them still read a process at `nice 19` that computes as busy and a waiting one as
+idle (tests/test_procstat.py).
 
 The hogs are started and killed by the test (bounded by its own time limit), and the test runs
 alone (`alone`: no other test of the run at the same time, so the hogs are the whole load and
 do not slow the rest of the suite). Under them each rank gets a fraction of a core, so
-everything is slower: a rank that works must still read as working (its CPU time advances),
-never as hung, and a hang must still be called.
+everything is slower: a rank that works must still read as working (its CPU time advances,
+or its thread is runnable), never as hung, and a hang must still be called.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_agreement
+from tests import test_agreement, test_procstat
 from tests.fixtures import deadline_loops, sharded_styles
 from tests.processes import alive
 from tests.test_script_audit import buggy_problems, run_buggy
@@ -83,6 +85,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             blind = pool.submit(script, "60", path=DDP_SCRIPT)
             skipping = pool.submit(script, "skip")
             audited = pool.submit(run_buggy, out)
+            meters = pool.submit(test_procstat.meter_problems)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
@@ -121,6 +124,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert "OK: no hang" in computed[0].ours()[0], computed[0].ours()
     assert not [p for node in (*hang, *computed) for p in node.leftover]
     assert not buggy_problems(audited), "\n".join(buggy_problems(audited))
+    assert not meters.result(), "\n".join(meters.result())
     pids = [
         p
         for r in (*scenarios.results, computing, skipping, blind.result())

@@ -1,6 +1,6 @@
 """A DDP class that broadcasts parameters but forgets buffers at construction.
 
-    python -m verify consistency --impl docs/examples/forgot_buffers_ddp.py:ForgotBuffersDDP --workload buffers
+python -m verify consistency --impl docs/examples/forgot_buffers_ddp.py:ForgotBuffersDDP --workload buffers
 """
 
 import torch.distributed as dist

@@ -1,13 +1,16 @@
-"""CPU time of a rank: the evidence that tells a rank that computes from one that is stuck.
+"""CPU evidence of a rank: what tells a rank that computes from one that is stuck.
 
 A rank that waits in a collective, sleeps, or blocks on a lock that nobody releases uses no
-CPU (a gloo rank waiting 5 s in an all_reduce used 0.01 s). A rank that computes (an
-evaluation pass, a slow data step) uses CPU all the time, even when other processes crowd the
-cores. So the watchdog asks, before it calls a rank hung: did its CPU time advance?
+CPU (a gloo rank waiting 5 s in an all_reduce used 0.01 s) and none of its threads is
+runnable. A rank that computes (an evaluation pass, a slow data step) either runs or waits
+for a core: when other processes crowd the cores its CPU share can fall to a few percent (one
+of thirty runnable processes on two cores; a rank run under `nice`), but its computing
+thread stays runnable (state R) all the time. So the watchdog asks, before it calls a rank
+hung: did its CPU time advance, or was one of its threads runnable at most samples?
 
-The CPU time of a rank is that of its process (every thread) and of its live descendants
-(DataLoader workers compute for it), read from /proc in clock ticks. Off Linux there is no
-/proc: `cpu_seconds` returns None and the watchdog falls back to silence alone.
+The evidence covers the rank's process (every thread) and its live descendants (DataLoader
+workers compute for it), read from /proc. Off Linux there is no /proc: `sample_tree` returns
+None and the watchdog falls back to silence alone.
 """
 
 from __future__ import annotations
@@ -19,82 +22,102 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_DESCENDANTS = 256
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of `pid` and its live descendants; None if it is gone or
-    /proc is not there."""
-    total = _own_cpu(pid)
-    if total is None:
+def sample_tree(pid: int) -> tuple[float, bool] | None:
+    """(user + system CPU seconds, whether any thread is runnable now) of `pid` and its live
+    descendants; None if it is gone or /proc is not there."""
+    own = _sample_process(pid)
+    if own is None:
         return None
-    seen, todo = {pid}, list(_children(pid))
+    total, runnable, children = own
+    seen, todo = {pid}, children
     while todo and len(seen) < _MAX_DESCENDANTS:
         child = todo.pop()
         if child in seen:
             continue
         seen.add(child)
-        total += _own_cpu(child) or 0.0
-        todo.extend(_children(child))
-    return total
+        if (theirs := _sample_process(child)) is not None:
+            total += theirs[0]
+            runnable = runnable or theirs[1]
+            todo.extend(theirs[2])
+    return total, runnable
 
 
-def _own_cpu(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
+    """CPU seconds of `pid` (all its threads), whether one of its threads is runnable, and
+    its children."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    if fields is None:
         return None
-    # Fields after the command name, which may itself hold spaces and parentheses.
-    fields = raw[raw.rfind(b")") + 2 :].split()
     if fields[0] == b"Z":  # a zombie computes nothing
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
+        return 0.0, False, []
+    cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    runnable, children = False, []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        tasks = []
     for tid in tasks:
+        thread = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        runnable = runnable or (thread is not None and thread[0] == b"R")
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
+                children += [int(c) for c in f.read().split()]
         except OSError:
             continue
-    return out
+    return cpu, runnable, children
+
+
+def _stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a /proc stat file after the command name (which may itself hold spaces
+    and parentheses): [state, ppid, ...]."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].split()
 
 
 class CpuMeter:
-    """Samples one process tree's CPU time and says whether it is working now.
+    """Samples one process tree's CPU evidence and says whether it is working now.
 
     `busy()` is True when, over the last `window_s`, the tree used at least `fraction` of one
-    core. The fraction is low on purpose: a rank that computes while other processes crowd the
-    cores still gets a share of them (1/6 of a core with 6 runnable processes on 2 cores),
-    while a waiting rank's background threads stay far below it.
+    core, or one of its threads was runnable at more than `runnable` of the samples. Either alone fails
+    somewhere: CPU share falls below any fixed fraction on a crowded machine (a rank at
+    `nice 19` beside two busy processes per core gets about 1%), and a runnable snapshot can
+    miss a rank that computes in short bursts between sleeps. A waiting rank meets neither:
+    its background threads stay far below the fraction and sleep between their wake-ups.
     """
 
-    def __init__(self, pid: int, *, window_s: float = 1.0, fraction: float = 0.05) -> None:
+    def __init__(
+        self, pid: int, *, window_s: float = 1.0, fraction: float = 0.05, runnable: float = 0.5
+    ) -> None:
         self.pid = pid
         self.window_s = window_s
         self.fraction = fraction
-        self.samples: deque[tuple[float, float]] = deque()
+        self.runnable = runnable
+        self.samples: deque[tuple[float, float, bool]] = deque()
 
     def sample(self, now: float) -> None:
-        cpu = cpu_seconds(self.pid)
-        if cpu is None:
+        sampled = sample_tree(self.pid)
+        if sampled is None:
             return
-        self.samples.append((now, cpu))
+        self.samples.append((now, *sampled))
         while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
             self.samples.popleft()
 
     def busy(self) -> bool:
-        """Did the tree use `fraction` of a core over (about) the last `window_s`?"""
+        """Did the tree use `fraction` of a core, or have a runnable thread at more than
+        `runnable` of the samples, over (about) the last `window_s`?"""
         if len(self.samples) < 2:
             return False
-        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        (t0, c0, _), (t1, c1, _) = self.samples[0], self.samples[-1]
         if t1 - t0 < self.window_s / 2:  # too short to tell
             return False
-        return (c1 - c0) >= self.fraction * (t1 - t0)
+        runnable = sum(r for _, _, r in self.samples) / len(self.samples)
+        # Strictly more than the share: one runnable snapshot of two (the sampler itself late
+        # on a crowded machine) is a waiting rank's wake-up as often as a computing rank.
+        return (c1 - c0) >= self.fraction * (t1 - t0) or runnable > self.runnable
 
     @property
     def measured(self) -> bool:

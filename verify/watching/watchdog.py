@@ -8,7 +8,8 @@ headers. The run is hung when, for `stall_timeout_s`:
    a call into torch's C++ that blocks waiting for peers (PyTorch DDP's reducer in backward,
    its constructor's broadcasts: the rank's main thread is inside torch's distributed or
    autograd code, `stacks.main_thread_in_torch`, and its CPU time does not advance), and
-3. no other rank is working: none used CPU over the last second (`procstat.CpuMeter`), and
+3. no other rank is working: none used CPU or kept a thread runnable over the last second
+   (`procstat.CpuMeter`: a rank starved of cores still waits to run), and
    none is still starting (it has not joined the process group yet, within `startup_s` of
    the start: a rank importing torch on a crowded machine, or meeting its peers, is not
    hung).
