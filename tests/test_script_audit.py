@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITE = str(ROOT / "tests" / "fixtures" / "audit_suite.py")
 SCHEDULER = str(ROOT / "tests" / "fixtures" / "audit_scheduler.py")
 CORRECT = ("nanogpt:ok", "hand_ddp:ok", "batchnorm:broadcast", "batchnorm:local", "sharded:zero",
-           "sharded:fsdp", "scheduler:ok")  # fmt: skip
+           "sharded:fsdp", "scheduler:ok", "resume:ok")  # fmt: skip
 BUGGY = ("nanogpt:late-sync", "hand_ddp:no-broadcast", "hand_ddp:no-divide", "scheduler:rank0",
-         "scheduler:scaler-rank0")  # fmt: skip
+         "scheduler:scaler-rank0", "resume:rank0")  # fmt: skip
 
 
 def buggy_problems(result) -> list[str]:
@@ -58,6 +58,9 @@ def buggy_problems(result) -> list[str]:
         ("SGD #3", report.GRADS, 0, "2.bias", (1,)),
         ("SGD #4", report.SETTINGS, 1, "param_groups[0].lr", (1,)),
         ("SGD #5", report.SCALER, 1, "GradScaler scale", (1,)),
+        # Step 3 is no state point (0, 16, ...): the parameters that differ call for the
+        # state, which is reported after them.
+        ("Adam #6", report.PARAMS_AFTER, 3, "0.weight", (1,)),
     ]
     problems = []
     if result.verdict != "fault" or EXIT_CODES[result.verdict] != 1:
@@ -72,6 +75,9 @@ def buggy_problems(result) -> list[str]:
         shown = [t for t in f.tensors if t.ranks]
         if not shown or any(t.ranks != ranks or t.reference_rank != 0 for t in shown):
             problems.append(f"{f.where}: ranks {[t.ranks for t in shown]}")
+    echoes = {(f.optimizer, f.phase, f.step) for f in result.faults if f.echo_of is not None}
+    if ("Adam #6", report.STATE, 3) not in echoes:
+        problems.append(f"the rewound state not reported after the parameters: {sorted(echoes)}")
     if not all(f.echo_of is not None for f in result.faults if f not in causes):
         problems.append("an echo without its cause")
     if [p for p in result.run.pids.values() if alive(p)]:
@@ -165,7 +171,8 @@ def test_under_torchrun_rank_0_prints_the_verdict_and_the_job_fails(runs):
     assert out.count("verify.audit_run:") == 1, out  # rank 0 only
     assert "REPLICAS DIVERGED: first at optimizer settings before step 2 (SGD)" in out, out
     assert "param_groups[0].lr on rank 1 vs rank 0: rank 0: 0.025, rank 1: 0.1" in out, out
-    assert "audited: 4 points" in out, out  # steps 0 and 2, before and after each
+    # steps 0 and 2, before and after each, the state at 0 (the first) and 2 (parameters differ)
+    assert "audited: 2 steps (6 points" in out, out
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from verify.checks.script_audit import AuditResult
 from verify.cli.text_checks import watched_tail
 from verify.script_audit import AuditReport, Finding
-from verify.script_audit.report import SETTINGS
+from verify.script_audit.report import SETTINGS, STATE_EVERY
 
 
 def audit(result: AuditResult) -> str:
@@ -96,11 +96,13 @@ def _again(f: Finding) -> str:
 
 def _summary(report: AuditReport) -> str:
     steps = ", ".join(f"{name} {n} step{'s' if n != 1 else ''}" for name, n in report.steps.items())
-    text = (f"audited: {report.audits} points (before and after each audited step), up to "
+    text = (f"audited: {report.audited_steps} steps ({report.audits} points: before and after "
+            f"each; the optimizer state every {STATE_EVERY}th audited step and wherever the "
+            f"parameters differ), up to "
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
     if report.sharded:
         text += f"; {report.sharded} sharded tensors never compared across ranks"
-    if report.audits:
-        per = report.seconds / report.audits * 2e3
+    if report.audited_steps:
+        per = report.seconds / report.audited_steps * 1e3
         text += f"; the audit took {report.seconds:.2f}s on one rank ({per:.1f} ms a step)"
     return text

@@ -48,6 +48,7 @@ class AuditBenchOptions(MeasureOptions):
     model_size_m: float = knob(
         50.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
     )
+    local_batch: int = knob(4, "sequences per rank and step", minimum=1)
     repeats: int = knob(5, "interleaved rounds: a step, an audit, an all-gather each", minimum=1)
     script_audit: bool = knob(
         False, "measure `audit --nproc`'s step hooks instead: audited / plain training step"
@@ -64,6 +65,7 @@ class AuditBenchOptions(MeasureOptions):
             impl=self.impl,
             workload="transformer",
             model_size_m=self.model_size_m,
+            local_batch=self.local_batch,
             steps=1 + self.repeats,
         )
 

@@ -19,6 +19,7 @@ from verify.perf.bench_result import LOCAL, MEMORY_VARIANTS, REFERENCE
 from verify.perf.bench_tracer import GOAL as TRACER_GOAL
 from verify.perf.text import best_bucket_line, failed
 from verify.perf.timing import MET, MISSED, Ratio
+from verify.training.language import GPTConfig
 
 if TYPE_CHECKING:
     from verify.perf.bench_audit import AuditBenchResult
@@ -227,9 +228,11 @@ def _script_audit(result: AuditBenchResult) -> str:
         for name, v in [("plain step", result.plain_s), ("audited step", result.audited_s)]
     ]
     what, r, goal, decided = result.bars()[0]
+    block = GPTConfig.with_params(o.model_size_m).block_size
     return "\n".join([
         f"audit --nproc cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
-        f"world size {o.world_size}, {o.repeats} interleaved rounds",
+        f"world size {o.world_size}, {o.local_batch * block} tokens per rank and step "
+        f"({o.local_batch} x {block}), {o.repeats} interleaved rounds",
         f"audited at every step: up to {result.audited_tensors} tensors and settings per audit "
         f"point; findings: {result.findings}; time inside the audit: "
         f"{result.audit_s_per_step * 1e3:.1f} ms a step (rank 0)",

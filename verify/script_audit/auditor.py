@@ -8,7 +8,17 @@ order (a step is a point all ranks reach together in data-parallel training):
                     every param group's settings (lr, betas, ...); the GradScaler's scale;
                     the buffers (as DDP broadcast them at the forward, when it does; else
                     compared as they are, a note when they differ); the gradients
-    after step N    the parameters; the optimizer state
+    after step N    the parameters; the optimizer state, at the first audited step, every
+                    STATE_EVERY-th one, and at any step whose parameters differ (to say
+                    whether the state differs too)
+
+The optimizer state is not read at every step because it is the largest thing a step holds
+(AdamW's two moments are twice the parameters) and what it carries shows in the parameters
+of the same step: an update computed from a state that differs gives parameters that differ.
+A state that differs but leaves this step's parameters bitwise alike (a moment one ULP off,
+absorbed by the rounding of the update) is seen at the next state point, at most
+STATE_EVERY audited steps later, or as soon as it moves a parameter. This halves the audit's
+cost (docs/audit.md, "What it costs").
 
 An optimizer stepped from inside another's step (`ZeroRedundancyOptimizer` steps a local
 optimizer over this rank's shard) is not audited: only the outermost step counts. With
@@ -36,13 +46,13 @@ from torch.optim.optimizer import (
 from verify.script_audit import report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
-from verify.script_audit.compare import compare
+from verify.script_audit.compare import Outcome, compare
 from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules, strip, syncs_buffers
-from verify.script_audit.report import AuditReport, AuditSettings
+from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
 
-BEFORE, AFTER = 0, 1
+BEFORE, AFTER, STATE = 0, 1, 2  # the audit points of a step
 
 
 class Auditor:
@@ -64,7 +74,7 @@ class Auditor:
         self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
-        self.audits = self.tensors = self.sharded = 0
+        self.audits = self.audited_steps = self.tensors = self.sharded = 0
         self.seconds = 0.0  # time spent inside the audit, in all
         self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
         self.stopped: str | None = None
@@ -180,12 +190,15 @@ class Auditor:
         self._check(opt, step, BEFORE, entries)
 
     def _audit_after(self, opt: torch.optim.Optimizer, step: int) -> None:
+        self.audited_steps += 1
         self.collect.sharded = 0
         self.modules.refresh()
-        entries = self.collect.parameters(opt, report.PARAMS_AFTER) + self.collect.state(opt)
-        self._check(opt, step, AFTER, entries)
+        params = self._check(opt, step, AFTER, self.collect.parameters(opt, report.PARAMS_AFTER))
+        # Every rank takes the same branch: the outcome is what the ranks agreed on.
+        if (step // self.settings.every) % STATE_EVERY == 0 or params.mismatched:
+            self._check(opt, step, STATE, self.collect.state(opt))
 
-    def _check(self, opt, step: int, point: int, entries: list[Entry]) -> None:
+    def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
         outcome = compare(
             self.group, entries, (index, step, point),
@@ -196,6 +209,7 @@ class Auditor:
         self.sharded = max(self.sharded, self.collect.sharded)
         if self.book.add(label, step, entries, outcome) or self.audits == 1:
             self.write()
+        return outcome
 
     def _label(self, opt: torch.optim.Optimizer) -> tuple[int, str]:
         if opt not in self.labels:
@@ -220,7 +234,8 @@ class Auditor:
 
     def report(self, finished: bool = False) -> AuditReport:
         return AuditReport(
-            every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits, tensors=self.tensors,
+            every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits,
+            audited_steps=self.audited_steps, tensors=self.tensors,
             sharded=self.sharded, seconds=self.seconds, findings=tuple(self.book.findings),
             stopped=self.stopped,
             finished=finished,

@@ -50,7 +50,8 @@ HINTS = {
     "by the world size, or divided on some ranks only)",
     PARAMS_AFTER: "parameters differ after a step whose gradients and settings agreed: the "
     "update itself ran differently on some ranks (a rank-local clip, learning rate or "
-    "optimizer setting, or an edit of the parameters outside the optimizer)",
+    "optimizer setting, optimizer state loaded or reset on some ranks only, or an edit of the "
+    "parameters outside the optimizer)",
     STATE: "optimizer state differs although the gradients agreed: state changed on some ranks "
     "only (a rank-local load_state_dict or reset)",
     LAYOUT: "the ranks audit different sets of tensors here: optimizer state or gradients "
@@ -120,7 +121,8 @@ class AuditReport:
 
     every: int = 1
     steps: dict[str, int] = field(default_factory=dict)  # optimizer -> steps the script took
-    audits: int = 0  # audit points (before or after a step) checked
+    audits: int = 0  # audit points (before a step, after it, its state) checked
+    audited_steps: int = 0  # optimizer steps audited (before and after)
     tensors: int = 0  # the most tensors checked at one audit point
     sharded: int = 0  # sharded tensors seen and never compared (ZeRO, FSDP2), at most at once
     seconds: float = 0.0  # time this rank spent inside the audit, in all
@@ -176,6 +178,9 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     if len(ranks) > 8:
         return ", ".join(map(str, ranks[:8])) + f" and {len(ranks) - 8} more"
     return ", ".join(map(str, ranks))
+
+
+STATE_EVERY = 16  # audited steps between two reads of the optimizer state (auditor.py)
 
 
 @dataclass(frozen=True)
