@@ -236,7 +236,8 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
       fault found is the optimizer's;
     - an `nn.Module` subclass is a DDP wrapper, built as `Cls(module)`, or with the bucket
       size as `bucket_size_mb=` or `bucket_cap_mb=` when the constructor takes one
-      (`takes_bucket_size`).
+      (`takes_bucket_size`); one with `full_parameters()` says its parameters are shards,
+      and gets a plain optimizer over them (`plain_over_shards`, FSDP2's way).
 
     Raises ImplError for a class that is neither. The constructor's signature is not checked
     here: `interface_problem` does that.
@@ -258,8 +259,11 @@ def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
 
         wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
         doc = _summary(cls, "user DDP wrapper")
+        # A wrapper whose parameters are shards takes a plain optimizer over them (FSDP2's
+        # way), so its state is sharded with them and the shard (memory) check applies.
         shards = hasattr(cls, "full_parameters")
-        return Implementation(name, doc, wrap, None, kind, cls, shards_parameters=shards)
+        optimizer = plain_over_shards if shards else None
+        return Implementation(name, doc, wrap, optimizer, kind, cls, shards_parameters=shards)
     raise ImplError(
         f"--impl {name!r}: {cls.__name__} is neither an nn.Module DDP wrapper nor a "
         "torch.optim.Optimizer (sharded optimizer)"
@@ -287,7 +291,7 @@ def interface_problem(impl: Implementation) -> str | None:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):
         return None  # cannot tell: construction will say
-    if impl.sharded:
+    if impl.sharded and not impl.shards_parameters:  # a sharded optimizer class
         calls = [{}, _ADAMW_DEFAULTS, _SGD_DEFAULTS]
         positional, expected = (
             ["params", "optimizer_cls"],

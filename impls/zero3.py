@@ -199,8 +199,8 @@ class Zero3DDP(DataParallel):
             if block is None:
                 self.root_unit = unit
             else:
-                block.register_forward_pre_hook(_gather_hook(unit, self.process_group))
-                block.register_forward_hook(_free_hook(unit))
+                block.register_forward_pre_hook(lambda m, args, unit=unit: self._unshard(unit))
+                block.register_forward_hook(lambda m, args, out, unit=unit: self._reshard(unit))
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
@@ -208,14 +208,22 @@ class Zero3DDP(DataParallel):
         root = self.root_unit
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             if root is not None:
-                root.gather(self.process_group)
-                root.install(root.leaves)
+                self._unshard(root)
             try:
                 return self.module(*args, **kwargs)
             finally:
                 if root is not None:
-                    root.install(root.shards)
-                    root.free()
+                    self._reshard(root)
+
+    def _unshard(self, unit: Unit) -> None:
+        """Before a unit's forward: its full parameters gathered and put in the modules."""
+        unit.gather(self.process_group)
+        unit.install(unit.leaves)
+
+    def _reshard(self, unit: Unit) -> None:
+        """After a unit's forward: the shards put back, the full buffer's memory freed."""
+        unit.install(unit.shards)
+        unit.free()
 
     # --- saved tensors: kept as where they are in a unit's buffer, not as memory ------------
 
@@ -302,22 +310,6 @@ def _refuse_unshardable(params: list[nn.Parameter], names: list[str]) -> None:
             f"zero3 gathers a unit in one buffer; the unit of {names[0]} mixes dtypes "
             f"{sorted(str(d) for d in dtypes)}"
         )
-
-
-def _gather_hook(unit: Unit, group):
-    def hook(module, args):
-        unit.gather(group)
-        unit.install(unit.leaves)
-
-    return hook
-
-
-def _free_hook(unit: Unit):
-    def hook(module, args, output):
-        unit.install(unit.shards)
-        unit.free()
-
-    return hook
 
 
 def zero3_wrap(module, *, process_group=None, find_unused_parameters=False, **_hints):

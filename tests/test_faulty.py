@@ -53,6 +53,9 @@ HINTS = {
     "faulty:zero-unwaited-broadcast": "never waited on",
     "faulty:zero3-no-divide": "never divided by the world size",
     "faulty:zero3-not-regathered": "gathered again before its backward",
+    "faulty:zero3-accumulation-lost": "a later forward replaced",
+    "faulty:zero3-stale-on-one-rank": "gathered at an earlier step",
+    "faulty:zero3-unsharded": "every rank holds every parameter whole",
 }
 
 # Modules of impls.faulty.

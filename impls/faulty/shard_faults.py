@@ -1,4 +1,5 @@
-"""Broken ZeRO-3 wrappers: what the reduce-scatter divides and when a unit is gathered.
+"""Broken ZeRO-3 wrappers: what the reduce-scatter divides, when and into what a unit is
+gathered, and a class that says it shards parameters and does not.
 
 Each class changes one method of `impls.zero3.Zero3DDP`; the line that is wrong carries a
 `# BUG:` comment. Registered as DDP wrappers with `full_parameters()`, they are built as a
@@ -8,6 +9,9 @@ read whole tensors through the wrapper (`verify/training/sharded.py`).
 
 from __future__ import annotations
 
+import torch
+
+from impls.naive import NaiveDDP
 from impls.zero3 import Zero3DDP, _Saved
 
 from .catalogue import fault
@@ -51,3 +55,61 @@ class NotRegatheredForBackward(Zero3DDP):
             return saved
         # BUG: no saved.unit.gather(...): the unit was freed after its forward
         return saved.unit.full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+@fault("zero3-accumulation-lost", caught_by="equivalence", shows_on=("no-sync",))
+class FreshLeavesEveryForward(Zero3DDP):
+    """Makes new full-parameter tensors at every forward: a `no_sync()` micro-step's
+    gradients, left on the old ones, never reach the reduce-scatter.
+
+    Symptom: with gradient accumulation the step uses the gradient of one micro-batch out of
+    K (and K times smaller, as it is divided by K for the average); without accumulation
+    every forward is followed by its own backward and nothing shows.
+
+    Caught by equivalence on the accumulation row, at the first gradient check.
+    """
+
+    def _unshard(self, unit) -> None:
+        unit.gather(self.process_group)
+        # BUG: fresh leaves: the gradients accumulated on the old ones are dropped
+        unit.leaves = [unit._leaf(i) for i in range(len(unit.shapes))]
+        unit.install(unit.leaves)
+
+
+@fault("zero3-stale-on-one-rank", caught_by="equivalence", shows_on=("world-2",))
+class StaleParametersOnLastRank(Zero3DDP):
+    """On the last rank, the forward keeps the parameters it gathered first: the updated
+    shards never reach that rank's computation again.
+
+    Symptom: from the second step on, the last rank computes its loss and gradients with the
+    initial parameters; the reduce-scatter mixes them into every rank's gradient shard, so the
+    ranks agree with each other (consistency passes) and all train on a wrong gradient.
+
+    Caught by equivalence at the second step's gradient check.
+    """
+
+    def _unshard(self, unit) -> None:
+        unit.gather(self.process_group)
+        if self.rank == self.world_size - 1:
+            first = self.__dict__.setdefault("_first", {})
+            # BUG: the first gather's values replace every later one on this rank
+            unit.full.copy_(first.setdefault(id(unit), unit.full.clone()))
+        unit.install(unit.leaves)
+
+
+@fault("zero3-unsharded", caught_by="shard", shows_on=("world-2",))
+class KeepsFullParameters(NaiveDDP):
+    """Offers `full_parameters()` (parameters sharded) but never shards them: the optimizer
+    is built over the full parameters.
+
+    Symptom: training is exactly data-parallel SGD/AdamW (every value right), and every rank
+    holds the whole model, its gradients and its optimizer state: no memory saved.
+
+    Caught by the shard check (the memory check of a parameter-sharding class): parameters,
+    gradients and state each about 1/1, not 1/N, per rank.
+    """
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        # BUG: the module's own parameters, whole on every rank: nothing was ever sharded
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}

@@ -170,7 +170,8 @@ def run_cell_on_rank(
             return CellResult("fail", _findings_text(races))
         if hasattr(trainer.wrapped, "full_parameters"):  # parameters sharded too: per rung
             memory = MemoryHooks().snapshot(trainer)
-            detail = "; ".join(k.describe() for k in memory.kinds)
+            # A failure names the kinds that are not sharded, the rest only when all pass.
+            detail = "; ".join(memory.failures or [k.describe() for k in memory.kinds])
             return CellResult("fail" if memory.failures else "pass", detail)
         return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 

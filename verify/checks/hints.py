@@ -82,6 +82,17 @@ _not_sharded = _plain(
     "every rank keeps optimizer state for every parameter: give the inner optimizer only this "
     "rank's partition",
 )
+_params_not_sharded = _plain(
+    r"parameters per rank / unsharded: [^;]*: not sharded",
+    "every rank holds every parameter whole: replace each module parameter with this rank's "
+    "shard (the optimizer, built over module.parameters(), then keeps 1/N of the state) and "
+    "gather the full tensors only around the forward and backward that use them",
+)
+_grads_not_sharded = _plain(
+    r"gradients per rank / unsharded: [^;]*: not sharded",
+    "every rank keeps every gradient: after the reduce-scatter keep only this rank's shard "
+    "of each gradient (set .grad to None, or to the shard, for the rest)",
+)
 _state_dict = _plain(
     r"state_dict\(\) (raised|returned)|state_dict round trip",
     "the optimizer's state_dict() / load_state_dict() failed: state_dict() must return the "
@@ -247,8 +258,10 @@ def _carried_over(text: str, s: Situation) -> str | None:
         return None
     return (
         f"gradients were right until step {step}: something carried over from the step "
-        "before: a list of handles (or of reduced gradients) never cleared, or a zero_grad() "
-        "that clears only some gradients"
+        "before: a list of handles (or of reduced gradients) never cleared, a zero_grad() "
+        "that clears only some gradients, or (parameters sharded) a rank computing with "
+        "parameters it gathered at an earlier step: gather the updated shards before every "
+        "forward"
     )
 
 
@@ -259,7 +272,9 @@ def _accumulation_or_buckets(text: str, s: Situation) -> str | None:
         return (
             "with no_sync() accumulation, a gradient was all-reduced before the last "
             "micro-batch or not at all: a bucket is ready when each member's hook fired in "
-            "this backward, not when its .grad is not None"
+            "this backward, not when its .grad is not None; or (parameters sharded) the "
+            "earlier micro-batches' gradients sit on full parameters a later forward "
+            "replaced: gather into the same tensors every time, so gradients accumulate there"
         )
     if s.several_buckets:
         return (
@@ -284,6 +299,8 @@ _RULES = (
     _arrival_order,
     _not_broadcast,
     _not_sharded,
+    _params_not_sharded,
+    _grads_not_sharded,
     _state_dict,
     _unused_everywhere,
     _unused_here,
