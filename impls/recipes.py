@@ -291,7 +291,7 @@ def interface_problem(impl: Implementation) -> str | None:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):
         return None  # cannot tell: construction will say
-    if impl.sharded and not impl.shards_parameters:  # a sharded optimizer class
+    if issubclass(cls, torch.optim.Optimizer):  # a sharded optimizer (from_class's split)
         calls = [{}, _ADAMW_DEFAULTS, _SGD_DEFAULTS]
         positional, expected = (
             ["params", "optimizer_cls"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from .bucketed import BucketedDDP
@@ -119,7 +120,7 @@ def _build() -> Mapping[str, Implementation]:
             kind="reference",
             shards_parameters=True,
         ),
-        *(from_class(f.cls, name=f.name, kind="faulty") for f in FAULTS.values()),
+        *(_faulty(f.cls, f.name) for f in FAULTS.values()),
         *(
             Implementation(name, summary, wrapper_recipe(cls), kind="hang")
             for name, (cls, summary, _verdict) in SCENARIOS.items()
@@ -130,6 +131,16 @@ def _build() -> Mapping[str, Implementation]:
         assert impl.name not in table, f"{impl.name} is listed twice"
         table[impl.name] = impl
     return MappingProxyType(table)
+
+
+def _faulty(cls: type, name: str) -> Implementation:
+    """A faulty class built as a user's would be, except a broken ZeRO-2 wrapper: it keeps
+    only the gradients it owns, so it is paired with ZeRO-2's optimizer (stepping the owned
+    parameters), as `zero2` is; a plain optimizer would make every one of them look wrong."""
+    impl = from_class(cls, name=name, kind="faulty")
+    if issubclass(cls, Zero2DDP):
+        impl = replace(impl, sharded_optimizer=zero2_optimizer, optimizer_takes_wrapper=True)
+    return impl
 
 
 REGISTRY: Mapping[str, Implementation] = _build()

@@ -56,6 +56,7 @@ HINTS = {
     "faulty:zero3-accumulation-lost": "a later forward replaced",
     "faulty:zero3-stale-on-one-rank": "gathered at an earlier step",
     "faulty:zero3-unsharded": "every rank holds every parameter whole",
+    "faulty:zero2-shared-scatter-input": "while an async collective on it was running",
 }
 
 # Modules of impls.faulty.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from impls.bucketed import BucketedDDP
 from impls.overlap import OverlapDDP
 from impls.zero import ShardedOptimizer
+from impls.zero2 import Zero2DDP
 
 from .catalogue import fault
 
@@ -133,3 +134,43 @@ class NeverWaitsBroadcast(ShardedOptimizer):
         for owner, flat in self._flat:
             src = self._global_rank(owner)
             dist.broadcast(flat, src=src, group=self.process_group, async_op=True)  # BUG: no wait
+
+
+@fault(
+    "zero2-shared-scatter-input",
+    caught_by="equivalence",
+    shows_on=("several-buckets",),
+    sanitize=True,
+)
+class SharesReduceScatterInput(Zero2DDP):
+    """Every bucket builds its reduce-scatter input in one shared buffer, so a later bucket
+    overwrites the buffer while an earlier bucket's reduce-scatter may still be reading it.
+
+    Symptom: a gradient shard holds some of the next bucket's gradients whenever the overwrite
+    wins the race with the transfer; on a CPU it rarely does.
+
+    Caught by equivalence under --sanitize (the sanitizer reports the write into the buffer an
+    in-flight reduce_scatter_tensor reads).
+    """
+
+    def _launch(self, unit: int):
+        bucket, members = self.buckets[unit], self.units[unit]
+        size = bucket.plan.segment * self.world_size
+        if not hasattr(self, "_shared"):  # as large as the largest bucket's input
+            first = self.sync_params[0]
+            largest = max(b.plan.segment * self.world_size for b in self.buckets)
+            self._shared = torch.empty(largest, dtype=first.dtype, device=first.device)
+        buffer = self._shared[:size]
+        buffer.zero_()  # BUG: the previous bucket's reduce-scatter may still read it
+        for index, param, offset in zip(members, bucket.params, bucket.plan.offsets):
+            grad = param.grad if self._locally_used[index] else None
+            if grad is not None:
+                torch.div(grad, self.world_size, out=buffer[offset : offset + param.numel()])
+        bucket.shard, bucket._input = buffer.new_empty(bucket.plan.segment), buffer
+        bucket.handle = dist.reduce_scatter_tensor(
+            bucket.shard, buffer, group=self.process_group, async_op=True
+        )
+        for index in members:
+            if self.owners[index] != self.rank:
+                self.sync_params[index].grad = None
+        return bucket.handle, bucket
