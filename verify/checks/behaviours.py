@@ -129,6 +129,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
         bucket_mb=0.0045,
     ),
     Behaviour(key="bf16", title="a bf16 model", workload="bf16"),
+    Behaviour(
+        key="odd-sizes",
+        title="parameters of 7, 3, 5 and 1 rows over 4 ranks (uneven shards, padding)",
+        workload="odd",
+        world_size=4,
+    ),
     # The sharded optimizer's own behaviours (every row above already has two groups).
     Behaviour(
         key="param-groups",

@@ -190,8 +190,34 @@ class BF16(Workload):
         return F.mse_loss(out.float(), batch.targets)
 
 
+class OddMLP(nn.Module):
+    """Parameters of 7, 3, 5 and 1 rows: no world size from 2 to 4 divides most of them, and
+    at 4 ranks two have fewer rows than there are ranks (a sharded rung pads them, and some
+    ranks hold nothing but padding of them)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, 7)
+        self.fc2 = nn.Linear(7, 3)
+        self.gain = nn.Parameter(torch.full((1,), 1.5))
+        self.head = nn.Linear(3, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(F.gelu(self.fc1(x)))) * self.gain)
+
+
+class Odd(Workload):
+    name = "odd"
+    summary = "parameters of 7, 3, 5 and 1 rows (uneven shards, fewer rows than ranks)"
+    d_out = 5
+
+    def build(self) -> nn.Module:
+        return OddMLP(self.d_in, self.d_out)
+
+
 WORKLOADS: dict[str, type[Workload]] = {
-    w.name: w for w in [Workload, Frozen, Tied, Unused, Buffers, Mixed, BF16, Transformer, Markov]
+    w.name: w
+    for w in [Workload, Frozen, Tied, Unused, Buffers, Mixed, BF16, Odd, Transformer, Markov]
 }
 #: the workloads every implementation must get right (the test suite runs all of them)
 HARD_CASES = ("mlp", "frozen", "tied", "unused", "buffers", "mixed", "transformer")
