@@ -313,7 +313,7 @@ def test_bench_audit_and_bench_tracer_decide_against_their_goals(capsys):
     ],
 )
 def test_a_bad_out_is_one_line_and_exit_2(command, tmp_path, capsys):
-    """`--out` naming a regular file is refused before any rank starts (issue 13 item 1)."""
+    """`--out` naming a regular file is refused before any rank starts."""
     regular = tmp_path / "a-file"
     regular.write_text("not a folder")
     assert main([*command, "--out", str(regular)]) == 2
@@ -324,7 +324,7 @@ def test_a_bad_out_is_one_line_and_exit_2(command, tmp_path, capsys):
 @pytest.mark.parametrize("command", ["bench", "train", "bench-tracer"])
 def test_faulty_and_hang_implementations_are_refused(command, capsys):
     """Measurements run the built-ins, PyTorch's references and user classes, never the
-    catalogues built to fail (issue 13 item 2)."""
+    catalogues built to fail."""
     flag = "--impls" if command == "bench" else "--impl"
     assert main([command, flag, "faulty:no-divide"]) == 2
     err = capsys.readouterr().err

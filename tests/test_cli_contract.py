@@ -1,4 +1,4 @@
-"""The CLI contract (issue 13), on every command: the surface is frozen, every flag has help,
+"""The CLI contract, on every command: the surface is frozen, every flag has help,
 bad input is one line and exit 2, each command offers only the names it can run, conflicting
 flags are refused, a timeout is not a fault, and Ctrl-C ends everything at once.
 

@@ -1,4 +1,4 @@
-"""Verdicts on evidence (issue 9), with real ranks: each rank's thread budget, a rank that
+"""Verdicts on evidence, with real ranks: each rank's thread budget, a rank that
 computes is not hung (and the report says where it was), a rank that is parked is, a user's
 script shows its output as it trains, and a script with nothing distributed is not a pass
 that rests on silence.

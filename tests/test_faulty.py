@@ -61,7 +61,7 @@ HINTS = {
 
 # Modules of impls.faulty.
 FAMILIES = ("ddp_faults", "bucket_faults", "zero_faults", "race_faults", "shard_faults")
-# The controls: the certified implementations but the sharded rungs added with issue 20,
+# The controls: the certified implementations but the sharded rungs (zero2, zero3, torch-fsdp),
 # which the matrix certifies on every row (tests/test_zero2.py, test_zero3.py, the docs'
 # matrix); as controls here they would add a third to this test's time.
 CONTROLS = tuple(n for n in CERTIFIED if n not in ("zero2", "zero3", "torch-fsdp"))

@@ -33,7 +33,7 @@ def test_nccl_without_gpus_is_a_usage_error(capsys):
     assert "backend nccl needs one GPU per rank" in err and err.count("\n") == 1
 
 
-# --- the measurement commands on GPUs (issue 9 item 4) ----------------------------------------
+# --- the measurement commands on GPUs ----------------------------------------
 # Each runs at world size 1 on one GPU (a lone NCCL rank: every collective must get a CUDA
 # tensor, which is what broke `bench --device cuda --world-size 1`), and at 2 where there are
 # two GPUs. bench-audit and bench-tracer compare ranks, so they need two.
@@ -91,13 +91,13 @@ def test_device_cuda_without_gpus_is_a_usage_error(tmp_path, capsys):
     assert "--device cuda needs one GPU per rank" in err and err.count("\n") == 1
 
 
-# --- issue 22 ---------------------------------------------------------------------------------
+# --- GPU memory, per variant, measured alone -------------------------------------------------
 
 
 @pytest.mark.gpu
 def test_bench_memory_of_a_variant_is_its_own(tmp_path):
     """CUDA's allocated bytes count every live tensor of the process: a variant's are measured
-    with no other variant alive (item 4), within 5% of the same variant benched alone."""
+    with no other variant alive, within 5% of the same variant benched alone."""
     from verify.perf.bench import BenchOptions, run_bench
 
     def bench(variants):

@@ -1,4 +1,4 @@
-"""The checks on GPUs (issue 9): every check command on `--backend nccl`, at world size 1 on
+"""The checks on GPUs: every check command on `--backend nccl`, at world size 1 on
 one GPU and at 2 where there are two. Skipped without CUDA and NCCL (gpu-marked).
 
 Every collective the tool itself issues (the audit's all-gathers, the reference's and the
@@ -69,7 +69,7 @@ def test_hang_on_nccl(world, tmp_path):
     assert result.verdict == "pass", result.diagnosis.text()
 
 
-# --- issue 22: what a careful read said would break on GPUs, each pinned -----------------------
+# --- what a careful read said would break on GPUs, each pinned -----------------------
 
 STALL_S = 5.0
 

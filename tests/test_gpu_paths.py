@@ -1,4 +1,4 @@
-"""The CUDA/NCCL paths, checked where there is no GPU (issue 22).
+"""The CUDA/NCCL paths, checked where there is no GPU.
 
 Each test pins one thing a `--backend nccl` / `--device cuda` run depends on, with what a CPU
 machine has: the `meta` device stands in for a GPU where only placement matters (a tensor

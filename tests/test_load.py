@@ -1,4 +1,4 @@
-"""Verdicts that hold under load (issue 9): with a CPU hog on every core, the hang scenarios,
+"""Verdicts that hold under load: with a CPU hog on every core, the hang scenarios,
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only

@@ -1,4 +1,4 @@
-"""The registry (issue 11): built once, read-only, every name with its kind; imports that run
+"""The registry: built once, read-only, every name with its kind; imports that run
 one way; `resolve` accepting or refusing by kind with one-line messages.
 
 Single-process and fast; the import-order checks each start a fresh interpreter, since an

@@ -1,4 +1,4 @@
-"""`--sanitize` through the CLI (issue 12): a user's script under `hang --nproc`, the checks
+"""`--sanitize` through the CLI: a user's script under `hang --nproc`, the checks
 on PyTorch DDP (whose C++ reducer the sanitizer cannot see, and says so), and the commands
 that cannot use it refusing it in one line."""
 

@@ -1,4 +1,4 @@
-"""No false alarms on real code (issue 10): designs written outside this project
+"""No false alarms on real code: designs written outside this project
 (`tests/fixtures/third_party/`, in the styles of public course solutions and picotron) get the
 verdict their code earns, and every bug they have is reported, not only the first.
 

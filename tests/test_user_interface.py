@@ -1,4 +1,4 @@
-"""The interfaces a user's class may have (issue 10, item 7): a bucket size by
+"""The interfaces a user's class may have: a bucket size by
 `bucket_size_mb` or `bucket_cap_mb` (or none, `None` meaning one unbounded bucket), a file
 that imports its own package, and a constructor checked against what the tool will pass,
 refused in one line before any rank starts.

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except (UsageError, ValueError) as exc:  # ImplError is a ValueError
-        print(f"verify: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"verify: error: {_message_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         from verify.launching import interrupt
@@ -160,7 +160,8 @@ def _flag(command: Command, field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _one_line(exc: BaseException) -> str:
+def _message_line(exc: BaseException) -> str:
+    """The first line of a usage error's message, without its type (the user's words)."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

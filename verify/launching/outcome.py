@@ -153,3 +153,9 @@ TRACE_SAYS = "collective trace says:"  # how summary() cites the diagnosis
 # how the other ranks ended, after the first failure
 _ENDED = {"ok": "finished", "error": "raised", "crashed": "crashed", "timeout": "was still running",
           "killed": "was ended by the tool"}  # fmt: skip
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`: how a rank's exception is named in a report."""
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from verify.launching import process, threads
-from verify.launching.outcome import RankContext
+from verify.launching.outcome import RankContext, one_line
 from verify.script_audit.report import AuditSettings
 
 
@@ -168,11 +168,6 @@ def error_report(exc: BaseException) -> tuple:
         with contextlib.suppress(Exception):
             partial = pickle.dumps(exc.partial, protocol=pickle.HIGHEST_PROTOCOL)
     return ("error", one_line(exc), tb, time.time(), partial)
-
-
-def one_line(exc: BaseException) -> str:
-    msg = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
 
 
 # ------------------------------------------------------------ a user's script

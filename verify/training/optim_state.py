@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from verify.launching.outcome import one_line
+
 MAX_DEPTH = 16  # optimizer -> wrapper -> inner -> state -> {param: {name: tensor}} is 5
 MAX_OBJECTS = 200_000  # containers and tensors visited; a 1B-parameter model has ~10^3 tensors
 _PATH_EXAMPLES = 5
@@ -140,14 +142,14 @@ def local_state_bytes(
         groups = getattr(optimizer, "param_groups", None) or []
         excluded += [p for g in groups for p in g["params"] if _is_tensor(p)]
     except Exception as exc:  # a property or __getattr__ of the user's that raises
-        walk.notes.append(f"could not read param_groups ({_one_line(exc)})")
+        walk.notes.append(f"could not read param_groups ({one_line(exc)})")
     excluded += [p.grad for p in excluded if p.grad is not None]
     excluded += [g for g in grads or () if g is not None]
     walk.exclude(excluded, {id(p): i for i, p in enumerate(params)})
     try:
         walk.run(optimizer)
     except Exception as exc:  # not expected (the walk guards each read); keep what was found
-        walk.notes.insert(0, f"walk stopped early ({_one_line(exc)})")
+        walk.notes.insert(0, f"walk stopped early ({one_line(exc)})")
     return walk.result()
 
 
@@ -238,7 +240,7 @@ class _Walk:
             try:
                 children = list(self._children(obj, path, owner))
             except Exception as exc:  # C extensions, descriptors that raise: skip, say so
-                self.notes.append(f"could not read {path or 'the optimizer'} ({_one_line(exc)})")
+                self.notes.append(f"could not read {path or 'the optimizer'} ({one_line(exc)})")
                 continue
             stack.extend((c, p, depth + 1, o) for c, p, o in reversed(children))
 
@@ -266,7 +268,7 @@ class _Walk:
             except AttributeError:
                 attrs = {}
             except Exception as exc:  # a `__dict__` property that raises: still read the slots
-                self.notes.append(f"could not read {path or 'the optimizer'} ({_one_line(exc)})")
+                self.notes.append(f"could not read {path or 'the optimizer'} ({one_line(exc)})")
                 attrs = {}
             if isinstance(attrs, dict):
                 for name, v in list(dict.items(attrs)):
@@ -287,7 +289,7 @@ class _Walk:
             self.exclude(params + [p.grad for p in params if p.grad is not None])
         except Exception as exc:
             self.notes.append(
-                f"could not read {path or 'the optimizer'}'s param_groups ({_one_line(exc)})"
+                f"could not read {path or 'the optimizer'}'s param_groups ({one_line(exc)})"
             )
 
     def _tensor(self, t: torch.Tensor, path: str, owner: int | None) -> None:
@@ -313,7 +315,7 @@ class _Walk:
             return (storage.device.type, storage.device.index, ptr), nbytes
         except Exception as exc:
             if path:
-                self.notes.append(f"could not measure the tensor at {path} ({_one_line(exc)})")
+                self.notes.append(f"could not measure the tensor at {path} ({one_line(exc)})")
             return None, 0
 
     def _label(self, key: object) -> str:
@@ -365,8 +367,3 @@ def _slot_names(kind: type) -> list[str]:
         slots = [slots] if isinstance(slots, str) else list(slots)
         names += [s for s in slots if s not in ("__dict__", "__weakref__")]
     return names
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
