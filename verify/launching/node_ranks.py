@@ -20,7 +20,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from verify.launching.outcome import RankOutcome
+from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
 from verify.launching.supervisor import GRACE_S
 from verify.watching import trace_file
@@ -174,9 +174,8 @@ def rank_failed(report_dir: str, rank: int):
     leave the failure for the node watchdog, and wait (at most WAIT_S) for the job's
     diagnosis, so that it comes first."""
 
-    def hook(report: tuple) -> None:
-        _, error, tb, when, *_ = report
-        _leave(_failed(report_dir, rank), (error, tb, when))
+    def hook(report: RankReport) -> None:
+        _leave(_failed(report_dir, rank), (report.error, report.traceback, report.failed_at))
         end = time.monotonic() + WAIT_S
         done = os.path.join(report_dir, "job.diagnosed")
         while not os.path.exists(done) and time.monotonic() < end:
@@ -192,7 +191,7 @@ def rank_ended(report_dir: str, rank: int, code) -> int:
         _leave(_ok(report_dir, rank), None)
         return 0
     why = f"exited with code {code}" if isinstance(code, int) else str(code)
-    rank_failed(report_dir, rank)(("error", why, None, time.time()))
+    rank_failed(report_dir, rank)(RankReport.failure(why))
     return code if isinstance(code, int) else 1
 
 

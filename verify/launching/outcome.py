@@ -7,6 +7,9 @@ the deadline passed) with the collective-trace diagnosis beside it.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +66,63 @@ class RankOutcome:
         if self.traceback:
             return stacks.traceback_site(self.traceback) or ""
         return stacks.innermost_frames(self.stack)
+
+
+# --- what a rank sends its parent: over its pipe (`process.send`), or the store under torchrun
+
+
+@dataclass(frozen=True)
+class Say:
+    """A progress line for the parent to print (`verify/progress.py`)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Up:
+    """The rank joined the process group: a launch's clock for fn starts when all have."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """How a rank ended, as it says itself: its last message.
+
+    status: "ok" (`value` is fn's pickled return value), "error" (fn or the script raised, or
+    exited non-zero: `error`, `traceback`, `failed_at`, and in `value` what fn had found
+    before failing, pickled, when it attached it to the exception as `exc.partial`) or
+    "crashed" (a peer never reported: made by whoever waited for it).
+    """
+
+    status: str
+    value: bytes | None = None
+    error: str | None = None
+    traceback: str | None = None
+    failed_at: float | None = None  # wall clock
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def failure(cls, why: str, status: str = "error") -> RankReport:
+        return cls(status, error=why, failed_at=time.time())
+
+    def outcome(self, rank: int, pid: int | None = None) -> RankOutcome:
+        """As the parent records it, the value unpickled; a value that cannot be unpickled
+        here makes an "error" outcome (and `failed_at` then says when that was found)."""
+        if self.ok:
+            try:
+                return RankOutcome(rank, "ok", value=pickle.loads(self.value), pid=pid)
+            except Exception as exc:
+                why = f"the return value could not be unpickled here: {one_line(exc)}"
+                return RankOutcome(rank, "error", error=why, pid=pid)
+        partial = None
+        if self.value is not None:
+            with contextlib.suppress(Exception):
+                partial = pickle.loads(self.value)
+        return RankOutcome(
+            rank, self.status, value=partial, error=self.error, traceback=self.traceback, pid=pid
+        )
 
 
 @dataclass(frozen=True)

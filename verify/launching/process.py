@@ -124,8 +124,9 @@ class RankProcess:
             return self.zygote.exitcode(self._pid)
         return self.proc.poll() if self.proc is not None else None
 
-    def messages(self) -> list[tuple]:
-        """Every complete report the rank has sent since the last call."""
+    def messages(self) -> list:
+        """Every message the rank has sent since the last call (`outcome.Say`, `Up`,
+        `RankReport`)."""
         if self.fd is None or self.eof:
             return []
         while True:
@@ -194,7 +195,7 @@ def end_all(ranks: list[RankProcess], grace_s: float = 0.5) -> None:
         r._reap()
 
 
-def send(fd: int | None, message: tuple) -> None:
+def send(fd: int | None, message: object) -> None:
     """In a rank: one report to the parent (a no-op without one, or once it is gone)."""
     if fd is None:
         return

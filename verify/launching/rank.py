@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from verify.launching import process, threads
-from verify.launching.outcome import RankContext, one_line
+from verify.launching.outcome import RankContext, RankReport, Say, Up, one_line
 from verify.script_audit.report import AuditSettings
 
 
@@ -86,7 +86,7 @@ _report_fd: int | None = None
 
 def say(text: str) -> None:
     """In a rank: a progress line for the parent to print (see `verify/progress.py`)."""
-    process.send(_report_fd, ("say", text))
+    process.send(_report_fd, Say(text))
 
 
 def run_job(job: RankJob, fd: int | None) -> None:
@@ -138,7 +138,7 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             from verify.watching import tracer
 
             tracer.install(job.trace_path, rank=job.rank)
-        process.send(fd, ("up",))  # starts the parent's clock for fn
+        process.send(fd, Up())  # starts the parent's clock for fn
         ctx = RankContext(
             job.rank, job.world_size, job.local_rank, device, job.backend, True, job.threads
         )
@@ -151,26 +151,29 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             dist.destroy_process_group()
 
 
-def call(fn, ctx: RankContext, args: tuple) -> tuple:
-    """Run fn: ("ok", pickled value), or an error report (unpicklable values included)."""
+def call(fn, ctx: RankContext, args: tuple) -> RankReport:
+    """Run fn: its pickled value, or an error report (unpicklable values included)."""
     try:
-        return ("ok", pickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
+        return RankReport("ok", pickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures of fn too
         return error_report(exc)
 
 
-def error_report(exc: BaseException) -> tuple:
-    """("error", one line, traceback, when, partial): `partial` is what fn had found before
-    it failed, when it attached it to the exception (`exc.partial`), pickled."""
+def error_report(exc: BaseException) -> RankReport:
+    """The report of a raise: what fn had found before it failed travels in `value`, when it
+    attached it to the exception (`exc.partial`)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     partial = None
     if getattr(exc, "partial", None) is not None:
         with contextlib.suppress(Exception):
             partial = pickle.dumps(exc.partial, protocol=pickle.HIGHEST_PROTOCOL)
-    return ("error", one_line(exc), tb, time.time(), partial)
+    return RankReport("error", partial, one_line(exc), tb, time.time())
 
 
 # ------------------------------------------------------------ a user's script
+
+
+_SCRIPT_OK = RankReport("ok", pickle.dumps(None))  # a script returns nothing
 
 
 def _run_script(job: RankJob, fd: int | None) -> None:
@@ -192,10 +195,10 @@ def _run_script(job: RankJob, fd: int | None) -> None:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         if exc.code in (None, 0):
-            process.send(fd, ("ok", pickle.dumps(None)))
+            process.send(fd, _SCRIPT_OK)
         else:
             why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
-            process.send(fd, ("error", why, None, time.time()))
+            process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
         report = error_report(exc)
@@ -209,7 +212,7 @@ def _run_script(job: RankJob, fd: int | None) -> None:
     finally:
         _save_races(sanitizer, job)
         _finish_audit(auditor)
-    process.send(fd, ("ok", pickle.dumps(None)))
+    process.send(fd, _SCRIPT_OK)
 
 
 def _sanitize(job: RankJob):
@@ -263,7 +266,7 @@ def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
         if job.trace_path is not None and job.nccl_blocking_wait:
             block_nccl_waits(kwargs.get("backend", args[0] if args else None))
         out = original(*args, **kwargs)
-        process.send(fd, ("up",))
+        process.send(fd, Up())
         return out
 
     dist.init_process_group = init_process_group

@@ -22,9 +22,7 @@ their sessions killed, so nothing is left running.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
 import re
 import select
 import signal
@@ -33,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from verify import progress
-from verify.launching.outcome import RankOutcome
+from verify.launching.outcome import RankOutcome, RankReport, Say, Up
 from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
 from verify.watching.procstat import CpuMeter
@@ -139,10 +137,10 @@ def supervise(
             # pipe, so only one that really never reported is declared crashed below.
             exited = not r.running()
             for msg in r.messages():
-                if msg[0] == "say":
-                    progress.say(msg[1])
+                if isinstance(msg, Say):
+                    progress.say(msg.text)
                     continue
-                if msg[0] == "up":
+                if isinstance(msg, Up):
                     up.add(r.rank)
                     if clock_from_up and len(up) == n:  # fn's clock starts now
                         deadline = time.monotonic() + timeout_s
@@ -189,21 +187,12 @@ def supervise(
     return Supervision(tuple(outcomes), order, timed_out, stalled, notes)
 
 
-def _outcome(rank: RankProcess, report: tuple) -> tuple[RankOutcome, float | None]:
+def _outcome(rank: RankProcess, report: RankReport) -> tuple[RankOutcome, float | None]:
     """A rank's report as (outcome, failure time or None)."""
-    if report[0] == "ok":
-        try:
-            return RankOutcome(rank.rank, "ok", value=pickle.loads(report[1]), pid=rank.pid), None
-        except Exception as exc:
-            why = f"the return value could not be unpickled here: {type(exc).__name__}: {exc}"
-            report = ("error", why, None, time.time())
-    status, error, tb, failed_at, *rest = report  # "error", or "crashed" (lost in a join)
-    partial = None
-    if rest and rest[0] is not None:
-        with contextlib.suppress(Exception):
-            partial = pickle.loads(rest[0])
-    outcome = RankOutcome(rank.rank, status, value=partial, error=error, traceback=tb, pid=rank.pid)
-    return outcome, failed_at
+    outcome = report.outcome(rank.rank, rank.pid)
+    if outcome.status == "ok":
+        return outcome, None
+    return outcome, report.failed_at if not report.ok else time.time()
 
 
 _ECHO = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|did not take part")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, SPAWNED_ENV, STALL_ENV
-from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
+from verify.launching.outcome import LaunchResult, RankContext, RankOutcome, RankReport
 from verify.launching.process import alive
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
@@ -96,15 +96,10 @@ def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -
         if created:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-    outcomes, failures = [], []
-    for r, rep in enumerate(reports):
-        if rep[0] == "ok":
-            outcomes.append(RankOutcome(r, "ok", value=pickle.loads(rep[1])))
-        else:
-            status, error, tb, failed_at, *rest = rep
-            partial = pickle.loads(rest[0]) if rest and rest[0] is not None else None
-            outcomes.append(RankOutcome(r, status, value=partial, error=error, traceback=tb))
-            failures.append((failed_at, r))
+    outcomes = [rep.outcome(r) for r, rep in enumerate(reports)]
+    failures = [
+        (reports[o.rank].failed_at or time.time(), o.rank) for o in outcomes if o.status != "ok"
+    ]
     order = root_cause_order(failures, outcomes)
     elapsed = time.monotonic() - start
     return LaunchResult(
@@ -121,7 +116,7 @@ def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
     store = dist.distributed_c10d._get_default_store()
     store.set(f"{prefix}{rank}", pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
     keys = [f"{prefix}{r}" for r in range(world_size)]
-    waits = [timeout_s] if report[0] == "ok" else [GRACE_S, timeout_s]
+    waits = [timeout_s] if report.ok else [GRACE_S, timeout_s]
     for i, wait_s in enumerate(waits):
         try:
             store.wait(keys, datetime.timedelta(seconds=wait_s))
@@ -140,7 +135,7 @@ def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
             reports.append(pickle.loads(store.get(key)) if store.check([key]) else None)
         except Exception:
             reports.append(None)
-    lost = ("crashed", f"did not report within {timeout_s:g}s", None, time.time(), None)
+    lost = RankReport.failure(f"did not report within {timeout_s:g}s", status="crashed")
     return [rep if rep is not None else lost for rep in reports]
 
 
