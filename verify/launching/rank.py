@@ -67,8 +67,41 @@ class RankJob:
     races_path: str | None = None  # run the script under the race sanitizer; findings here
     # called with the failure report before the traceback is printed (a torchrun job's node
     # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled
-    on_failure: Callable[[tuple], None] | None = None
+    on_failure: Callable[[RankReport], None] | None = None
     audit: AuditSettings | None = None  # audit the script's replicas at its optimizer steps
+
+
+def script_job(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    ppid: int,
+    threads: int,
+    report_dir: str,
+    argv: tuple[str, ...],
+    sanitize: bool = False,
+    audit_every: int | None = None,
+) -> RankJob:
+    """The job of one rank of a user's script, its files in `report_dir` (the same for the
+    tool's own launch, `script.py`, and a torchrun job's rank, `torchrun.script_main`): a
+    traced rank with its stack and helper files, the race sanitizer when asked, the replica
+    audit every `audit_every` optimizer steps when asked."""
+    at = lambda name: os.path.join(report_dir, f"rank{rank}.{name}")  # noqa: E731
+    return RankJob(
+        kind="script",
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        ppid=ppid,
+        threads=threads,
+        stack_path=at("stack"),
+        trace_path=at("trace"),
+        helper_dir=report_dir,
+        argv=tuple(argv),
+        races_path=at("races.json") if sanitize else None,
+        audit=None if audit_every is None else AuditSettings(audit_every, at("audit.json")),
+    )
 
 
 def main(job_path: str, fd: int, parent: int | None = None) -> None:

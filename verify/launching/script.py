@@ -27,9 +27,8 @@ import torch.distributed as dist
 from verify.launching import runner
 from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
-from verify.launching.rank import RankJob
+from verify.launching.rank import script_job
 from verify.launching.threads import thread_budget
-from verify.script_audit.report import AuditSettings
 
 
 def run_script(
@@ -80,21 +79,16 @@ def run_script(
             **(env or {}),
         }
         jobs = [
-            RankJob(
-                kind="script",
+            script_job(
                 rank=r,
                 world_size=nproc,
                 local_rank=r,
                 ppid=os.getpid(),
                 threads=budget.per_rank,
-                stack_path=os.path.join(report_dir, f"rank{r}.stack"),
-                trace_path=os.path.join(report_dir, f"rank{r}.trace"),
-                helper_dir=report_dir,
+                report_dir=report_dir,
                 argv=tuple(argv),
-                races_path=os.path.join(report_dir, f"rank{r}.races.json") if sanitize else None,
-                audit=None
-                if audit_every is None
-                else AuditSettings(audit_every, os.path.join(report_dir, f"rank{r}.audit.json")),
+                sanitize=sanitize,
+                audit_every=audit_every,
             )
             for r in range(nproc)
         ]

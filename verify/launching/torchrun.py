@@ -162,26 +162,20 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
     """One traced rank of a torchrun job running the user's script (module docstring), with
     the replica audit every `audit_every` optimizer steps (`verify.audit_run`) and the race
     sanitizer when asked. Returns the report folder."""
-    from verify.script_audit.report import AuditSettings
-
     rank = int(os.environ.get("RANK", "0"))
     report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    audit = AuditSettings(audit_every, os.path.join(report_dir, f"rank{rank}.audit.json"))
-    job = rank_side.RankJob(
-        kind="script",
+    job = rank_side.script_job(
         rank=rank,
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         ppid=os.getppid(),
         threads=thread_budget(local).per_rank,
-        stack_path=os.path.join(report_dir, f"rank{rank}.stack"),
-        trace_path=os.path.join(report_dir, f"rank{rank}.trace"),
-        helper_dir=report_dir,
+        report_dir=report_dir,
         argv=tuple(argv),
-        races_path=os.path.join(report_dir, f"rank{rank}.races.json") if sanitize else None,
-        audit=audit if audit_every is not None else None,
+        sanitize=sanitize,
+        audit_every=audit_every,
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
     if _several_nodes():  # one verdict for the whole job (`jobwide.py`)
