@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tests.torchrun_jobs import Node, two_nodes
-from verify.watching.diagnose import pattern_break
+from verify.watching.history import pattern_break
 from verify.watching.trace_file import Record, Trace
 
 ROOT = Path(__file__).resolve().parents[1]

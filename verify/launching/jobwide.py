@@ -26,7 +26,7 @@ The store lives in torchrun's agent on the first node: a rank there that the bac
 (gloo's "Is there a distributed collective mismatch" is a C++ abort) takes it down within a
 fraction of a second. The survivor that claims the verdict then diagnoses from what it holds,
 and a skip still shows from one side: its rank's history says which collective it skipped
-(`diagnose.pattern_break`).
+(`history.pattern_break`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ import torch.distributed as dist
 from verify.launching.node_ranks import POLL_S, NodeRanks, NodeReport, NodeStatus
 from verify.launching.outcome import RankOutcome
 from verify.launching.supervisor import GRACE_S, root_cause_order
-from verify.watching.diagnose import diagnose, pattern_break
+from verify.watching.diagnose import diagnose
 from verify.watching.findings import Diagnosis
+from verify.watching.history import pattern_break
 from verify.watching.trace_file import Trace
 
 SAMPLE_S = 0.25  # status period: the hang verdict lags the last event by at most 2 of these

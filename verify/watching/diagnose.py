@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from verify.launching.outcome import RankOutcome
 
+from verify.watching import history
 from verify.watching.findings import Diagnosis, TraceFinding
+from verify.watching.history import Blame, token
 from verify.watching.ranks import failure_finding, instead, stall_finding, where
 from verify.watching.stacks import at
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
-_BY_HISTORY = " (the others follow the earlier steps)"
-_BY_EXTRA = " (its later collectives match the others' from this one on)"
 STRUCTURAL = ("missing", "op mismatch", "size mismatch", "dtype mismatch")
 _TIMED_OUT = (
     "the run did not finish within its timeout, and no rank was hung (every rank that was not "
@@ -140,6 +140,9 @@ _CUT_SHORT = ("timeout", "killed")  # outcome statuses of ranks ended while stil
 
 
 def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
+    """The findings of one process group, collective by collective in issue order, up to the
+    first that hangs: a rank that never issued #k (`_missing`), or ranks that disagree on it
+    (`_compare`)."""
     colls = {r: traces[r].collectives(group) for r in members if r < len(traces) and traces[r]}
     if len(colls) < 2:
         return []
@@ -166,31 +169,35 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
         if absent:
             findings.append(_missing(k, present, absent, traces, ranks, colls))
             break
-        values = list(present.values())
-        ref = values[0]
-        for attr, kind in (("op", "op mismatch"), ("dtype", "dtype mismatch")):
-            if any(getattr(v, attr) != getattr(ref, attr) for v in values):
-                findings.append(_mismatch(kind, attr, k, present, colls))
-                break
-        else:
-            if ref.op not in UNEVEN_OPS and any(v.numel != ref.numel for v in values):
-                findings.append(_mismatch("size mismatch", "numel", k, present, colls))
-            else:
-                for attr, kind, applies in (
-                    ("shape", "shape mismatch", ref.op not in UNEVEN_OPS),
-                    ("reduce_op", "reduce-op mismatch", True),
-                    ("peer", _root_kind(ref.op), ref.op in ROOTED_OPS),
-                ):
-                    if applies and any(getattr(v, attr) != getattr(ref, attr) for v in values):
-                        # Stuck in it on every rank: this mismatch is what hangs.
-                        stuck = stalled and all(v.pending for v in values)
-                        findings.append(_mismatch(kind, attr, k, present, colls, hangs=stuck))
-                if stalled and k == min(last.values()) and all(v.pending for v in values):
-                    if len({v.site for v in values}) > 1:
-                        findings.append(_mismatch("call-site mismatch", "site", k, present, colls))
+        findings += _compare(k, present, colls, stalled, last_common=min(last.values()))
         if findings and findings[-1].hangs:
             break
     return _collapse(findings)
+
+
+def _compare(k, present: dict[int, Record], colls, stalled, last_common) -> list[TraceFinding]:
+    """What the ranks that issued collective #k disagree on: the op or dtype (structural), else
+    the size, else the shape, reduce op or root; and, where every rank is stuck in it at the
+    last collective they share, the call site."""
+    values = list(present.values())
+    ref = values[0]
+    for attr, kind in (("op", "op mismatch"), ("dtype", "dtype mismatch")):
+        if any(getattr(v, attr) != getattr(ref, attr) for v in values):
+            return [_mismatch(kind, attr, k, present, colls)]
+    if ref.op not in UNEVEN_OPS and any(v.numel != ref.numel for v in values):
+        return [_mismatch("size mismatch", "numel", k, present, colls)]
+    found = []
+    stuck = stalled and all(v.pending for v in values)  # in it on every rank: what hangs
+    for attr, kind, applies in (
+        ("shape", "shape mismatch", ref.op not in UNEVEN_OPS),
+        ("reduce_op", "reduce-op mismatch", True),
+        ("peer", _root_kind(ref.op), ref.op in ROOTED_OPS),
+    ):
+        if applies and any(getattr(v, attr) != getattr(ref, attr) for v in values):
+            found.append(_mismatch(kind, attr, k, present, colls, hangs=stuck))
+    if stuck and k == last_common and len({v.site for v in values}) > 1:
+        found.append(_mismatch("call-site mismatch", "site", k, present, colls))
+    return found
 
 
 def _collapse(findings: list[TraceFinding], most: int = 10) -> list[TraceFinding]:
@@ -216,7 +223,7 @@ def _root_kind(op: str) -> str:
 def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -> TraceFinding:
     if hangs is None:
         hangs = kind in STRUCTURAL or kind == "call-site mismatch"
-    culprits, why = _culprits(attr, k, present, colls)
+    culprits, blame = history.culprits(attr, k, present, colls)
     culprit = culprits[0]
     others = [r for r in present if r not in culprits]
     ref = present[others[0]] if others else present[min(present)]
@@ -224,8 +231,8 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     # A different call site where history expected the others' collective: a skip (the same
     # site with a different size is a reordering, reported as the mismatch it is).
     skipped = bad.site != ref.site and (
-        why == _BY_HISTORY
-        or (attr in ("op", "numel", "dtype", "site") and _expected(k, colls) == _token(ref))
+        blame is Blame.HISTORY
+        or (attr in ("op", "numel", "dtype", "site") and history.expected(k, colls) == token(ref))
     )
     if skipped and hangs:
         what = (
@@ -234,7 +241,7 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
             f"step issued it there); rank {culprit} issued {bad.describe()} {at(bad.site)} instead"
         )
         return TraceFinding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
-    if why == _BY_EXTRA and hangs:
+    if blame is Blame.EXTRA and hangs:
         what = (
             f"rank {culprit} issued an extra {bad.describe()} {at(bad.site)} that rank(s) "
             f"{_ranks(others)} never issued (they issued {ref.describe()} {at(ref.site)}; rank "
@@ -246,87 +253,14 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
         f"{at(bad.site)}; rank(s) {_ranks(others)} issued {ref.describe()} {at(ref.site)}"
     )
     tail = "" if hangs else " (completes, with wrong results: a desync)"
-    return TraceFinding(kind, culprit, what + tail + why, ref.describe(), ref.site, bad.site, hangs)
+    note = blame.note(min(present))
+    return TraceFinding(
+        kind, culprit, what + tail + note, ref.describe(), ref.site, bad.site, hangs
+    )
 
 
 def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
-
-
-def _culprits(attr, k, present: dict[int, Record], colls) -> tuple[list[int], str]:
-    """The ranks to blame for a disagreement at #k, and a note saying why when it is a guess."""
-    by_value: dict[object, list[int]] = {}
-    for r, rec in present.items():
-        key = getattr(rec, attr) if attr != "site" else rec.site
-        if attr in ("op", "numel", "dtype"):
-            key = (rec.op, rec.numel, rec.dtype, rec.site)
-        by_value.setdefault(key, []).append(r)
-    blocs = sorted(by_value.values(), key=len, reverse=True)
-    if len(blocs[0]) > len(blocs[1]):
-        return [r for b in blocs[1:] for r in b], ""
-    # A tie (two ranks): which one broke the pattern of the earlier steps?
-    expected = _expected(k, colls)
-    if expected is not None:
-        keep = [r for r, rec in present.items() if _token(rec) == expected]
-        if keep and len(keep) < len(present):
-            return [r for r in present if r not in keep], _BY_HISTORY
-    extra = _extra_ops(k, present, colls)
-    if extra:
-        return extra, _BY_EXTRA
-    ref = by_value[next(key for key, rs in by_value.items() if min(present) in rs)]
-    return [r for r in present if r not in ref], f" (taking rank {min(present)} as the reference)"
-
-
-def _token(rec: Record) -> tuple:
-    return (rec.op, rec.site, rec.numel)
-
-
-def _expected(k, colls, window: int = 2000, longest: int = 64, least: int = 3) -> tuple | None:
-    """The (op, call site, count) history predicts for #k: find the earlier point whose
-    preceding calls match the calls just before #k for longest (the ranks agree up to #k-1),
-    and take what came next there. A loop of per-gradient all-reduces followed by one flag
-    all-reduce predicts the flag, not another gradient, at the end of step 2; buckets
-    launched from one line predict the next bucket's size. A match shorter than `least` calls
-    is a coincidence (two biases of the same size), not a pattern: no prediction."""
-    history = colls[next(iter(colls))]
-    tokens = [_token(history[s]) if s in history else None for s in range(k)]
-    best, best_len = None, 0
-    for j in range(k - 2, max(0, k - window), -1):
-        n = 0
-        while (
-            n < longest
-            and j - n > 0
-            and tokens[j - n] is not None
-            and (tokens[j - n] == tokens[k - 1 - n])
-        ):
-            n += 1
-        if n > best_len and tokens[j + 1] is not None:
-            best, best_len = tokens[j + 1], n
-    return best if best_len >= least else None
-
-
-def _extra_ops(k, present, colls, most: int = 8) -> list[int]:
-    """Ranks whose records from #k+j on repeat another rank's from #k on (j extra ops)."""
-
-    def sigs(r, start):
-        c = colls[r]
-        return [(c[s].op, c[s].numel, c[s].site) for s in range(start, max(c) + 1) if s in c]
-
-    found = []
-    for r in present:
-        for o in present:
-            if o == r:
-                continue
-            theirs = sigs(o, k)
-            for j in range(1, most + 1):
-                mine = sigs(r, k + j)
-                m = min(len(mine), len(theirs))
-                if m >= 1 and mine[:m] == theirs[:m]:
-                    found.append(r)
-                    break
-            if r in found:
-                break
-    return found if 0 < len(found) < len(present) else []
 
 
 def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
@@ -340,27 +274,3 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])
-
-
-def pattern_break(trace: Trace, group: str = "world") -> TraceFinding | None:
-    """A skip seen from one side: the rank's last collective on `group`, still pending or
-    failed, is not the one its own earlier steps issued at that point. What a backend abort leaves when the peer that
-    aborted took its records with it (its node is gone): the survivor's history still says
-    which collective it skipped. None when the history predicts nothing or agrees."""
-    colls = trace.collectives(group)
-    if not colls:
-        return None
-    k = max(colls)
-    expected = _expected(k, {trace.rank: colls})
-    last = colls[k]
-    if last.state == "completed" or expected is None or expected == _token(last):
-        return None  # (a completed one is not the collective the run broke in)
-    ref = next(r for s, r in sorted(colls.items(), reverse=True) if _token(r) == expected)
-    kind = " ".join(p for p in (ref.dtype, ref.shape, ref.reduce_op) if p)
-    what = (
-        f"rank {trace.rank} skipped {ref.op} on {ref.group} [{kind}] {at(ref.site)} (every earlier "
-        f"step issued it there) and issued {last.describe()} {at(last.site)} in its place"
-    )
-    return TraceFinding(
-        "skipped collective", trace.rank, what, last.describe(), ref.site, last.site
-    )
