@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from impls.registry import DEFAULT_BUCKET_MB
-from verify.training.trainer import TrainSpec
+from verify.training.trainer import TRAIN_DEFAULTS, TrainSpec, spec_from
 from verify.training.workloads import get_workload
 
 SMALLEST_PARAMETER = -1.0  # bucket_mb sentinel: the bytes of the model's smallest parameter
@@ -43,12 +43,12 @@ class Behaviour:
     key: str
     title: str
     world_size: int = 2
-    workload: str = "mlp"
-    steps: int = 3
+    workload: str = TRAIN_DEFAULTS.workload
+    steps: int = TRAIN_DEFAULTS.steps
     bucket_mb: float | None = None
-    accumulate: int = 1
-    set_to_none: bool = True
-    scheduler: bool = False
+    accumulate: int = TRAIN_DEFAULTS.accumulate
+    set_to_none: bool = TRAIN_DEFAULTS.set_to_none
+    scheduler: bool = TRAIN_DEFAULTS.scheduler
     round_trip: bool = False
     add_param_group: bool = False
     sharded_only: bool = False
@@ -63,16 +63,11 @@ class Behaviour:
         bucket = self.bucket_mb if self.bucket_mb is not None else DEFAULT_BUCKET_MB
         if bucket == SMALLEST_PARAMETER:
             bucket = smallest_parameter_mb(self.workload)
-        return TrainSpec(
+        return spec_from(
+            self,
             impl=impl,
-            workload=self.workload,
             bucket_mb=bucket,
-            steps=self.steps,
-            accumulate=self.accumulate,
-            set_to_none=self.set_to_none,
-            scheduler=self.scheduler,
             round_trip_step=self.steps // 2 if self.round_trip else None,
-            add_param_group=self.add_param_group,
             same_init=same_init,
         )
 

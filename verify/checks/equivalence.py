@@ -41,6 +41,7 @@ from verify.training.interface import InterfaceError
 from verify.training.trainer import (
     OPTIMIZERS,
     SCHEDULER_GAMMA,
+    TRAIN_DEFAULTS,
     Progress,
     TrainSpec,
 )
@@ -52,16 +53,22 @@ KINDS = ("gradients", "parameters", "buffers")  # order of the checks within a s
 class EquivalenceOptions(CheckOptions):
     """Beyond the common check knobs, how the replica and the reference are trained."""
 
-    optimizer: str = knob("adamw", "the optimizer of both sides", choices=OPTIMIZERS)
-    lr: float = knob(1e-3, "learning rate of the first parameter group (the second: half)",
-                     positive=True)  # fmt: skip
-    weight_decay: float = knob(0.1, "weight decay of the first parameter group", minimum=0)
-    accumulate: int = knob(1, "micro-batches per step, all but the last under no_sync()",
-                           minimum=1)  # fmt: skip
+    optimizer: str = knob(
+        TRAIN_DEFAULTS.optimizer, "the optimizer of both sides", choices=OPTIMIZERS
+    )
+    lr: float = knob(TRAIN_DEFAULTS.lr, "learning rate of the first parameter group (the "
+                     "second: half)", positive=True)  # fmt: skip
+    weight_decay: float = knob(
+        TRAIN_DEFAULTS.weight_decay, "weight decay of the first parameter group", minimum=0
+    )
+    accumulate: int = knob(TRAIN_DEFAULTS.accumulate, "micro-batches per step, all but the "
+                           "last under no_sync()", minimum=1)  # fmt: skip
     set_to_none: bool = knob(
-        True, "zero_grad(set_to_none=False): keep zeroed gradient tensors instead of None",
-        negate="--keep-grads",
+        TRAIN_DEFAULTS.set_to_none, "zero_grad(set_to_none=False): keep zeroed gradient "
+        "tensors instead of None", negate="--keep-grads",
     )  # fmt: skip
+    # On here, off in TrainSpec: equivalence exists to catch what a scheduler or a resumed
+    # state does to a sharded optimizer, so it plays both unless told not to.
     scheduler: bool = knob(
         True, "no StepLR after each step (by default the lr halves after every step)",
         negate="--no-scheduler",
@@ -76,18 +83,6 @@ class EquivalenceOptions(CheckOptions):
     def round_trip_step(self) -> int | None:
         """The step after which the optimizer state is saved and reloaded, if any."""
         return self.steps // 2 if self.round_trip and self.steps >= 2 else None
-
-    def train_spec(self, **overrides) -> TrainSpec:
-        return super().train_spec(
-            optimizer=self.optimizer,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            accumulate=self.accumulate,
-            set_to_none=self.set_to_none,
-            scheduler=self.scheduler,
-            round_trip_step=self.round_trip_step,
-            **overrides,
-        )
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from dataclasses import MISSING, dataclass
 
 import torch
 
-from impls.registry import DEFAULT_BUCKET_MB, resolve
+from impls.registry import resolve
 from verify.launching import torchrun
 from verify.options import RunOptions, knob
-from verify.training.trainer import TrainSpec
+from verify.training.trainer import TRAIN_DEFAULTS, TrainSpec, spec_from
 from verify.training.workloads import WORKLOADS
 
 #: registered kinds a check can run (user classes by path are always accepted)
@@ -25,14 +25,16 @@ class CheckOptions(RunOptions):
         MISSING, "a registered name, package.module:Class, or path/to/file.py:Class (see "
         "`python -m verify list`)",
     )  # fmt: skip
-    steps: int = knob(3, "optimizer steps", minimum=1)
-    workload: str = knob("mlp", "the model and data to train", choices=tuple(WORKLOADS))
+    steps: int = knob(TRAIN_DEFAULTS.steps, "optimizer steps", minimum=1)
+    workload: str = knob(
+        TRAIN_DEFAULTS.workload, "the model and data to train", choices=tuple(WORKLOADS)
+    )
     model_size_m: float | None = knob(
         None, "transformer workload: millions of parameters (default: a tiny GPT)",
         flag="--model-size", positive=True,
     )  # fmt: skip
     bucket_mb: float = knob(
-        DEFAULT_BUCKET_MB, "bucket size given to wrappers that take one", unit="MB",
+        TRAIN_DEFAULTS.bucket_mb, "bucket size given to wrappers that take one", unit="MB",
         positive=True,
     )  # fmt: skip
     backend: str = knob("gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"))
@@ -64,13 +66,5 @@ class CheckOptions(RunOptions):
         resolve(self.impl, kinds=CHECK_KINDS, command=self.command)
 
     def train_spec(self, **overrides) -> TrainSpec:
-        """What the ranks train: this check's knobs, plus `overrides`."""
-        return TrainSpec(
-            impl=self.impl,
-            workload=self.workload,
-            model_size_m=self.model_size_m,
-            bucket_mb=self.bucket_mb,
-            steps=self.steps,
-            same_init=self.same_init,
-            **overrides,
-        )
+        """What the ranks train: this check's knobs (`spec_from`), plus `overrides`."""
+        return spec_from(self, **overrides)

@@ -29,7 +29,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -106,6 +106,19 @@ class TrainSpec:
         if self.local_batch is not None:
             options["local_batch"] = self.local_batch
         return get_workload(self.workload, **options)
+
+
+#: TrainSpec's own defaults: where a command's knob means the same, its default comes from here
+TRAIN_DEFAULTS = TrainSpec(impl=None)
+
+
+def spec_from(options, **overrides) -> TrainSpec:
+    """What the ranks train for a command: every field of `options` that `TrainSpec` has too,
+    by name (a property counts), then `overrides`. The one place a command's knobs become a
+    `TrainSpec`, so no command copies them field by field."""
+    names = [f.name for f in fields(TrainSpec)]
+    values = {n: getattr(options, n) for n in names if hasattr(options, n)}
+    return TrainSpec(**{**values, **overrides})
 
 
 class Hooks:
