@@ -1,4 +1,5 @@
-"""One diagnosis for a torchrun job that spans nodes (`-m verify.hang_run` on every node).
+"""One diagnosis for a torchrun job, on one node or across nodes (`-m verify.hang_run` on every
+node; on one node it is the same path, with one node).
 
 Each node's watchdog (a thread of its LOCAL_RANK 0 process) reads only its own ranks' trace
 files; a job's verdict needs every rank's. The nodes meet in the job's key-value store:
@@ -153,9 +154,11 @@ class NodeWatch:
             diag = self._diagnose(reason, self._gather(own))
             with contextlib.suppress(Exception):
                 self._set("diagnosis", diag)
-            text = f"verify.hang_run (job of {self.nodes} nodes): {diag.text()}"
+            job = f"job of {self.nodes} nodes" if self.nodes > 1 else "node watchdog"
+            text = f"verify.hang_run ({job}): {diag.text()}"
             if diag.verdict != "ok":
-                text += f"\nreport: {self.report_dir} (every node's folder holds the diagnosis)"
+                every = " (every node's folder holds the diagnosis)" if self.nodes > 1 else ""
+                text += f"\nreport: {self.report_dir}{every}"
             print(text, file=sys.stderr, flush=True)
             others = [f"{self.prefix}ack/{n}" for n in range(self.nodes) if n != self.node]
             with contextlib.suppress(Exception):  # they read it before this node's store goes
@@ -210,7 +213,8 @@ class NodeWatch:
         order = root_cause_order(failures, outcomes)
         diag = diagnose(traces, outcomes, stalled=reason == "hang", failure_order=order,
                         stall_timeout_s=self.stall_timeout_s, detection_s=self.detection_s)  # fmt: skip
-        return _with_nodes(_as_desync(diag, traces), node_of)
+        diag = _as_desync(diag, traces)
+        return _with_nodes(diag, node_of) if self.nodes > 1 else diag
 
     def _lost(self, rank: int, node: int) -> RankOutcome:
         """A rank whose node did not answer: its last reported position, never compared."""

@@ -9,24 +9,20 @@ Two ways in:
   process group so peers blocked on it fail and report too.
 - `python -m verify.hang_run train.py ARGS` under torchrun: `script_main` runs the user's
   script as a traced rank (the same set-up as a rank the tool spawns, `rank.py`), and the
-  process with LOCAL_RANK 0 also runs a node watchdog: when this node's ranks meet the
-  watchdog's hang conditions it dumps their stacks, writes the report into
-  `profiles/hang_torchrun_<run id>_<host>/` (or DDP_VERIFY_HANG_DIR), prints the diagnosis to
-  stderr and ends the node's ranks, so torchrun tears the job down within seconds, not at the
-  collective timeout. When torchrun starts several nodes the node watchdogs reach one
-  diagnosis for the whole job through torchrun's store instead (`jobwide.py`).
+  process with LOCAL_RANK 0 also runs a node watchdog (`jobwide.NodeWatch`, on one node as on
+  several): when the job's ranks meet the watchdog's hang conditions (or one fails) it dumps
+  stacks, writes the report into `profiles/hang_torchrun_<run id>_<host>/` (or
+  DDP_VERIFY_HANG_DIR), prints the one diagnosis of the job to stderr and ends the ranks, so
+  torchrun tears the job down within seconds, not at the collective timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import pickle
-import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -36,8 +32,7 @@ import torch.distributed as dist
 
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, SPAWNED_ENV, STALL_ENV
-from verify.launching.outcome import LaunchResult, RankContext, RankOutcome, RankReport
-from verify.launching.process import alive
+from verify.launching.outcome import LaunchResult, RankContext, RankReport
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
@@ -178,83 +173,17 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
         audit_every=audit_every,
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
-    if _several_nodes():  # one verdict for the whole job (`jobwide.py`)
-        from verify.launching import jobwide, node_ranks
+    # One verdict for the whole job (`jobwide.py`), one node or several.
+    from verify.launching import jobwide, node_ranks
 
-        watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
-        if watch is not None:
-            threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
-        job = replace(job, on_failure=node_ranks.rank_failed(report_dir, rank))
-        try:
-            rank_side.run_job(job, None)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        code = node_ranks.rank_ended(report_dir, rank, code)
-        raise SystemExit(watch.wait(code) if watch is not None else code)
-    if job.local_rank == 0:
-        threading.Thread(
-            target=_node_watchdog, args=(report_dir, stall), name="ddp-verify-watchdog",
-            daemon=True,
-        ).start()  # fmt: skip
-    rank_side.run_job(job, None)
-    return report_dir
-
-
-def _node_watchdog(report_dir: str, stall_timeout_s: float) -> None:
-    """Watch this node's ranks; at a hang write the report and end them (module docstring)."""
-    from verify.watching import capture, trace_file
-    from verify.watching.diagnose import diagnose
-    from verify.watching.watchdog import Watchdog
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
-    ranks = list(range(first, first + local))
-    paths = [os.path.join(report_dir, f"rank{r}.trace") for r in ranks]
-
-    def where(index: int, ask: bool) -> str | None:
-        if ask:
-            capture.request_where(report_dir, ranks[index])
-        return capture.read_where(report_dir, ranks[index])
-
-    watchdog = Watchdog(paths, stall_timeout_s, where=where)
-    while True:
-        headers = [trace_file.read_header(p) for p in paths]
-        pids = [h.pid if h is not None and alive(h.pid) else None for h in headers]
-        if watchdog.poll(pids):
-            break
-        time.sleep(0.1)
-    pids = [h.pid for h in headers if h is not None]
-    for pid in pids:
-        if pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
-    capture.request_flight_recorder(report_dir, ranks)
-    time.sleep(0.5)
-    outcomes = []
-    for r in ranks:
-        stack = None
-        with contextlib.suppress(OSError), open(os.path.join(report_dir, f"rank{r}.stack")) as f:
-            stack = f.read()
-        why = "no rank on this node progressed"
-        outcomes.append(RankOutcome(r, "timeout", error=why, stack=stack))
-    # Ranks are numbered from 0 in the diagnosis; on node k of a multi-node job the other
-    # nodes' ranks are unknown here and shown as missing traces.
-    traces = [trace_file.read_trace(p) for p in paths]
-    all_traces = [None] * first + traces
-    all_outcomes = [RankOutcome(r, "timeout") for r in range(first)] + outcomes
-    diag = diagnose(all_traces, all_outcomes, stalled=True, stall_timeout_s=stall_timeout_s,
-                    detection_s=watchdog.detection_s())  # fmt: skip
-    for r, path in zip(ranks, paths):
-        trace_file.export_jsonl(path, os.path.join(report_dir, f"rank{r}.collectives.jsonl"))
-    with open(os.path.join(report_dir, "report.json"), "w") as f:
-        json.dump(diag.to_dict(), f, indent=2, default=str)
-    text = f"verify.hang_run (node watchdog): {diag.text()}\nreport: {report_dir}"
-    with open(os.path.join(report_dir, "report.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text, file=sys.stderr, flush=True)
-    for pid in pids:
-        if pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    os._exit(1)
+    watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
+    if watch is not None:
+        threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
+    job = replace(job, on_failure=node_ranks.rank_failed(report_dir, rank))
+    try:
+        rank_side.run_job(job, None)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    code = node_ranks.rank_ended(report_dir, rank, code)
+    raise SystemExit(watch.wait(code) if watch is not None else code)
