@@ -99,7 +99,8 @@ def _build() -> Mapping[str, Implementation]:
         ),
         Implementation(
             "zero3",
-            "parameters sharded by rows, gathered per block around forward and backward",
+            "parameters sharded by rows, gathered per block (the next prefetched); "
+            "gradients reduce-scattered per block during backward",
             zero3_wrap,
             plain_over_shards,
             shards_parameters=True,

@@ -1,4 +1,5 @@
-"""ZeRO-3 (FSDP-style): parameters sharded too, gathered unit by unit around their use.
+"""ZeRO-3 (FSDP-style): parameters sharded too, gathered unit by unit around their use; the
+next unit's gather and each unit's reduce-scatter overlap computation.
 
 What is communicated, when, and at what cost:
 - construction: parameters and buffers are broadcast from rank 0; then every trainable
@@ -6,27 +7,50 @@ What is communicated, when, and at what cost:
   zero rows, `shard_rows`), and each rank keeps its block as the parameter, under the same
   name, so optimizers and parameter groups see the shards (as PyTorch's FSDP2 does);
 - forward: units are planned once (a unit per block: a child of the root, or of a child
-  container without a forward; the rest, tied weights included, in the root unit). Before a
-  unit's forward, one all-gather of the concatenated shards of its parameters puts the full
-  parameters together in one buffer; after it, the buffer's memory is freed. Tensors autograd
-  saves for backward that live in that buffer are saved as where they are, not as memory;
-- backward: the first time a unit's saved tensor is needed, the unit is all-gathered again;
-- in `finish_gradient_synchronization()`: per unit, one reduce-scatter of the full gradients
-  (divided by N on the way in) leaves each rank its rows; the full buffers and gradients are
-  freed. `no_sync()` accumulates full gradients locally and communicates nothing;
-- collectives per step: 2 all-gathers and 1 reduce-scatter per unit; memory outside a
-  gathered unit: parameters, gradients and (a plain optimizer over the shards) optimizer state
-  about 1/N each, plus padding of at most N - 1 rows per parameter.
+  container without a forward; the rest, tied weights included, in the root unit; `Unit` in
+  `units.py`). The root's unit is all-gathered for the whole forward. Before a block's
+  forward, its all-gather (one, of the concatenated shards of its parameters, into one buffer)
+  is waited on, and the all-gather of the unit that came next in the last forward (the plan's
+  order at the first) is launched, async: it runs while this block computes (prefetch). After
+  a block's forward its buffer's memory is freed. Tensors autograd saves for backward that
+  live in a buffer are saved as where they are, not as memory;
+- backward: the first time a unit's saved tensor is needed, the unit is all-gathered again
+  (its prefetched gather waited on), and the gather of the unit first needed after it in the
+  last backward (at the first: the root's, then the forward's order reversed) is launched.
+  When every full parameter of a unit has its gradient (a post-accumulate-grad hook counts
+  them), the unit's buffer is freed and, in a synchronized step, one async reduce-scatter of
+  its gradients (divided by N on the way in) is launched: it runs while the units before it
+  compute their backward. At most 2 are in flight: launching a third waits for the oldest;
+- in `finish_gradient_synchronization()`: a unit some of whose parameters got no gradient on
+  this rank is launched now (zeros for them); one all-reduce of which parameters got one on
+  any rank; every reduce-scatter waited on; each rank's rows become its shards' `.grad` (None
+  where no rank produced one). `no_sync()` accumulates full gradients on the full parameters
+  and communicates no gradient (the parameters are still gathered: compute needs them);
+- collectives per step: per unit 1 reduce-scatter and 2 all-gathers at most (a unit none of
+  whose full parameters autograd saved, e.g. a first layer whose input needs no gradient, is
+  not gathered for backward once the backward's order is learned), 1 all-reduce of flags;
+- memory: outside the forward and backward, parameters, gradients and (a plain optimizer over
+  the shards) optimizer state about 1/N each, plus padding of at most N - 1 rows per
+  parameter. In forward: the root's unit plus at most 2 units gathered (the one computing, the
+  one prefetched; a gather in flight also holds a staging copy). In backward: the unit
+  computing and the one prefetched (the root's too while its parameters are needed; a unit
+  stays gathered until all its parameters have their gradient), the full gradients of the
+  units whose backward runs, and the inputs of at most 2 reduce-scatters in flight (one
+  unit's full gradients each).
 
-Refused at construction, with one line: parameters with no dim 0 to cut (0-dim), a unit
-whose parameters mix dtypes, and (told by the tool's hint) parameters unused on some ranks,
-whose unit would then be gathered on some ranks only, as PyTorch's FSDP refuses them too.
-Frozen parameters are not sharded: they stay whole on every rank (broadcast at construction).
-Not done here: prefetching the next unit's gather, and launching the reduce-scatter of a unit
-while the backward of earlier units runs.
+The rule that keeps it correct: every rank issues the same collectives in the same order.
+Prefetches follow orders recorded alike on every rank; gathers and reduce-scatters in backward
+come where the backward needs and completes units, the same place on every rank because every
+rank runs the same graph. Refused at construction, with one line: parameters unused on some
+ranks (told by the tool's hint: their unit would be gathered and reduce-scattered on some
+ranks only, as PyTorch's FSDP refuses them too), parameters with no dim 0 to cut (0-dim), and a
+unit whose parameters mix dtypes. Frozen parameters are not sharded: they stay whole on every
+rank (broadcast at construction).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,115 +58,12 @@ from torch import nn
 
 from .base import DataParallel, broadcast_coalesced
 from .recipes import fsdp_blocks
+from .units import Unit, shard_rows
 
+__all__ = ["Zero3DDP", "plan_units", "shard_rows", "zero3_wrap"]
 
-def shard_rows(rows: int, world_size: int) -> int:
-    """Rows each rank keeps of a parameter with `rows` rows: ceil(rows / N), padded."""
-    return -(-rows // world_size)
-
-
-class Unit:
-    """One unit's parameters: their row shards (the module's parameters) and the buffer the
-    full parameters are gathered into (memory freed between uses)."""
-
-    def __init__(self, slots: list[list[tuple[nn.Module, str]]], params, world_size, rank):
-        self.slots, self.world_size, self.rank = slots, world_size, rank
-        self.shapes = [tuple(p.shape) for p in params]
-        self.chunk = [shard_rows(p.shape[0], world_size) * p[0].numel() for p in params]
-        self.total = sum(self.chunk)  # elements of this rank's concatenated shards
-        dtype, device = params[0].dtype, params[0].device
-        self.full = torch.empty(self.total * world_size, dtype=dtype, device=device)
-        self.shards: list[nn.Parameter] = []
-        for p, chunk in zip(params, self.chunk):
-            padded = torch.zeros(chunk * world_size, dtype=dtype, device=device)
-            padded[: p.numel()] = p.detach().reshape(-1)
-            rows = (shard_rows(p.shape[0], world_size), *p.shape[1:])
-            block = padded[rank * chunk : (rank + 1) * chunk].clone().view(rows)
-            self.shards.append(nn.Parameter(block))
-        # Full parameters: leaves (gradients accumulate on them across micro-steps) whose
-        # memory is the full buffer's, laid out param by param (rank-major inside each).
-        self.leaves = [self._leaf(i) for i in range(len(params))]
-        self.gathered = False
-        self.free()
-
-    def _leaf(self, i: int) -> torch.Tensor:
-        # set_, not a view: a view would share the buffer's version counter, and every gather
-        # into the buffer would look to autograd like an in-place change of the parameter.
-        offset = sum(self.chunk[:i]) * self.world_size
-        leaf = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
-        leaf.set_(self.full.untyped_storage(), offset, self.shapes[i])
-        return leaf.requires_grad_(True)
-
-    def install(self, tensors: list[torch.Tensor]) -> None:
-        """Put `tensors` (the shards, or the full leaves) in every module slot of the unit."""
-        for slots, t in zip(self.slots, tensors):
-            for module, name in slots:
-                module._parameters[name] = t
-
-    @torch.no_grad()
-    def gather(self, group) -> None:
-        """All-gather the shards into the full buffer (a collective); idempotent."""
-        if self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self.assemble([s.detach() for s in self.shards], group, out=self.full)
-        self.gathered = True
-
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def assemble(self, local: list[torch.Tensor], group, out: torch.Tensor) -> torch.Tensor:
-        """All-gather this rank's `local` blocks (one per parameter, shard-shaped) into `out`,
-        laid out parameter by parameter, each its padded full rows (a collective)."""
-        mine = torch.cat([t.reshape(-1) for t in local]) if local else out.new_empty(0)
-        if self.world_size == 1:
-            return out.copy_(mine)
-        staged = torch.empty_like(out)  # rank-major: [rank][param chunks]
-        dist.all_gather_into_tensor(staged, mine, group=group)
-        ranks, start = staged.view(self.world_size, self.total), 0
-        for chunk in self.chunk:
-            dst = out[start * self.world_size : (start + chunk) * self.world_size]
-            dst.view(self.world_size, chunk).copy_(ranks[:, start : start + chunk])
-            start += chunk
-        return out
-
-    def full_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i, unpadded, in a parameter-major `buffer` (as `assemble` fills it)."""
-        offset = sum(self.chunk[:i]) * self.world_size
-        return buffer[offset : offset + torch.Size(self.shapes[i]).numel()].view(self.shapes[i])
-
-    @torch.no_grad()
-    def reduce_scatter(self, group, divide_by: int) -> list[torch.Tensor | None]:
-        """Each shard's gradient summed over ranks, divided on the way in by `divide_by` (the
-        world size: the average); None where no rank produced one (an all-reduced flag)."""
-        grads = torch.zeros(
-            self.total * self.world_size, dtype=self.full.dtype, device=self.full.device
-        )
-        ranks = grads.view(self.world_size, self.total)
-        start, used = 0, []
-        for leaf, chunk in zip(self.leaves, self.chunk):
-            used.append(leaf.grad is not None)
-            if leaf.grad is not None:
-                padded = torch.zeros(
-                    chunk * self.world_size, dtype=grads.dtype, device=grads.device
-                )
-                torch.div(leaf.grad.reshape(-1), divide_by, out=padded[: leaf.numel()])
-                ranks[:, start : start + chunk].copy_(padded.view(self.world_size, chunk))
-            leaf.grad = None
-            start += chunk
-        flags = torch.tensor(used, dtype=torch.int32, device=grads.device)
-        mine = torch.empty(self.total, dtype=grads.dtype, device=grads.device)
-        if self.world_size == 1:
-            mine.copy_(grads)
-        else:
-            dist.all_reduce(flags, group=group)
-            dist.reduce_scatter_tensor(mine, grads.view(-1), group=group)
-        out, start = [], 0
-        for shard, chunk, flag in zip(self.shards, self.chunk, flags.tolist()):
-            out.append(mine[start : start + chunk].view_as(shard) if flag else None)
-            start += chunk
-        return out
+#: reduce-scatters in flight at once; launching one more waits for the oldest (its input freed)
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 2
 
 
 class _Saved:
@@ -154,7 +75,8 @@ class _Saved:
 
 
 class Zero3DDP(DataParallel):
-    """Parameters sharded by rows, gathered per unit around forward and backward (module
+    """Parameters sharded by rows, gathered per unit around forward and backward, the next
+    unit prefetched and gradients reduce-scattered per unit during backward (module
     docstring). Build the optimizer over `module.parameters()` after wrapping: they are the
     shards (a plain optimizer then keeps 1/N of the state).
 
@@ -190,33 +112,58 @@ class Zero3DDP(DataParallel):
         self.units: list[Unit] = []
         self.unit_names: list[list[str]] = []
         self.root_unit: Unit | None = None
+        self_ref = weakref.ref(self)  # the hooks must not keep the wrapper alive
         for block, params in plan_units(module):
             _refuse_unshardable(params, [names[id(p)] for p in params])
             unit = Unit([slots[id(p)] for p in params], params, self.world_size, self.rank)
             unit.install(unit.shards)  # from here on the module's parameters are the shards
             self.units.append(unit)
             self.unit_names.append([names[id(p)] for p in params])
+            for leaf in unit.leaves:
+                leaf.register_post_accumulate_grad_hook(_leaf_hook(self_ref, unit))
             if block is None:
                 self.root_unit = unit
             else:
-                block.register_forward_pre_hook(lambda m, args, unit=unit: self._unshard(unit))
+                block.register_forward_pre_hook(lambda m, args, unit=unit: self._before(unit))
                 block.register_forward_hook(lambda m, args, out, unit=unit: self._reshard(unit))
+        # The orders prefetching follows: the units in the order the last forward ran them
+        # (the plan's at first), and the order the last backward first needed them.
+        self._forward_order = [u for u in self.units if u is not self.root_unit]
+        self._backward_order: list[Unit] | None = None
+        self._ran: list[Unit] = []  # this forward's order so far
+        self._needed: list[Unit] = []  # this backward's order so far
+        self._missing = {u: len(u.leaves) for u in self.units}  # gradients still to come
+        self._launched: list[Unit] = []  # reduce-scatters launched this step, in order
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
             broadcast_coalesced(list(self.module.buffers()), self.process_group)
+        if self._needed:  # a backward ran since the last forward: its order predicts the next
+            self._backward_order, self._needed = self._needed, []
+        self._missing = {u: len(u.leaves) for u in self.units}
         root = self.root_unit
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             if root is not None:
                 self._unshard(root)
+            self._prefetch(self._forward_order, 0)
             try:
                 return self.module(*args, **kwargs)
             finally:
                 if root is not None:
                     self._reshard(root)
+                self._forward_order, self._ran = self._ran, []
+                for unit in self.units:  # a prefetch this forward did not use (its order changed)
+                    unit.free()
+
+    def _before(self, unit: Unit) -> None:
+        """Before a block's forward: its parameters put together, the next unit's launched."""
+        self._ran.append(unit)
+        self._unshard(unit)
+        self._prefetch(self._forward_order, len(self._ran))
 
     def _unshard(self, unit: Unit) -> None:
-        """Before a unit's forward: its full parameters gathered and put in the modules."""
+        """Before a unit's forward: its full parameters gathered (the prefetch waited on, or
+        a gather now) and put in the modules."""
         unit.gather(self.process_group)
         unit.install(unit.leaves)
 
@@ -224,6 +171,15 @@ class Zero3DDP(DataParallel):
         """After a unit's forward: the shards put back, the full buffer's memory freed."""
         unit.install(unit.shards)
         unit.free()
+
+    def _prefetch(self, order: list[Unit], k: int, done: tuple | list[Unit] = ()) -> None:
+        """Launch the gather (async) of `order[k]`, the unit predicted to be needed next,
+        unless its backward already ran (`done`). A prediction is only a guess of what to
+        fetch early: every rank makes the same one, so the collectives still match."""
+        if k < len(order) and order[k] not in done:
+            index = self.units.index(order[k])
+            with torch.profiler.record_function(f"{type(self).__name__}.prefetch[{index}]"):
+                order[k].start_gather(self.process_group)
 
     # --- saved tensors: kept as where they are in a unit's buffer, not as memory ------------
 
@@ -240,18 +196,71 @@ class Zero3DDP(DataParallel):
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
-        saved.unit.gather(self.process_group)  # all-gathered again for backward
+        self._regather(saved.unit)  # all-gathered again for backward
         return saved.unit.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _regather(self, unit: Unit) -> None:
+        """In backward: `unit` gathered; the first time, the next unit's gather launched."""
+        first = unit not in self._needed
+        if first:
+            self._needed.append(unit)
+        unit.gather(self.process_group)
+        if first:
+            order = self._backward_order
+            if order is None:  # no backward yet: the root's unit, then the forward reversed
+                root = [self.root_unit] if self.root_unit is not None else []
+                order = root + self._forward_order[::-1]
+            self._prefetch(order, len(self._needed), done=self._needed)
 
     # --- synchronization -----------------------------------------------------------------
 
+    def _on_gradient(self, unit: Unit) -> None:
+        """A full parameter of `unit` has its gradient of this backward (accumulated)."""
+        if unit.used is not None:
+            raise RuntimeError(
+                "Zero3DDP: a parameter got a gradient after its unit's reduce-scatter was "
+                "launched; call backward once per synchronized step (use no_sync() to accumulate)"
+            )
+        self._missing[unit] -= 1
+        if self._missing[unit] == 0:  # the unit's backward is over (a later need gathers again)
+            if self.require_backward_grad_sync:
+                self._launch(unit)
+            unit.free()
+
+    def _launch(self, unit: Unit) -> None:
+        with torch.profiler.record_function(
+            f"{type(self).__name__}.reduce_scatter[{self.units.index(unit)}]"
+        ):
+            self._reduce_scatter(unit)
+        self._launched.append(unit)
+        if len(self._launched) > MAX_REDUCE_SCATTERS_IN_FLIGHT:  # bound the inputs' memory
+            self._launched[-MAX_REDUCE_SCATTERS_IN_FLIGHT - 1].wait_reduce_scatter()
+
+    def _reduce_scatter(self, unit: Unit) -> None:
+        """Launch `unit`'s reduce-scatter, its gradients divided by N on the way in: the
+        average lands on each rank's rows."""
+        unit.start_reduce_scatter(self.process_group, divide_by=self.world_size)
+
     def _finish_synchronization(self) -> None:
+        for unit in self.units:  # gradients missing on this rank: launched now, in unit order
+            if unit.used is None:
+                self._launch(unit)
+        used = [u for unit in self.units for u in unit.used]  # got a gradient on this rank
+        if self.world_size > 1 and used:  # after every reduce-scatter: the same place on all
+            flags = torch.tensor(used, dtype=torch.int32, device=self.units[0].full.device)
+            dist.all_reduce(flags, group=self.process_group)
+            used = flags.tolist()
+        for unit in self.units:  # nothing written back while a collective is on the wire
+            unit.wait_reduce_scatter()
+        start = 0
         for unit in self.units:
-            grads = unit.reduce_scatter(self.process_group, divide_by=self.world_size)
-            for shard, grad in zip(unit.shards, grads):
+            count = len(unit.shards)
+            for shard, grad in zip(unit.shards, unit.reduced_grads(used[start : start + count])):
                 if grad is not None:  # no rank produced one: untouched, as DDP leaves it
                     self._set_grad(shard, grad)
+            start += count
             unit.free()
+        self._launched = []
 
     # --- full tensors, for checkers (docs/verify-your-own-ddp.md) --------------------------
 
@@ -310,6 +319,15 @@ def _refuse_unshardable(params: list[nn.Parameter], names: list[str]) -> None:
             f"zero3 gathers a unit in one buffer; the unit of {names[0]} mixes dtypes "
             f"{sorted(str(d) for d in dtypes)}"
         )
+
+
+def _leaf_hook(wrapper_ref: weakref.ref, unit: Unit):
+    def hook(leaf: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper._on_gradient(unit)
+
+    return hook
 
 
 def zero3_wrap(module, *, process_group=None, find_unused_parameters=False, **_hints):

@@ -7,8 +7,12 @@ weights tied across two blocks (moved to the root's unit), and a ModuleList of b
 each). SGD with momentum keeps a last-bit gradient difference a last-bit parameter
 difference, so 3 steps stay within rtol 1e-5 / atol 1e-6 (the reduce-scatter adds the ranks'
 values in another order than one process's backward does). Between steps each rank must hold
-only its rows (1/N plus padding), and the full buffers must be freed. The refusals are one
-line each: a 0-dim parameter, a unit mixing dtypes, parameters unused on some ranks.
+only its rows (1/N plus padding), and the full buffers must be freed. The same launch watches
+the schedule from hooks that run after the wrapper's: in forward, the next block's gather is in
+flight when a block starts; in backward, a block's gather is in flight while the block after it
+completes its gradients; every unit's reduce-scatter is launched before `backward()` returns;
+and no more than the root's unit and 2 others hold their full parameters at once. The refusals
+are one line each: a 0-dim parameter, a unit mixing dtypes, parameters unused on some ranks.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def rank_hard_cases(ctx) -> list[str]:
     model = HardCases()
     reference = copy.deepcopy(model)
     wrapped = Zero3DDP(model)
-    problems = []
+    problems = watch_overlap(wrapped, [model.embed, *model.blocks, model.narrow])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_optimizer = torch.optim.SGD(
         [p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9
@@ -77,6 +81,8 @@ def rank_hard_cases(ctx) -> list[str]:
         shard = batch.chunk(ctx.world_size)[ctx.rank]
         optimizer.zero_grad()
         wrapped(shard).pow(2).mean().backward()
+        if not_launched := [i for i, u in enumerate(wrapped.units) if u.used is None]:
+            problems.append(f"step {step}: units {not_launched} not reduce-scattered in backward")
         wrapped.finish_gradient_synchronization()
         optimizer.step()
         ref_optimizer.zero_grad()
@@ -93,6 +99,35 @@ def rank_hard_cases(ctx) -> list[str]:
             diff = (full[name] - p).abs().max().item()
             problems.append(f"{name} differs from one process by {diff:.3g}")
     return problems + refusals()
+
+
+def watch_overlap(wrapped: Zero3DDP, blocks: list[nn.Module]) -> list[str]:
+    """Hooks, registered after the wrapper's so they see what it did, that note where the
+    schedule is not overlapped (`blocks` in forward order, a unit each; the root's unit last)."""
+    problems: list[str] = []
+    units, root = wrapped.units[: len(blocks)], wrapped.root_unit
+
+    def held(where: str) -> None:  # the root's unit and at most 2 others hold full parameters
+        live = [u for u in units if u.gathered or u.gathering is not None]
+        if len(live) > 2:
+            problems.append(f"{where}: {len(live)} units besides the root's gathered at once")
+
+    def before_forward(i: int) -> None:
+        if i + 1 < len(units) and units[i + 1].gathering is None:
+            problems.append(f"forward of unit {i}: unit {i + 1}'s gather not in flight")
+        held(f"forward of unit {i}")
+
+    def gradient(i: int) -> None:  # unit 0's parameters are not saved (its input needs none)
+        if i >= 2 and units[i - 1].gathering is None and not units[i - 1].gathered:
+            problems.append(f"backward of unit {i}: unit {i - 1}'s gather not in flight")
+        held(f"backward of unit {i}")
+
+    for i, (block, unit) in enumerate(zip(blocks, units)):
+        block.register_forward_pre_hook(lambda m, args, i=i: before_forward(i))
+        for leaf in unit.leaves:
+            leaf.register_post_accumulate_grad_hook(lambda t, i=i: gradient(i))
+    assert root is not None and root not in units
+    return problems
 
 
 def refusals() -> list[str]:
