@@ -1,4 +1,4 @@
-"""`python -m verify bench`: every variant against PyTorch's DDP and ZeRO, measured side by side.
+"""`python -m verify bench`: every variant against PyTorch's DDP, ZeRO and FSDP2, side by side.
 
 In ONE launch (the same ranks, the same process group, the same moment of machine noise), on
 the transformer workload at one bucket size, every variant trained by the one trainer
