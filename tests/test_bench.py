@@ -124,8 +124,9 @@ def test_paired_ratio_interval_and_the_three_decisions():
 
 def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
     options = BenchOptions(
-        variants=("bucketed", "zero1", "torch-ddp", "torch-zero"),
+        variants=("bucketed", "zero1", "torch-ddp", "torch-zero", "zero3", "torch-fsdp"),
         model_size_m=TINY_M,
+        local_batch=1,  # what is checked is exact (bytes) or relational: one sequence will do
         bucket_mb=1.0,
         warmup=1,
         repeats=2,
@@ -157,9 +158,22 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
         assert list(phases) == ["after construction", "before step", "after step"]
         assert phases["after construction"]["optimizer"] == 0  # AdamW allocates lazily
         assert phases["before step"]["grads"] == phases["before step"]["params"]
+    # The ladder against 1/N, by the memory check: bucketed shards nothing; zero3 and FSDP2
+    # shard all three kinds by rows, so each rank holds half of each, plus at most one padding
+    # row per parameter (the GPT's odd-sized rows: under 0.1% of its bytes).
+    assert list(result.shards) == ["bucketed", "zero1", "torch-zero", "zero3", "torch-fsdp"]
+    assert all(k.ratios == (1.0, 1.0) for k in result.shards["bucketed"].kinds)
+    for impl in ("zero3", "torch-fsdp"):
+        shards = result.shards[impl]
+        assert shards.passed and set(shards.promised) == {"parameters", "gradients", "state"}
+        for kind in shards.kinds:
+            assert all(0.5 <= r < 0.501 for r in kind.ratios), (impl, kind.describe())
     bars = {b.what: b for b in result.bars()}
-    assert len(bars) == 5 and all(b.value > 0 for b in bars.values())
+    assert len(bars) == 7 and all(b.value > 0 for b in bars.values())
     assert bars["zero1 state summed over ranks / unsharded AdamW state"].met
+    assert bars["zero3 largest rank / (unsharded / N), kinds it shards"].met
+    against = result.against_fsdp("zero3")  # paired per round, as the bars are
+    assert against.rounds == 2 and against.low <= against.value <= against.high
     timed_bars = [b for b in bars.values() if b.ratio is not None]
     assert len(timed_bars) == 3 and all(b.ratio.low <= b.value <= b.ratio.high for b in timed_bars)
     assert result.bandwidth["buckets"] and len(result.bandwidth["ours_s"]) == 2
@@ -169,6 +183,8 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
     assert {b["decision"] for b in doc["bars"]} <= {"met", "missed", "undecided"}
     report = text_bench.bench(result)
     assert "bucketed / torch-ddp step time" in report and "bucket sweep" in report
+    assert "step / torch-fsdp" in report and "state, gradients, parameters: sharded" in report
+    assert doc["shards"]["zero3"]["passed"] and "zero3" in doc["against_fsdp"]
     run_dir = tmp_path / result.run_dir
     assert (run_dir / "bench.json").exists() and (run_dir / "bench.txt").exists()
     meta = json.loads((run_dir / "metadata.json").read_text())

@@ -99,11 +99,11 @@ def _resident_bytes(device=None) -> int:
 
 
 def _memory_beside_a_big_tensor(ctx, options):
-    from verify.perf import bench
+    from verify.perf import bench_memory
 
-    bench.allocated_bytes = _resident_bytes
+    bench_memory.allocated_bytes = _resident_bytes
     other = torch.ones(32 << 20)  # 128 MiB held by someone else (another variant, once)
-    memory = bench.memory_alone(ctx, options)
+    memory, _ = bench_memory.memory_alone(ctx, options)
     return memory, other.numel() * 4
 
 

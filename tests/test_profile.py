@@ -26,7 +26,7 @@ import pytest
 
 from tests.processes import descendants, listeners, once_per_session
 from verify import runs
-from verify.perf import traces
+from verify.perf import issued, traces
 from verify.perf.base import all_variants
 from verify.perf.profiling import ProfileOptions, run_profile
 
@@ -95,6 +95,46 @@ def test_analysis_of_a_synthetic_cpu_trace():
     assert m.phases_ms["forward"] == pytest.approx(0.030)
 
 
+def test_collectives_issued_are_named_by_their_operator_and_placed_by_phase():
+    """gloo runs a reduce-scatter as an all-reduce of the whole buffer (its range reads
+    gloo:all_reduce); the dispatcher's operator names the call, and the training thread's
+    phase range open when it started (on any thread: a GPU's autograd thread) places it."""
+    assert issued.kind("c10d::_allgather_base_") == "all_gather"
+    assert issued.kind("c10d::allgather_into_tensor_coalesced_") == "all_gather"
+    assert issued.kind("c10d::_reduce_scatter_base_") == "reduce_scatter"
+    assert issued.kind("_c10d_functional::reduce_scatter_tensor") == "reduce_scatter"
+    assert issued.kind("c10d::allreduce_") == "all_reduce"
+    assert issued.kind("c10d::barrier") == "barrier"
+    assert issued.kind("_c10d_functional::wait_tensor") is None
+    assert issued.kind("aten::all_gather") is None and issued.kind("gloo:all_reduce") is None
+    events = [
+        _x("ProfilerStep#1", 0, 100, 1, cat="user_annotation"),
+        _x("forward", 0, 30, 1, cat="user_annotation"),
+        _x("backward", 30, 40, 1, cat="user_annotation"),
+        _x("c10d::_allgather_base_", 2, 1, 1),
+        _x("c10d::_allgather_base_", 32, 1, 1),
+        _x("c10d::_reduce_scatter_base_", 50, 1, 9),  # autograd's thread, inside backward
+        _x("gloo:all_reduce", 51, 10, 2, cat="user_annotation"),  # its wire range: not counted
+        _x("c10d::allreduce_", 80, 1, 1),  # outside every phase
+        _x("c10d::allreduce_", 120, 1, 1),  # after the step
+    ]  # fmt: skip
+    (m,) = traces.analyze({"traceEvents": events})
+    assert m.issued == {
+        "all_gather": {"forward": 1, "backward": 1},
+        "reduce_scatter": {"backward": 1},
+        "all_reduce": {issued.OTHER: 1},
+    }
+    assert issued.mean([m.issued, {}]) == {
+        "all_gather": {"forward": 0.5, "backward": 0.5},
+        "reduce_scatter": {"backward": 0.5},
+        "all_reduce": {issued.OTHER: 0.5},
+    }
+    lanes = dict(traces.timeline({"traceEvents": events}))
+    assert [name for _, _, name in lanes["issued"]] == [
+        "all_gather", "all_gather", "reduce_scatter", "all_reduce"
+    ]  # fmt: skip
+
+
 def test_analysis_of_a_synthetic_gpu_trace():
     """With kernels present, compute and communication come from the device timeline."""
     events = [
@@ -142,6 +182,9 @@ def test_every_rank_writes_a_trace_with_the_ranges(profiled):
             assert {f"{prefix}.launch[0]", f"{prefix}.wait[0]"} <= names, impl
         if impl == "zero1":
             assert {"zero1.step", "zero1.sync_params", "gloo:broadcast"} <= names
+        if impl in ("zero3", "torch-fsdp"):  # parameter sharding: gathers and scatters
+            gather, scatter = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+            assert {"gloo:all_gather", gather, scatter} <= names, impl
 
 
 def test_summary_numbers_are_consistent(profiled):
@@ -161,6 +204,21 @@ def test_summary_numbers_are_consistent(profiled):
     assert by_impl["flat"].collectives == 2
     assert by_impl["naive"].collectives == by_impl["overlap"].collectives > 10
     assert by_impl["naive"].exposed_ms == pytest.approx(by_impl["naive"].comm_ms, rel=0.05)
+    # Where the sharded rungs communicate, by the phase each collective was issued in. ZeRO-3
+    # and FSDP2 gather every unit before its forward and again in backward (the unit was freed
+    # after forward), and reduce-scatter each unit's gradients once: in zero3's grad_sync, in
+    # FSDP2's post-backward hooks. ZeRO-2 reduce-scatters buckets during backward and
+    # broadcasts the owners' parameters in the optimizer step. DDP gathers nothing.
+    for impl, scatter_phase in (("zero3", "grad_sync"), ("torch-fsdp", "backward")):
+        issued = by_impl[impl].issued
+        assert set(issued["reduce_scatter"]) == {scatter_phase}, (impl, issued)
+        units = issued["reduce_scatter"][scatter_phase]
+        assert units >= 2 and issued["all_gather"]["forward"] == units, (impl, issued)
+        assert 1 <= issued["all_gather"]["backward"] <= units, (impl, issued)
+    zero2 = by_impl["zero2"].issued
+    assert zero2["reduce_scatter"].get("backward", 0) >= 1 and "all_gather" not in zero2, zero2
+    assert zero2["broadcast"] == {"optimizer_step": 2}, zero2  # one per rank
+    assert set(by_impl["bucketed"].issued) == {"all_reduce"}
     written = json.loads((profiled.run_dir / "summary.json").read_text())
     assert [s["impl"] for s in written["summaries"]] == list(all_variants())
     assert written["verdict"] == "pass" and (profiled.run_dir / "summary.txt").exists()

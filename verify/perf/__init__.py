@@ -12,5 +12,8 @@ trainer (`verify/training/trainer.py`), every rank started by the one launcher.
     scaling.py       scaling: throughput at world sizes 1..N
     train.py         train: loss curves against a single process
     bench_audit.py   bench-audit: the audit's cost      bench_tracer.py  the tracer's cost
-    text.py, text_bench.py   the reports (results in, text out)      charts.py   the PNGs
+    bench_memory.py  bench's memory per rank, against 1/N (the memory check's measure)
+    issued.py        the collectives a traced step issued, by kind and phase
+    text.py, text_bench.py, text_costs.py   the reports (results in, text out)
+    charts.py        the PNGs
 """

@@ -1,4 +1,4 @@
-"""`python -m verify bench`: every variant against PyTorch's DDP and ZeRO, measured side by side.
+"""`python -m verify bench`: every variant against PyTorch's DDP, ZeRO and FSDP2, side by side.
 
 In ONE launch (the same ranks, the same process group, the same moment of machine noise), on
 the transformer workload at one bucket size, every variant trained by the one trainer
@@ -8,16 +8,18 @@ the transformer workload at one bucket size, every variant trained by the one tr
    no communication), is built up front; after warm-up they take turns, one step each,
    round-robin, the order rotating every round (`timing.interleave`). Each sample is the
    slowest rank's time (a step is as slow as its slowest rank). `step - local` estimates the
-   communication left exposed.
+   communication left exposed. The sharded rungs are also compared with PyTorch's FSDP2
+   (`torch-fsdp`), paired per round the same way.
 2. **Bucket sweep.** `bucketed` and `torch-ddp` at several bucket sizes, interleaved the same
    way, beside the alpha-beta prediction (`alphabeta.py`) of the exposed communication,
    fitted from all-reduce times measured in the same launch and the measured backward time.
-3. **ZeRO-1 memory.** For `zero1`, `torch-zero` and unsharded `bucketed` + AdamW: parameter,
-   gradient and optimizer-state bytes (`training/optim_state.py`) after construction, before
-   and after the first optimizer step (plus CUDA allocated bytes on GPUs), per rank. Each is
-   built and stepped once on its own, after the timed variants are gone: CUDA's allocated
-   bytes count every live tensor of the process, so they are measured from what was
-   allocated before the variant was built, with no other variant alive.
+3. **Memory** (`bench_memory.py`). For the ladder's memory variants (`bucketed`, `zero1`,
+   `torch-zero`, `zero2`, `zero3`, `torch-fsdp`): parameter, gradient and optimizer-state
+   bytes per rank after construction, before and after the first optimizer step (plus CUDA
+   allocated bytes on GPUs), and the memory check's measure of each kind against 1/N of the
+   unsharded total (`verify/checks/memory.py`). Each is built and stepped once on its own,
+   after the timed variants are gone: CUDA's allocated bytes count every live tensor of the
+   process, so they are measured from what was allocated before the variant was built.
 4. **Bucket all-reduce bandwidth** (`bandwidth.py`): our bucket all-reduces on ready
    gradients against raw all-reduces of buffers of the same sizes.
 
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, replace
-
-import torch
 
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext, launch
@@ -47,10 +47,10 @@ from verify.perf.base import (
     set_field,
     verdict_of,
 )
-from verify.perf.bench_result import LOCAL, MEMORY_VARIANTS, REFERENCE, BenchResult
+from verify.perf.bench_memory import memory_alone
+from verify.perf.bench_result import LOCAL, REFERENCE, BenchResult
 from verify.perf.timing import interleave, timed
-from verify.training.optim_state import local_state_bytes
-from verify.training.trainer import Hooks, Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,63 +143,6 @@ def run_bench(options: BenchOptions) -> BenchResult:
 # --- in each rank ---------------------------------------------------------------------------
 
 
-class MemoryProbe(Hooks):
-    """Tensor bytes of the model, its gradients and its optimizer state after construction,
-    and before and after the first optimizer step; on CUDA also the bytes allocated since
-    `baseline` (what was allocated before the trainer was built)."""
-
-    def __init__(self, baseline: int | None = None) -> None:
-        self.baseline = baseline
-        self.phases: dict[str, dict] = {}
-
-    def after_build(self, trainer: Trainer) -> None:
-        self.phases["after construction"] = _model_state(trainer, self.baseline)
-
-    def after_sync(self, trainer: Trainer, step: int) -> None:
-        if step == 1:
-            self.phases["before step"] = _model_state(trainer, self.baseline)
-
-    def after_step(self, trainer: Trainer, step: int) -> None:
-        if step == 1:
-            self.phases["after step"] = _model_state(trainer, self.baseline)
-
-
-def allocated_bytes(device: torch.device) -> int | None:
-    """CUDA's allocated bytes on `device` (every live tensor of this process); None off CUDA."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def _model_state(trainer: Trainer, baseline: int | None) -> dict:
-    def nbytes(tensors):
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    params = list(trainer.model.parameters())
-    allocated = allocated_bytes(trainer.ctx.device)
-    return {
-        "params": nbytes(params),
-        "grads": nbytes(p.grad for p in params),
-        "optimizer": local_state_bytes(trainer.optimizer, params).bytes,
-        "allocated": None if allocated is None else allocated - (baseline or 0),
-    }
-
-
-def memory_alone(ctx: RankContext, options: BenchOptions) -> dict[str, dict]:
-    """Part 3: each memory variant built and stepped once with no other trainer alive (call it
-    when none is), its allocated bytes counted from what was allocated before it was built."""
-    phases = {}
-    for name in options.variants:
-        if name not in MEMORY_VARIANTS:
-            continue
-        gc.collect()
-        probe = MemoryProbe(allocated_bytes(ctx.device))
-        trainer = Trainer(ctx, options.train_spec(name), hooks=(probe,))
-        _next_step(trainer)
-        del trainer
-        phases[name] = probe.phases
-    gc.collect()
-    return phases
-
-
 def _next_step(trainer: Trainer) -> None:
     trainer.step(trainer.step_no + 1)
 
@@ -232,7 +175,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     del trainers
     gc.collect()
     say(ctx, "bench: memory of each variant alone")
-    memory = memory_alone(ctx, options)
+    memory, shards = memory_alone(ctx, options)
 
     sweep: dict[str, list[float]] = {}
     if options.sweep_sizes:
@@ -255,6 +198,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
         "steps": steps,
         "sweep": sweep,
         "memory": memory,
+        "shards": shards,
         "plan": plan,
         "fit": fit,
         "grad_bytes": grad_bytes,

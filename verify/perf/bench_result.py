@@ -3,9 +3,12 @@
 Step-time bars compare two variants round by round (`timing.paired`: the geometric mean of the
 per-round ratios, with a 95% interval) and decide three ways (`timing.decide`): "met" when the
 whole interval is within the goal, "missed" when it is wholly outside, "undecided" when the
-machine's noise is wider than the margin. The ZeRO-1 memory bars are exact byte counts, met or
-missed. A missed or undecided bar is reported, never hidden; it is not a failed run (the
-verdict says whether the ranks finished).
+machine's noise is wider than the margin. The memory bars are exact byte counts, met or
+missed: ZeRO-1's state against the unsharded AdamW's, and each sharded rung (`SHARDED`)
+against what it promises to shard, by the memory check's bound (`verify/checks/memory.py`).
+The sharded rungs' step times are compared with FSDP2's (`SHARDED_REFERENCE`), paired per
+round with an interval, without a goal: no bar is set for them. A missed or undecided bar is
+reported, never hidden; it is not a failed run (the verdict says whether the ranks finished).
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
+from verify.checks.memory import MemoryResult
 from verify.perf.alphabeta import AlphaBeta, MiB, predict_exposed
 from verify.perf.timing import MET, MISSED, UNDECIDED, Ratio, decide, paired
 
 LOCAL = "local"  # no wrapper, no communication: the compute-only reference
 REFERENCE = "torch-ddp"
-MEMORY_VARIANTS = ("zero1", "torch-zero", "bucketed")
+SHARDED_REFERENCE = "torch-fsdp"  # what the sharded rungs' step times are compared with
+SHARDED = ("zero2", "zero3", SHARDED_REFERENCE)  # the rungs issue 20 measures against 1/N
+ZERO1_MEMORY = ("zero1", "torch-zero", "bucketed")  # ZeRO-1's bars and phase table read these
+# the ladder whose memory bench measures, each alone, in the ladder's order
+MEMORY_VARIANTS = ("bucketed", "zero1", "torch-zero", *SHARDED)
 BAR_DDP, BAR_STATE, BAR_ZERO, BAR_BUSBW = 1.05, 1.01, 1.0, 0.8
 
 
@@ -65,6 +73,7 @@ class BenchResult:
     steps: dict = field(default_factory=dict)  # name -> seconds per round
     sweep: dict = field(default_factory=dict)  # "impl@mb" -> seconds per round; LOCAL too
     memory: tuple = ()  # per rank: {impl: {phase: {params, grads, optimizer, allocated}}}
+    shards: dict = field(default_factory=dict)  # impl -> MemoryResult (the memory check's)
     plan: dict = field(default_factory=dict)  # zero1's ShardPlan numbers (parameter bytes)
     fit: AlphaBeta | None = None
     grad_bytes: int = 0
@@ -120,6 +129,7 @@ class BenchResult:
             out.append(
                 self._step_bar("zero1 / torch-zero step time", "zero1", "torch-zero", BAR_ZERO)
             )
+        out += [self._shard_bar(impl) for impl in SHARDED if impl in self.shards]
         if self.bandwidth:
             b = self.bandwidth
             r = paired(b["raw_s"], b["ours_s"])  # raw time / ours = our busbw / raw busbw
@@ -144,6 +154,34 @@ class BenchResult:
             f"of minimums {min(self.steps[a]) / min(self.steps[b]):.3f}"
         )
         return Bar(what, r.value, f"<= {goal}", decide(r, goal), r, detail)
+
+    def against_fsdp(self, name: str) -> Ratio | None:
+        """`name`'s step over FSDP2's, paired per round; None when either was not timed."""
+        if name not in self.steps or SHARDED_REFERENCE not in self.steps:
+            return None
+        return self.paired(name, SHARDED_REFERENCE)
+
+    def _shard_bar(self, impl: str) -> Bar:
+        """The kinds `impl` promises to shard, each rank's bytes over 1/N of the unsharded
+        total (1.00: a perfect shard; the value is the largest), judged by the memory check's
+        bound (`KindMemory.sharded`: the ranks hold each kind once, the largest rank within
+        (2 - 1/N) x max(total / N, largest tensor), plus row padding)."""
+        result: MemoryResult = self.shards[impl]
+        n = len(result.kinds[0].per_rank)
+        per_kind = {
+            k.kind: max(k.per_rank) * n / k.unsharded if k.unsharded else 0.0
+            for k in result.kinds
+            if k.kind in result.promised
+        }
+        detail = ", ".join(f"{kind} {x:.4f}" for kind, x in per_kind.items())
+        return Bar(
+            f"{impl} largest rank / (unsharded / N), kinds it shards",
+            max(per_kind.values(), default=0.0),
+            "memory check's bound",
+            MET if result.passed else MISSED,
+            None,
+            detail + ("" if result.passed else "; " + "; ".join(result.failures)),
+        )
 
     def _state_bars(self) -> list[Bar]:
         """ZeRO-1's optimizer state, exact: balanced across ranks as far as whole parameters
@@ -182,13 +220,34 @@ class BenchResult:
         d = {
             k: v
             for k, v in dataclasses.asdict(self).items()
-            if k not in ("options", "fit", "memory")
+            if k not in ("options", "fit", "memory", "shards")
         }
         d["ok"] = self.ok
         d["options"] = self.options.to_dict()
         d["memory"] = list(self.memory)
+        d["shards"] = {impl: _shards_dict(r) for impl, r in self.shards.items()}
         d["alpha_beta"] = dataclasses.asdict(self.fit) if self.fit else None
         if self.ok:
             d["medians_s"] = {k: self.median(k) for k in self.steps}
             d["bars"] = [b.to_dict() for b in self.bars()]
+            d["against_fsdp"] = {
+                name: r.to_dict() for name in self.steps if (r := self.against_fsdp(name))
+            }
         return d
+
+
+def _shards_dict(result: MemoryResult) -> dict:
+    """The memory check's result with its derived numbers (ratios, sharded) spelled out."""
+    return {
+        "promised": list(result.promised),
+        "passed": result.passed,
+        "kinds": {
+            k.kind: {
+                "per_rank": list(k.per_rank),
+                "unsharded": k.unsharded,
+                "ratios": list(k.ratios),
+                "sharded": k.sharded,
+            }
+            for k in result.kinds
+        },
+    }

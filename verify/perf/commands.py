@@ -9,7 +9,7 @@ is reported, not an error), "fault" when a rank failed and "timeout" when the ti
 from __future__ import annotations
 
 from verify.cli.command import Command
-from verify.perf import text, text_bench
+from verify.perf import text, text_bench, text_costs
 from verify.perf.bench import BenchOptions, run_bench
 from verify.perf.bench_audit import AuditBenchOptions, run_audit_bench
 from verify.perf.bench_sanitize import SanitizeBenchOptions, run_sanitize_bench
@@ -29,7 +29,7 @@ PERF_COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "bench",
-        "step time of every variant vs torch-ddp / torch-zero",
+        "step time of every variant vs torch-ddp / torch-zero / torch-fsdp; memory per rank vs 1/N",
         BenchOptions,
         run_bench,
         text_bench.bench,
@@ -54,20 +54,20 @@ PERF_COMMANDS: tuple[Command, ...] = (
         "benchmark the audit against an all-gather and a training step",
         AuditBenchOptions,
         run_audit_bench,
-        text_bench.audit,
+        text_costs.audit,
     ),
     Command(
         "bench-tracer",
         "benchmark the collective tracer against a training step",
         TracerBenchOptions,
         run_tracer_bench,
-        text_bench.tracer,
+        text_costs.tracer,
     ),
     Command(
         "bench-sanitize",
         "benchmark --sanitize (the race sanitizer) against a training step",
         SanitizeBenchOptions,
         run_sanitize_bench,
-        text_bench.sanitize,
+        text_costs.sanitize,
     ),
 )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
-from verify.perf import traces
+from verify.perf import issued, traces
 from verify.perf.alphabeta import KiB, MiB, best_bucket, bus_factor
 
 if TYPE_CHECKING:
@@ -67,9 +67,9 @@ def profile(result: ProfileResult) -> str:
     headers = ["impl", "step ms", "compute ms", "comm ms", "exposed ms", "overlap", "colls", "MiB"]
     lines += [_table(rows, headers), ""]
     rows = [[s.impl] + [f"{s.phases_ms[p]:.1f}" for p in traces.PHASES] for s in result.summaries]
+    lines += [_table(rows, ["impl", *(f"{p} ms" for p in traces.PHASES)]), ""]
+    lines += _issued(result.summaries)
     lines += [
-        _table(rows, ["impl", *(f"{p} ms" for p in traces.PHASES)]),
-        "",
         "means per step and rank, from the written traces; comm = union of gloo/NCCL "
         "collective ranges, exposed = comm while the training thread ran no operator",
         f"traces: {result.run_dir}",
@@ -77,6 +77,26 @@ def profile(result: ProfileResult) -> str:
         "in https://ui.perfetto.dev)",
     ]
     return "\n".join(lines + _notes(result.notes))
+
+
+def _issued(summaries) -> list[str]:
+    """Collectives issued per step, by kind and by the phase they were issued in: where the
+    all-gathers and reduce-scatters of parameter sharding sit beside compute."""
+    columns = (*traces.PHASES, issued.OTHER)
+    rows = [
+        [s.impl, k] + [f"{per_phase[p]:g}" if per_phase.get(p) else "-" for p in columns]
+        for s in summaries
+        for k, per_phase in sorted(s.issued.items())
+    ]
+    if not rows:
+        return []
+    return [
+        "collectives issued per step, by the phase they were issued in (the dispatcher's c10d "
+        "operators; gloo runs a reduce-scatter as an all-reduce, so on its thread the range "
+        "reads gloo:all_reduce):",
+        _table(rows, ["impl", "collective", *columns]),
+        "",
+    ]
 
 
 def size(nbytes: float) -> str:

@@ -1,4 +1,5 @@
-"""The reports of `bench`, `bench-audit` and `bench-tracer`: a result in, text out, nothing run.
+"""The report of `bench`: a result in, text out, nothing run (the tool's own costs:
+`text_costs.py`).
 
 Every goal is printed with the number it rests on, its 95% interval and the decision: "met"
 (the whole interval within the goal), "MISSED" (wholly outside), or "undecided (noise +-x%)"
@@ -8,23 +9,18 @@ would have to shrink). A report says what the run shows, and no more.
 
 from __future__ import annotations
 
-import os
 import statistics
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
 from verify.perf.alphabeta import MiB, bus_factor
-from verify.perf.bench_result import LOCAL, MEMORY_VARIANTS, REFERENCE
-from verify.perf.bench_tracer import GOAL as TRACER_GOAL
+from verify.perf.bench_result import LOCAL, REFERENCE, SHARDED_REFERENCE, ZERO1_MEMORY
 from verify.perf.text import best_bucket_line, failed
 from verify.perf.timing import MET, MISSED, Ratio
-from verify.training.language import GPTConfig
 
 if TYPE_CHECKING:
-    from verify.perf.bench_audit import AuditBenchResult
     from verify.perf.bench_result import BenchResult
-    from verify.perf.bench_tracer import TracerBenchResult
 
 
 def decision(decided: str, ratio: Ratio | None = None) -> str:
@@ -59,8 +55,10 @@ def bench(result: BenchResult) -> str:
     ]
     if result.sweep:
         lines += _sweep(result) + [""]
-    if result.memory and any(MEMORY_VARIANTS[0] in m for m in result.memory):
+    if result.memory and any(ZERO1_MEMORY[0] in m for m in result.memory):
         lines += ["memory (tensor bytes):", _memory_table(result), ""]
+    if result.shards:
+        lines += _ladder(result) + [""]
     if result.bandwidth:
         lines += [_bandwidth_line(result), ""]
     rows = [
@@ -160,6 +158,8 @@ def _memory_table(result: BenchResult) -> str:
     rows = []
     for rank, per_impl in enumerate(result.memory):
         for impl, phases in per_impl.items():
+            if impl not in ZERO1_MEMORY:  # the ladder's table below has every rung
+                continue
             for phase, m in phases.items():
                 rows.append(
                     [impl, rank, phase]
@@ -168,6 +168,39 @@ def _memory_table(result: BenchResult) -> str:
                 )
     headers = ["impl", "rank", "when", "params MiB", "grads MiB", "opt state MiB", "alloc MiB"]
     return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def _ladder(result: BenchResult) -> list[str]:
+    """Each memory variant's bytes per rank over the unsharded total (the memory check's
+    measure: 1/N is a perfect shard), whether it shards what it promises, and its step time
+    against FSDP2's, paired per round."""
+    first = next(iter(result.shards.values()))
+    n = len(first.kinds[0].per_rank)
+    totals = ", ".join(f"{k.kind} {k.unsharded / MiB:.1f} MiB" for k in first.kinds)
+    rows = []
+    for impl, r in result.shards.items():
+        ratio = result.against_fsdp(impl)
+        promised = ", ".join(r.promised) or "nothing"
+        verdict = "" if not r.promised else (": sharded" if r.passed else ": NOT sharded")
+        rows.append(
+            [impl]
+            + [", ".join(f"{x:.2f}" for x in k.ratios) for k in r.kinds]
+            + [promised + verdict]
+            + [_against(impl, ratio)]
+        )
+    headers = ["variant", *(f"{k.kind} / unsharded" for k in first.kinds), "promises to shard"]
+    return [
+        f"memory per rank against the unsharded total (the memory check's measure; unsharded: "
+        f"{totals}; 1/N = {1 / n:.2f}) and step time against {SHARDED_REFERENCE} (paired per "
+        "round, 95% interval):",
+        tabulate(rows, headers=[*headers, f"step / {SHARDED_REFERENCE}"], disable_numparse=True),
+    ]
+
+
+def _against(impl: str, ratio: Ratio | None) -> str:
+    if impl == SHARDED_REFERENCE:
+        return "1 (the reference)"
+    return "-" if ratio is None else f"{ratio.value:.3f} {interval(ratio.low, ratio.high)}"
 
 
 def _bandwidth_line(result: BenchResult) -> str:
@@ -182,142 +215,4 @@ def _bandwidth_line(result: BenchResult) -> str:
         f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce {raw * 1e3:.1f} ms "
         f"({total * factor / raw / 1e9:.2f} GB/s busbw); the whole synchronization with "
         f"copy-in/out and the usage map: {sync * 1e3:.1f} ms"
-    )
-
-
-def audit(result: AuditBenchResult) -> str:
-    o = result.options
-    if not result.ok:
-        return failed("bench-audit", result)
-    if o.script_audit:
-        return _script_audit(result)
-    rows = [
-        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
-        for name, v in [
-            ("training step", result.step_s),
-            ("audit (fingerprints)", result.audit_s),
-            ("all-gather of every tensor", result.allgather_s),
-        ]
-    ]
-    goals = [
-        f"{what + ':':20s}{r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})"
-        for what, r, goal, decided in result.bars()
-    ]
-    return "\n".join(
-        [
-            f"audit benchmark: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
-            f"world size {o.world_size}, {o.repeats} interleaved rounds",
-            f"audited per step: {result.audited_tensors} tensors, {result.audited_bytes / MiB:.0f} "
-            f"MiB per rank",
-            f"machine: {result.machine}",
-            "",
-            tabulate(rows, headers=["what", "median ms", "min ms"]),
-            "",
-            "paired per round (geometric mean of each round's ratio):",
-            *goals,
-        ]
-    )
-
-
-def _script_audit(result: AuditBenchResult) -> str:
-    """`bench-audit --script-audit`: audited / plain step, side by side."""
-    o = result.options
-    rows = [
-        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
-        for name, v in [("plain step", result.plain_s), ("audited step", result.audited_s)]
-    ]
-    what, r, goal, decided = result.bars()[0]
-    block = GPTConfig.with_params(o.model_size_m).block_size
-    return "\n".join([
-        f"audit --nproc cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter transformer, "
-        f"world size {o.world_size}, {o.local_batch * block} tokens per rank and step "
-        f"({o.local_batch} x {block}), {o.repeats} interleaved rounds",
-        f"audited at every step: up to {result.audited_tensors} tensors and settings per audit "
-        f"point; findings: {result.findings}; time inside the audit: "
-        f"{result.audit_s_per_step * 1e3:.1f} ms a step (rank 0)",
-        f"machine: {result.machine}",
-        "",
-        tabulate(rows, headers=["what", "median ms", "min ms"]),
-        "",
-        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})",
-    ])  # fmt: skip
-
-
-def tracer(result: TracerBenchResult) -> str:
-    o = result.options
-    if not result.ok:
-        return failed("bench-tracer", result)
-    r = result.ratio
-    rows = [
-        [name, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}"]
-        for name, v in [
-            ("training step, untraced", result.plain_step_s),
-            ("training step, traced", result.traced_step_s),
-        ]
-    ]
-    c = result.cpu_ratio
-    return "\n".join(
-        [
-            f"tracer benchmark: {o.impl} (bucket {o.bucket_mb:g} MB) on a "
-            f"{result.parameters / 1e6:.2f}M-parameter transformer, world size {o.world_size}, "
-            f"{result.collectives_per_step} traced collectives per step, {o.rounds} interleaved "
-            "rounds (one untraced and one traced step each)",
-            f"machine: {result.machine}; load average {result.load_avg[0]:.1f} -> "
-            f"{result.load_avg[1]:.1f} on {os.cpu_count()} cpus during the rounds",
-            "",
-            tabulate(rows, headers=["what", "median ms", "min ms"]),
-            "",
-            f"tracer cost per collective call (CPU, no network): "
-            f"{result.traced_call_us - result.plain_call_us:.1f} us; x calls per step / median "
-            f"step: {100 * result.per_call_share:.2f}%",
-            f"ratio of the medians: {100 * result.overhead_of_medians:+.2f}%",
-            f"on the training thread's CPU time (paired per round): {100 * (c.value - 1):+.2f}%, "
-            f"95% interval {interval(c.low - 1, c.high - 1, 100, '+.2f')}% (about "
-            f"{result.in_situ_call_us:.0f} us a collective in the training loop)",
-            f"tracer overhead on a step (paired per round): {100 * result.overhead:+.2f}%, 95% "
-            f"interval {interval(r.low - 1, r.high - 1, 100, '+.2f')}%  (goal < "
-            f"{100 * TRACER_GOAL:g}%: {decision(result.decision, r)})",
-        ]
-    )
-
-
-def sanitize(result) -> str:
-    """`bench-sanitize`: the slowdown of each sanitized arm, and where the time went."""
-    o = result.options
-    if not result.ok:
-        return failed("bench-sanitize", result)
-    rows = []
-    for arm, steps in result.steps_s.items():
-        row = [arm, f"{statistics.median(steps) * 1e3:.1f}", f"{min(steps) * 1e3:.1f}"]
-        if arm == "plain":
-            rows.append(row + ["-", "-", "-", "-"])
-            continue
-        r = result.ratio(arm)
-        rows.append(
-            row + [
-                f"{r.value:.3f} {interval(r.low, r.high)}",
-                f"{result.per_step(arm, 'tracked'):.0f}",
-                f"{result.per_step(arm, 'ops_checked'):.0f}",
-                f"{result.per_step(arm, 'check_s') * 1e3:.1f} + "
-                f"{result.per_step(arm, 'copy_s') * 1e3:.1f}",
-            ]
-        )  # fmt: skip
-    headers = ["arm", "median ms", "min ms", "/ plain (95% interval)", "async colls",
-               "ops checked", "check + copy ms"]  # fmt: skip
-    return "\n".join(
-        [
-            f"sanitizer benchmark: {o.impl} (bucket {o.bucket_mb:g} MB) on a "
-            f"{result.parameters / 1e6:.2f}M-parameter transformer, world size {o.world_size}, "
-            f"{o.repeats} interleaved rounds (one step of each arm per round), slowest rank",
-            f"machine: {result.machine}",
-            "",
-            tabulate(rows, headers=headers, disable_numparse=True),
-            "",
-            "per step, from the sanitizer's own accounting (rank 0): async collectives tracked, "
-            "operators compared against memory in flight, and seconds spent comparing and "
-            "copying (adversarial completion); the rest of the slowdown is every operator's "
-            "detour through the dispatch mode while the check is on",
-        ]
     )

@@ -25,6 +25,9 @@ thread that trains):
   By construction exposed <= communication <= step and compute <= step.
 - **collectives** and **bytes** per step: every `gloo:*` / `nccl:*` range starting in the step,
   with its input tensor's size (for an all-reduce, the bucket; for a broadcast, the buffer).
+- **issued**: the collectives the code called, by kind and by the phase it called them in,
+  from the dispatcher's `c10d::` operators (`issued.py`: gloo runs a reduce-scatter as an
+  all-reduce, and its range says so).
 
 Limits, on CPU: the gloo threads need the same cores as compute, so "overlapped" here means
 "progressing concurrently", not "free": overlap can lengthen compute instead of hiding
@@ -38,8 +41,10 @@ import json
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from verify.perf import issued as issued_ops
 
 Interval = tuple[float, float]
 
@@ -74,6 +79,7 @@ class StepMetrics:
     collectives: int
     bytes: int
     phases_ms: dict  # PHASES -> total ms of that range in the step
+    issued: dict = field(default_factory=dict)  # kind -> phase -> operators (issued.py)
 
     @property
     def overlap(self) -> float | None:
@@ -185,6 +191,7 @@ def analyze(trace: dict, *, rank: int = 0) -> list[StepMetrics]:
             and not e["name"].startswith(("c10d::", "record_param_comms"))
         )
     annotations = [e for e in events if e["tid"] == main_tid and e.get("cat") == "user_annotation"]
+    phase_spans = [(e["name"], *_span(e)) for e in annotations if e["name"] in PHASES]
     out = []
     for st in steps:
         lo, hi = _span(st)
@@ -205,6 +212,7 @@ def analyze(trace: dict, *, rank: int = 0) -> list[StepMetrics]:
                 collectives=len(in_step),
                 bytes=sum(payload_bytes(e) for e in in_step),
                 phases_ms=phases,
+                issued=issued_ops.count(events, phase_spans, lo, hi),
             )
         )
     return out
@@ -232,6 +240,7 @@ class VariantSummary:
     bytes: float
     phases_ms: dict
     step_ms_median: float
+    issued: dict = field(default_factory=dict)  # kind -> phase -> operators per step
 
     @property
     def overlap(self) -> float | None:
@@ -260,6 +269,7 @@ def summarize(impl: str, metrics: Sequence[StepMetrics]) -> VariantSummary:
         bytes=mean("bytes"),
         phases_ms={p: statistics.fmean(m.phases_ms[p] for m in metrics) for p in PHASES},
         step_ms_median=statistics.median(m.step_ms for m in metrics),
+        issued=issued_ops.mean([m.issued for m in metrics]),
     )
 
 
@@ -278,8 +288,10 @@ def analyze_run(run_dir: str | Path, impl: str) -> tuple[VariantSummary, list[St
 def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[float, float, str]]]]:
     """Rows of (start ms, duration ms, name) within one profiled step, for a timeline chart:
     the training thread's phases, the bucket launches and waits (from any thread: on a GPU
-    autograd runs the gradient hooks that launch them on a thread of its own), and each
-    communication thread's collectives (times from the step's start)."""
+    autograd runs the gradient hooks that launch them on a thread of its own), the
+    collectives issued, named by kind (`issued.py`: a reduce-scatter that gloo runs as an
+    all-reduce is a reduce-scatter here), and each communication thread's collectives (times
+    from the step's start)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = sorted(
         (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
@@ -304,6 +316,14 @@ def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[flo
                 if e.get("cat") == "user_annotation"
                 and re.search(r"\.(launch|wait)\[|^zero1\.", e["name"])
             ),
+        ),
+        # Issuing takes microseconds: drawn at least 0.3% of the step wide, to be seen.
+        (
+            "issued",
+            [
+                (s, max(d, 0.003 * (hi - lo) / 1e3), issued_ops.kind(n))
+                for s, d, n in row(e for e in inside if issued_ops.kind(e["name"]))
+            ],
         ),
     ]
     comm_threads = sorted({e["tid"] for e in inside if _COLLECTIVE.match(e["name"])} - {main_tid})
