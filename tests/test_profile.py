@@ -206,10 +206,12 @@ def test_summary_numbers_are_consistent(profiled):
     assert by_impl["naive"].exposed_ms == pytest.approx(by_impl["naive"].comm_ms, rel=0.05)
     # Where the sharded rungs communicate, by the phase each collective was issued in. ZeRO-3
     # and FSDP2 gather every unit before its forward and again in backward (the unit was freed
-    # after forward), and reduce-scatter each unit's gradients once: in zero3's grad_sync, in
-    # FSDP2's post-backward hooks. ZeRO-2 reduce-scatters buckets during backward and
-    # broadcasts the owners' parameters in the optimizer step. DDP gathers nothing.
-    for impl, scatter_phase in (("zero3", "grad_sync"), ("torch-fsdp", "backward")):
+    # after forward), and reduce-scatter each unit's gradients once, during backward, as the
+    # unit's gradients are complete (zero3 then all-reduces the usage flags once in grad_sync).
+    # ZeRO-2 reduce-scatters buckets during backward and broadcasts the owners' parameters in
+    # the optimizer step. DDP gathers nothing.
+    assert by_impl["zero3"].issued["all_reduce"] == {"grad_sync": 1}, by_impl["zero3"].issued
+    for impl, scatter_phase in (("zero3", "backward"), ("torch-fsdp", "backward")):
         issued = by_impl[impl].issued
         assert set(issued["reduce_scatter"]) == {scatter_phase}, (impl, issued)
         units = issued["reduce_scatter"][scatter_phase]
