@@ -22,8 +22,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _MAX_DESCENDANTS = 256
 
 
-def sample_tree(pid: int) -> tuple[float, frozenset[int]] | None:
-    """(user + system CPU seconds, the threads runnable now) of `pid` and its live
+def sample_tree(pid: int) -> tuple[float, bool] | None:
+    """(user + system CPU seconds, whether a thread is runnable now) of `pid` and its live
     descendants; None if it is gone or /proc is not there."""
     own = _sample_process(pid)
     if own is None:
@@ -37,21 +37,21 @@ def sample_tree(pid: int) -> tuple[float, frozenset[int]] | None:
         seen.add(child)
         if (theirs := _sample_process(child)) is not None:
             total += theirs[0]
-            runnable |= theirs[1]
+            runnable = runnable or theirs[1]
             todo.extend(theirs[2])
-    return total, frozenset(runnable)
+    return total, runnable
 
 
-def _sample_process(pid: int) -> tuple[float, set[int], list[int]] | None:
-    """CPU seconds of `pid` (all its threads), which of its threads are runnable, and its
-    children."""
+def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
+    """CPU seconds of `pid` (all its threads), whether one of its threads is runnable, and
+    its children."""
     fields = _stat_fields(f"/proc/{pid}/stat")
     if fields is None:
         return None
     if fields[0] == b"Z":  # a zombie computes nothing
-        return 0.0, set(), []
+        return 0.0, False, []
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    runnable: set[int] = set()
+    runnable = False
     children: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -60,7 +60,7 @@ def _sample_process(pid: int) -> tuple[float, set[int], list[int]] | None:
     for tid in tasks:
         thread = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
         if thread is not None and thread[0] == b"R":
-            runnable.add(int(tid))
+            runnable = True
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 children += [int(c) for c in f.read().split()]
@@ -104,7 +104,7 @@ class CpuMeter:
         self.window_s = window_s
         self.fraction = fraction
         self.runnable = runnable
-        self.samples: deque[tuple[float, float, frozenset[int]]] = deque()
+        self.samples: deque[tuple[float, float, bool]] = deque()
 
     def sample(self, now: float) -> None:
         sampled = sample_tree(self.pid)
@@ -124,7 +124,7 @@ class CpuMeter:
             return False
         if (c1 - c0) >= self.fraction * (t1 - t0):
             return True
-        runnable = sum(bool(r) for _, _, r in self.samples) / len(self.samples)
+        runnable = sum(r for _, _, r in self.samples) / len(self.samples)
         # Strictly more than the share: with two samples (the sampler itself late on a
         # crowded machine) one runnable snapshot is a wake-up as often as it is work.
         return runnable > self.runnable
