@@ -16,37 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from verify.cli import main
-
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = "tests/fixtures/user_classes.py"
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--impl", "nope"], "unknown implementation 'nope' for consistency; choose one of naive"),
-        (["--impl", "no_such_module:Cls"], "module 'no_such_module' not found"),
-        (["--impl", "verify.training.workloads:Nope"], "has no class 'Nope' (classes there:"),
-        (
-            ["--impl", f"{FIXTURES}:NotAWrapper"],
-            "neither an nn.Module DDP wrapper nor a torch.optim.Optimizer",
-        ),
-        (["--impl", "missing/file.py:Cls"], "file missing/file.py does not exist"),
-        (["--impl", "bucketed", "--world-size", "0"], "--world-size must be >= 1, got 0"),
-        (["--impl", "bucketed", "--bucket-mb", "0"], "--bucket-mb must be > 0, got 0"),
-        (["--impl", "bucketed", "--bucket-mb", "-3"], "--bucket-mb must be > 0, got -3"),
-        (["--impl", "bucketed", "--steps", "0"], "--steps must be >= 1, got 0"),
-        (["--impl", "bucketed", "--workload", "nope"], "invalid choice: 'nope'"),
-        ([], "the following arguments are required: --impl"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(args, message, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    assert main(["consistency", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    assert message in err
 
 
 def test_bad_input_from_the_shell_has_no_traceback():

@@ -106,6 +106,32 @@ def test_every_flag_has_one_line_of_help_with_its_default():
         (["consistency", "--impl", "naive", "--workload", "mlpp"],
          "verify: error: argument --workload: invalid choice: 'mlpp' (did you mean mlp? choose"),
         (["consistency", "--impl", "naive", "--steps", "x"], "error: --steps must be an integer"),
+        # consistency: an implementation that cannot be found or is not one, a knob out of range
+        (["consistency", "--impl", "no_such_module:Cls"], "module 'no_such_module' not found"),
+        (["consistency", "--impl", "verify.training.workloads:Nope"], "has no class 'Nope' (classes there:"),
+        (["consistency", "--impl", "tests/fixtures/user_classes.py:NotAWrapper"],
+         "neither an nn.Module DDP wrapper nor a torch.optim.Optimizer"),
+        (["consistency", "--impl", "missing/file.py:Cls"], "file missing/file.py does not exist"),
+        (["consistency", "--impl", "bucketed", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["consistency", "--impl", "bucketed", "--bucket-mb", "0"], "--bucket-mb must be > 0, got 0"),
+        (["consistency", "--impl", "bucketed", "--bucket-mb", "-3"], "--bucket-mb must be > 0, got -3"),
+        (["consistency", "--impl", "bucketed", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["consistency"], "the following arguments are required: --impl"),
+        # equivalence's own knobs
+        (["equivalence", "--impl", "bucketed", "--accumulate", "0"], "--accumulate must be >= 1, got 0"),
+        (["equivalence", "--impl", "bucketed", "--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["equivalence", "--impl", "bucketed", "--lr", "-1"], "--lr must be > 0, got -1"),
+        # hang: the three ways to name what runs, and its timeout
+        (["hang", "--nproc", "2"], "--nproc needs a script"),
+        (["hang"], "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"),
+        (["hang", "--impl", "nope"], "unknown implementation 'nope'"),
+        (["hang", "--nproc", "2", "--", "missing.py"], "script missing.py does not exist"),
+        (["hang", "--impl", "bucketed", "--stall-timeout", "0"], "--stall-timeout must be > 0"),
+        # audit: a script to run
+        (["audit", "--nproc", "2"], "audit needs a script: audit --nproc N -- train.py ARGS"),
+        (["audit", "--", "missing.py"], "script missing.py does not exist"),
+        (["audit", "--audit-every", "0", "--", "tests/fixtures/audit_suite.py"],
+         "--audit-every must be >= 1, got 0"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
