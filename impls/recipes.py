@@ -3,7 +3,8 @@
 An `Implementation` is a recipe with two parts: how to wrap a model for data parallelism, and
 (optionally) how to build a sharded optimizer. This module holds the record, the recipes for
 our own classes and PyTorch's references, and `from_class`, which turns any class (a user's,
-or one of the deliberately broken ones) into a recipe by the interface DESIGN.md promises:
+or one of the deliberately broken ones) into a recipe by the interface
+docs/verify-your-own-ddp.md promises:
 
 - a DDP wrapper is an `nn.Module` built as `Cls(module)`, plus `bucket_size_mb=` (the course
   interface) or `bucket_cap_mb=` (PyTorch's name) when the constructor takes one;
@@ -99,11 +100,6 @@ class Implementation:
     @property
     def sharded(self) -> bool:
         return self.sharded_optimizer is not None
-
-    @property
-    def source(self) -> str:
-        """The old name of `kind`, still read by `verify/` modules under rewrite."""
-        return self.kind
 
 
 # --- recipes for our own classes and PyTorch's --------------------------------------------
@@ -229,7 +225,7 @@ torch_ddp.bucket_keyword = "bucket_cap_mb"  # type: ignore[attr-defined]
 
 
 def from_class(cls: type, *, name: str, kind: str = "user") -> Implementation:
-    """Build an Implementation around a class, told apart by type (DESIGN.md):
+    """Build an Implementation around a class, told apart by type (docs/verify-your-own-ddp.md):
 
     - a `torch.optim.Optimizer` subclass is a sharded optimizer, built as
       `Cls(params, optimizer_cls, **defaults)` over PyTorch DDP (the trusted reference), so a

@@ -7,9 +7,9 @@
     faulty      faulty:<name>  (`impls.faulty.FAULTS`, built as a user's class would be)
     hang        hang:<name>    (`impls.faulty.hang_scenarios.SCENARIOS`)
 
-`resolve` also accepts the user forms DESIGN.md promises, `package.module:Class` and
-`path/to/file.py:Class` (kind "user"), and checks their constructor against the interface the
-tool will call before any rank starts.
+`resolve` also accepts the user forms docs/verify-your-own-ddp.md promises,
+`package.module:Class` and `path/to/file.py:Class` (kind "user"), and checks their constructor
+against the interface the tool will call before any rank starts.
 
 Imports run one way: registry -> catalogues (`impls.faulty`) -> variants and recipes
 (`impls.recipes`, which knows no catalogue), so importing any of them first is safe.

@@ -60,7 +60,6 @@ def test_the_registry_is_read_only_and_holds_every_name_with_its_kind():
     for name, fault in FAULTS.items():
         assert REGISTRY[name].cls is fault.cls
     assert REGISTRY["zero1"].sharded and REGISTRY["torch-zero"].sharded
-    assert REGISTRY["naive"].source == "builtin"  # the alias verify/ still reads
 
 
 def test_names_by_kind():

@@ -1,8 +1,14 @@
 """Checkers that tell whether a data-parallel implementation is right, and why not.
 
-- `launch`: the one spawn harness every multi-process run goes through.
-- `workloads`: small deterministic models and data exercising the hard cases.
-- `audit`: bitwise replica audit by fingerprints.
-- `consistency`: replicas bitwise identical at every step.
-- `cli`: `python -m verify ...`.
+The wings (docs/design.md says how they fit; imports run down this list):
+
+- `cli/`: `python -m verify ...`, the only printer: it parses, runs a command, prints its text
+  or JSON and exits with the verdict's code.
+- `checks/`: consistency, equivalence, the certification and detection matrices, hang, the
+  script audit's command; their results and verdicts.
+- `perf/`: the measurement commands (profile, bench, comm, scaling and the tool's own costs).
+- `training/`: the one training loop, the workloads, checkpoints and the optimizer-state probe.
+- `launching/`: every multi-process run (a zygote's forks or fresh interpreters, torchrun).
+- `watching/`: the collective tracer, the evidence watchdog and the diagnosis of hangs.
+- `sanitize/` (the race sanitizer) and `script_audit/` (the audit inside a user's script).
 """

@@ -1,6 +1,6 @@
 """`python -m verify <command> ...`: parse, run, print, exit with the verdict's code.
 
-Exit codes (DESIGN.md): 0 the check passed; 1 it found a fault (a wrong result, a hang, a
+Exit codes (README.md): 0 the check passed; 1 it found a fault (a wrong result, a hang, a
 desync, a crashed rank); 2 the tool could not run the check or could not finish it (bad
 arguments, an import error, a class that cannot be driven as the contract says, the time
 ran out before a verdict); 130 interrupted (Ctrl-C; 143 for SIGTERM), with every rank ended.

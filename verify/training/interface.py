@@ -1,9 +1,9 @@
 """When the class under test cannot be driven as the contract says: a usage error, not a fault.
 
-The contract (DESIGN.md): a DDP wrapper is constructed as `Cls(module)` (plus `bucket_size_mb=`
-or `bucket_cap_mb=` when it takes one), its forward runs the wrapped module with
-`(*inputs, **kwargs)`, `finish_gradient_synchronization()` and `on_train_batch_start()` take no
-arguments; a sharded optimizer is `Cls(params, optimizer_cls, **defaults)`. When the tool
+The contract (docs/verify-your-own-ddp.md): a DDP wrapper is constructed as `Cls(module)`
+(plus `bucket_size_mb=` or `bucket_cap_mb=` when it takes one), its forward runs the wrapped
+module with `(*inputs, **kwargs)`, `finish_gradient_synchronization()` and
+`on_train_batch_start()` take no arguments; a sharded optimizer is `Cls(params, optimizer_cls, **defaults)`. When the tool
 cannot construct the class that way (its constructor raises: it wants other arguments, or a
 framework's global set-up the tool knows nothing of) or cannot call it (a `TypeError` raised
 by the call itself, not inside it), the check cannot run: `InterfaceError`, exit 2 with one
@@ -20,9 +20,10 @@ from verify.watching import stacks
 
 
 class InterfaceError(Exception):
-    """The class under test cannot be constructed or driven as the contract says (DESIGN.md):
-    the check cannot run, a usage error (exit 2), not a fault of the class. `reason` is the
-    short form (what raised, where), without the reminder of the contract."""
+    """The class under test cannot be constructed or driven as the contract says
+    (docs/verify-your-own-ddp.md): the check cannot run, a usage error (exit 2), not a fault of
+    the class. `reason` is the short form (what raised, where), without the reminder of the
+    contract."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)

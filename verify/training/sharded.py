@@ -1,6 +1,6 @@
 """Full tensors from an implementation whose ranks hold only their shard of them.
 
-The checks judge sharded data parallelism on full tensors (DESIGN.md): after the
+The checks judge sharded data parallelism on full tensors (docs/verify-your-own-ddp.md): after the
 synchronization, every trainable parameter's averaged gradient, the same on every rank,
 compared with one process. How the tool gets them, in order (docs/verify-your-own-ddp.md):
 
