@@ -3,10 +3,11 @@
 The contract (docs/verify-your-own-ddp.md): a DDP wrapper is constructed as `Cls(module)`
 (plus `bucket_size_mb=` or `bucket_cap_mb=` when it takes one), its forward runs the wrapped
 module with `(*inputs, **kwargs)`, `finish_gradient_synchronization()` and
-`on_train_batch_start()` take no arguments; a sharded optimizer is `Cls(params, optimizer_cls, **defaults)`. When the tool
-cannot construct the class that way (its constructor raises: it wants other arguments, or a
-framework's global set-up the tool knows nothing of) or cannot call it (a `TypeError` raised
-by the call itself, not inside it), the check cannot run: `InterfaceError`, exit 2 with one
+`on_train_batch_start()` take no arguments; a sharded optimizer is
+`Cls(params, optimizer_cls, **defaults)`. When the tool cannot construct the class that way
+(its constructor raises: it wants other arguments, or a framework's global set-up the tool
+knows nothing of) or cannot call it (a `TypeError` raised by the call itself, not inside it),
+the check cannot run: `InterfaceError`, exit 2 with one
 line naming the interface expected. An exception raised by a collective (a mismatch, a peer
 that died) is never one: that is a fault of the class, reported as such.
 """
