@@ -36,7 +36,28 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault(JOBS_ENV, os.environ["PYTEST_XDIST_WORKER_COUNT"])
 
 
+# The order xdist hands tests out in (each test is a unit of work, given in collection order
+# to whichever worker is free): the load test first, since it holds the machine alone and the
+# other workers meanwhile build the session launches their first tests need (a session
+# fixture is set up before the lock is asked for); then the longest tests, so that none
+# starts last while the other workers have nothing left to do.
+FIRST = (
+    "tests/test_load.py::",
+    "tests/test_profile.py::test_every_rank_writes",
+    "tests/test_script_audit.py::test_each_bug",
+    "tests/test_hang.py::test_every_scenario",
+    "tests/test_multinode.py::",
+    "tests/test_impls.py::test_every_impl_on_every_hard_case",
+    "tests/test_equivalence.py::test_every_correct",
+)
+
+
+def _first(item) -> int:
+    return next((i for i, p in enumerate(FIRST) if item.nodeid.startswith(p)), len(FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_first)  # stable: the rest keep their order
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device and NCCL")
