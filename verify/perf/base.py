@@ -3,7 +3,11 @@
 - `MeasureOptions`: where the ranks run (`--device`: cuda with NCCL when every rank can have a
   GPU, else cpu with gloo), how long they may run (`--timeout`) and their thread budget
   (`--threads-per-rank`). A command's options add their own knobs, say how many ranks run at
-  once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder.
+  once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder. What
+  the ranks train comes from the options by name (`spec_from`): a knob named as in `TrainSpec`
+  is that knob, and `train_spec()` states only what differs (the step count, the arm's impl).
+  Unless a command says otherwise, a measurement trains the transformer with every rank, and
+  every arm, starting from the same weights.
 - `PERF_KINDS`: the implementations a measurement accepts: the built-in ladder, PyTorch's
   references and a user's class; never a `faulty:*` or `hang:*` one (they are built to fail).
 - `RunFolder`: `<out>/<name>_<world>x<device>_<stamp>/`, never reused (`runs.new_run_dir`),
@@ -65,6 +69,10 @@ class MeasureOptions(ThreadOptions):
         unit="s",
         positive=True,
     )
+
+    # Read by `spec_from` as the fields are (module docstring); a command may redeclare them.
+    workload: ClassVar[str] = "transformer"
+    same_init: ClassVar[bool] = True
 
     # On NCCL a measurement's waits stay as a user's are (they return once the GPU has the
     # collective queued): blocking ones, which a check's ranks use to see a hang, would add a

@@ -50,7 +50,7 @@ from verify.perf.base import (
 from verify.perf.bench_memory import memory_alone
 from verify.perf.bench_result import LOCAL, REFERENCE, BenchResult
 from verify.perf.timing import interleave, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,15 +94,8 @@ class BenchOptions(MeasureOptions, OutputOptions):
 
     def train_spec(self, impl: str | None, bucket_mb: float | None = None) -> TrainSpec:
         """The transformer every arm trains: the same weights on every rank and in every arm."""
-        return TrainSpec(
-            impl=impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=bucket_mb or self.bucket_mb,
-            steps=self.warmup + self.repeats,
-            same_init=True,
-        )
+        steps = self.warmup + self.repeats
+        return spec_from(self, impl=impl, bucket_mb=bucket_mb or self.bucket_mb, steps=steps)
 
 
 def run_bench(options: BenchOptions) -> BenchResult:

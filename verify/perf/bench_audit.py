@@ -21,6 +21,7 @@ and decided three ways (`timing.decide`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdi
 from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
 from verify.perf.bench_script_audit import script_audit_bench_on_rank
 from verify.perf.timing import Ratio, decide, interleave, paired, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 GOAL_VS_ALLGATHER = 0.10
 GOAL_VS_STEP = 0.05
@@ -58,16 +59,12 @@ class AuditBenchOptions(MeasureOptions):
         super().__post_init__()
         resolve_all((self.impl,), "bench-audit")
 
+    # Each rank seeded differently (TrainSpec's default): the wrapper's broadcast makes
+    # replicas agree, as in `consistency`.
+    same_init: ClassVar[bool] = False
+
     def train_spec(self) -> TrainSpec:
-        # Each rank seeded differently (the default): the wrapper's broadcast makes replicas
-        # agree, as in `consistency`.
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            steps=1 + self.repeats,
-        )
+        return spec_from(self, steps=1 + self.repeats)
 
 
 @dataclass(frozen=True)

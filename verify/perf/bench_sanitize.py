@@ -25,7 +25,7 @@ from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import Ratio, interleave, paired, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 ARMS = ("plain", "sanitized", "check-only")
 
@@ -47,10 +47,7 @@ class SanitizeBenchOptions(MeasureOptions):
         resolve_all((self.impl,), "bench-sanitize")
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl, workload="transformer", model_size_m=self.model_size_m,
-            bucket_mb=self.bucket_mb, steps=1 + len(ARMS) * self.repeats, same_init=True,
-        )  # fmt: skip
+        return spec_from(self, steps=1 + len(ARMS) * self.repeats)
 
 
 @dataclass(frozen=True)

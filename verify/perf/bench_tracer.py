@@ -36,7 +36,7 @@ from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
 from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import Ratio, decide, interleave, paired, timed_with_cpu
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.watching import tracer
 
 GOAL = 0.05  # the tracer may add at most 5% to a step
@@ -75,14 +75,8 @@ class TracerBenchOptions(MeasureOptions):
         return self.repeats * self.steps
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            bucket_mb=self.bucket_mb,
-            steps=2 + 2 * self.rounds,
-            same_init=True,
-        )
+        # `steps` here counts rounds per repeat, not optimizer steps: overridden, never read.
+        return spec_from(self, steps=2 + 2 * self.rounds)
 
 
 @dataclass(frozen=True)

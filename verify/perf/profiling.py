@@ -44,7 +44,7 @@ from verify.perf.base import (
     say,
     verdict_of,
 )
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 DEFAULT_MODEL_M = 5.0
 DEFAULT_PROFILE_BUCKET_MB = 4.0  # several buckets in the 5M model, so overlap is visible
@@ -86,15 +86,7 @@ class ProfileOptions(MeasureOptions, OutputOptions):
         return resolve_all((self.impl,), "profile") if self.impl == ALL else (self.impl,)
 
     def train_spec(self, impl: str) -> TrainSpec:
-        return TrainSpec(
-            impl=impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.wait + self.warmup + self.active,
-            same_init=True,
-        )
+        return spec_from(self, impl=impl, steps=self.wait + self.warmup + self.active)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
 from verify.perf.base import MeasureOptions, RunFolder, failure_of, resolve_all, say, verdict_of
 from verify.perf.timing import timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,15 +54,7 @@ class ScalingOptions(MeasureOptions, OutputOptions):
         return self.max_world_size
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.warmup + self.repeats,
-            same_init=True,
-        )
+        return spec_from(self, steps=self.warmup + self.repeats)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from verify.perf.base import (
     set_field,
     verdict_of,
 )
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.training.workloads import GPTConfig, Markov
 
 REFERENCE = "single process"
@@ -79,20 +79,12 @@ class TrainOptions(MeasureOptions, OutputOptions):
                 f"sequences is more than the {Markov.examples} examples"
             )
 
+    workload: ClassVar[str] = "markov"
+
     def train_spec(self, impl: str | None) -> TrainSpec:
         """`impl` on the ranks' shards, or (None) the single process on the whole batch."""
         local_batch = self.local_batch if impl else self.world_size * self.local_batch
-        return TrainSpec(
-            impl=impl,
-            workload="markov",
-            model_size_m=self.model_size_m,
-            local_batch=local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.steps,
-            lr=self.lr,
-            same_init=True,
-            seed=self.seed,
-        )
+        return spec_from(self, impl=impl, local_batch=local_batch)
 
     @property
     def config(self) -> GPTConfig:
