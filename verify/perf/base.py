@@ -13,8 +13,10 @@
 - `RunFolder`: `<out>/<name>_<world>x<device>_<stamp>/`, never reused (`runs.new_run_dir`),
   with `metadata.json` written before any rank starts; `save` adds the result as JSON, the
   report as text, and the ranks' thread budget to the metadata's machine line.
-- `verdict_of`: "pass" when every rank finished, whatever the numbers; "fault" when a rank
-  failed; "timeout" when the time ran out first.
+- `Measured`: what every measurement's result shares, from its launch (`from_launch`): the
+  verdict, "pass" when every rank finished, whatever the numbers, "fault" when a rank failed,
+  "timeout" when the time ran out first (`checks/verdict.py`, the checks' rule with no
+  findings); `failure`, the launcher's summary of a run that did not finish; `ok`.
 - `say`: one progress line from rank 0 (the parent prints it once; `verify/progress.py`).
 """
 
@@ -29,7 +31,7 @@ import torch
 
 from impls.registry import REGISTRY, resolve
 from verify import progress, runs
-from verify.checks.verdict import verdict_of as _verdict_of
+from verify.checks.verdict import PASS, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
 from verify.options import ThreadOptions, knob
@@ -139,17 +141,26 @@ class RunFolder:
         (self.path / f"{stem}.txt").write_text(text(result) + "\n")
 
 
-def verdict_of(run: LaunchResult) -> str:
-    """The verdict of a measurement's launch (module docstring)."""
-    return _verdict_of((), run)
-
-
 def say(ctx: RankContext, text: str) -> None:
     """A progress line, from rank 0 only (every rank saying it would print it N times)."""
     if ctx.rank == 0:
         (rank_side.say if ctx.spawned else progress.say)(text)
 
 
-def failure_of(run: LaunchResult) -> str | None:
-    """The launcher's summary of a run that did not end with every rank returning."""
-    return None if run.ok else run.summary()
+class Measured:
+    """The verdict tail of a measurement's result (module docstring). A mixin, not fields:
+    each result dataclass declares `verdict` (second, after `options`) and `failure` where its
+    JSON has always had them, and builds itself with `from_launch`."""
+
+    verdict: str
+    failure: str | None
+
+    @classmethod
+    def from_launch(cls, options: Any, run: LaunchResult, **fields: Any):
+        """The result of `run` (its last launch, for a command that makes several): the
+        verdict and failure it ended with, and the other `fields` as given."""
+        return cls(options, verdict=verdict_of((), run), failure=failure_text(run), **fields)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == PASS

@@ -41,11 +41,9 @@ from verify.perf.base import (
     ALL,
     MeasureOptions,
     RunFolder,
-    failure_of,
     resolve_all,
     say,
     set_field,
-    verdict_of,
 )
 from verify.perf.bench_memory import memory_alone
 from verify.perf.bench_result import LOCAL, REFERENCE, BenchResult
@@ -110,18 +108,12 @@ def run_bench(options: BenchOptions) -> BenchResult:
     )
     machine = folder.machine(run)
     if not run.ok:
-        result = BenchResult(
-            options,
-            verdict_of(run),
-            run_dir=str(folder.path),
-            machine=machine,
-            failure=failure_of(run),
-        )
+        result = BenchResult.from_launch(options, run, run_dir=str(folder.path), machine=machine)
     else:
         values = run.values
-        result = BenchResult(
+        result = BenchResult.from_launch(
             options,
-            "pass",
+            run,
             memory=tuple(v.pop("memory") for v in values),
             run_dir=str(folder.path),
             machine=machine,

@@ -30,7 +30,7 @@ from verify import runs
 from verify.checks.audit import Auditor
 from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.base import Measured, MeasureOptions, resolve_all, say
 from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
 from verify.perf.bench_script_audit import script_audit_bench_on_rank
 from verify.perf.timing import Ratio, decide, interleave, paired, timed
@@ -68,7 +68,7 @@ class AuditBenchOptions(MeasureOptions):
 
 
 @dataclass(frozen=True)
-class AuditBenchResult:
+class AuditBenchResult(Measured):
     """Every round's three times, and what the audit covered."""
 
     options: AuditBenchOptions
@@ -86,10 +86,6 @@ class AuditBenchResult:
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def bars(self) -> list[tuple[str, Ratio, float, str]]:
         """(what, ratio paired per round, goal, decision) for both goals (for the one goal of
@@ -141,9 +137,9 @@ def run_audit_bench(options: AuditBenchOptions) -> AuditBenchResult:
     )
     machine = runs.describe_machine(info, run.threads)
     if not run.ok:
-        return AuditBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
-    return AuditBenchResult(
-        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
+        return AuditBenchResult.from_launch(options, run, machine=machine)
+    return AuditBenchResult.from_launch(
+        options, run, machine=machine, torch_version=info["torch"], **run.values[0]
     )
 
 

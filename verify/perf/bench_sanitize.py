@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from verify import runs
 from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.base import Measured, MeasureOptions, resolve_all, say
 from verify.perf.timing import Ratio, interleave, paired, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -51,7 +51,7 @@ class SanitizeBenchOptions(MeasureOptions):
 
 
 @dataclass(frozen=True)
-class SanitizeBenchResult:
+class SanitizeBenchResult(Measured):
     """Every step's time in every arm, and the sanitizer's accounting per step."""
 
     options: SanitizeBenchOptions
@@ -62,10 +62,6 @@ class SanitizeBenchResult:
     load_avg: tuple[float, float] = (0.0, 0.0)
     machine: str = ""
     failure: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def ratio(self, arm: str) -> Ratio:
         return paired(list(self.steps_s[arm]), list(self.steps_s["plain"]))
@@ -89,10 +85,8 @@ def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
     )  # fmt: skip
     machine = runs.describe_machine(info, run.threads)
     if not run.ok:
-        return SanitizeBenchResult(
-            options, verdict_of(run), machine=machine, failure=failure_of(run)
-        )
-    return SanitizeBenchResult(options, "pass", machine=machine, **run.values[0])
+        return SanitizeBenchResult.from_launch(options, run, machine=machine)
+    return SanitizeBenchResult.from_launch(options, run, machine=machine, **run.values[0])
 
 
 def sanitize_bench_on_rank(ctx: RankContext, options: SanitizeBenchOptions) -> dict:

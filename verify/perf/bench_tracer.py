@@ -34,7 +34,7 @@ from impls.registry import DEFAULT_BUCKET_MB
 from verify import runs
 from verify.launching import RankContext, launch
 from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.perf.base import Measured, MeasureOptions, resolve_all, say
 from verify.perf.timing import Ratio, decide, interleave, paired, timed_with_cpu
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.watching import tracer
@@ -80,7 +80,7 @@ class TracerBenchOptions(MeasureOptions):
 
 
 @dataclass(frozen=True)
-class TracerBenchResult:
+class TracerBenchResult(Measured):
     """Every step's time in both arms, the per-call price, and the machine's load."""
 
     options: TracerBenchOptions
@@ -97,10 +97,6 @@ class TracerBenchResult:
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     @property
     def ratio(self) -> Ratio:
@@ -174,9 +170,9 @@ def run_tracer_bench(options: TracerBenchOptions) -> TracerBenchResult:
     )
     machine = runs.describe_machine(info, run.threads)
     if not run.ok:
-        return TracerBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
-    return TracerBenchResult(
-        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
+        return TracerBenchResult.from_launch(options, run, machine=machine)
+    return TracerBenchResult.from_launch(
+        options, run, machine=machine, torch_version=info["torch"], **run.values[0]
     )
 
 

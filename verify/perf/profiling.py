@@ -35,15 +35,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text, traces
-from verify.perf.base import (
-    ALL,
-    MeasureOptions,
-    RunFolder,
-    failure_of,
-    resolve_all,
-    say,
-    verdict_of,
-)
+from verify.perf.base import ALL, Measured, MeasureOptions, RunFolder, resolve_all, say
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 DEFAULT_MODEL_M = 5.0
@@ -90,7 +82,7 @@ class ProfileOptions(MeasureOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class ProfileResult:
+class ProfileResult(Measured):
     """The run folder, each variant's summary read back from its traces, where they are."""
 
     options: ProfileOptions
@@ -101,10 +93,6 @@ class ProfileResult:
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {
@@ -135,8 +123,8 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
     )
     machine = folder.machine(run)
     if not run.ok:
-        result = ProfileResult(
-            options, verdict_of(run), folder.path, (), trace_dirs, machine, failure_of(run)
+        result = ProfileResult.from_launch(
+            options, run, run_dir=folder.path, trace_dirs=trace_dirs, machine=machine
         )
         folder.save("summary", result, text.profile)
         return result
@@ -159,15 +147,14 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
                     title=f"{impl}: one step on rank 0 (world size {options.world_size})",
                 ).note
             )
-    result = ProfileResult(
+    result = ProfileResult.from_launch(
         options,
-        "pass",
-        folder.path,
-        summaries,
-        trace_dirs,
-        machine,
-        None,
-        tuple(dict.fromkeys(n for n in notes if n)),
+        run,
+        run_dir=folder.path,
+        summaries=summaries,
+        trace_dirs=trace_dirs,
+        machine=machine,
+        notes=tuple(dict.fromkeys(n for n in notes if n)),
     )
     folder.save("summary", result, text.profile)
     return result

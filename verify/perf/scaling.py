@@ -24,7 +24,7 @@ from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
-from verify.perf.base import MeasureOptions, RunFolder, failure_of, resolve_all, say, verdict_of
+from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say
 from verify.perf.timing import timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -69,7 +69,7 @@ class ScalingPoint:
 
 
 @dataclass(frozen=True)
-class ScalingResult:
+class ScalingResult(Measured):
     """One point per world size; `threads` is the thread budget every rank had."""
 
     options: ScalingOptions
@@ -80,10 +80,6 @@ class ScalingResult:
     failure: str | None = None
     notes: tuple[str, ...] = ()
     threads: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def speedup(self, p: ScalingPoint) -> float:
         return p.throughput / self.points[0].throughput
@@ -129,13 +125,12 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
         points.append(run.values[0])
     machine = folder.machine(*launches)
     last = launches[-1]
-    result = ScalingResult(
+    result = ScalingResult.from_launch(
         options,
-        verdict_of(last),
-        tuple(points),
-        str(folder.path),
-        machine,
-        failure_of(last),
+        last,
+        points=tuple(points),
+        run_dir=str(folder.path),
+        machine=machine,
         threads=last.threads,
     )
     if result.ok:

@@ -29,15 +29,7 @@ from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, text
-from verify.perf.base import (
-    MeasureOptions,
-    RunFolder,
-    failure_of,
-    resolve_all,
-    say,
-    set_field,
-    verdict_of,
-)
+from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say, set_field
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.training.workloads import GPTConfig, Markov
 
@@ -94,7 +86,7 @@ class TrainOptions(MeasureOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class TrainResult:
+class TrainResult(Measured):
     """Every run's loss per step (the global batch's mean) and wall time."""
 
     options: TrainOptions
@@ -106,10 +98,6 @@ class TrainResult:
     failure: str | None = None
     notes: tuple[str, ...] = ()
     reference: ClassVar[str] = REFERENCE  # the single process's name among `losses`
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def max_gap(self, name: str) -> float:
         return max(abs(a - b) for a, b in zip(self.losses[name], self.losses[REFERENCE]))
@@ -149,8 +137,8 @@ def run_training(options: TrainOptions) -> TrainResult:
             losses[n], seconds[n] = curve, s
     machine = folder.machine(*launches)
     last = launches[-1]
-    result = TrainResult(
-        options, verdict_of(last), losses, seconds, str(folder.path), machine, failure_of(last)
+    result = TrainResult.from_launch(
+        options, last, losses=losses, seconds=seconds, run_dir=str(folder.path), machine=machine
     )
     if result.ok:
         steps = list(range(1, options.steps + 1))
