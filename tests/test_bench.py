@@ -15,6 +15,7 @@ import json
 import math
 import random
 import re
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -186,7 +187,8 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
     assert "step / torch-fsdp" in report and "state, gradients, parameters: sharded" in report
     assert doc["shards"]["zero3"]["passed"] and "zero3" in doc["against_fsdp"]
     run_dir = tmp_path / result.run_dir
-    assert (run_dir / "bench.json").exists() and (run_dir / "bench.txt").exists()
+    # The run writes its JSON; the text report is the CLI's to keep (`report=`: the comm test).
+    assert (run_dir / "bench.json").exists() and not (run_dir / "bench.txt").exists()
     meta = json.loads((run_dir / "metadata.json").read_text())
     assert "1 thread per rank" in meta["threads"] or "threads per rank" in meta["threads"]
     assert meta["threads"] in meta["machine_line"] and meta["machine_line"] in report
@@ -233,6 +235,10 @@ def test_comm_cli_prints_one_json_document_and_each_progress_line_once(tmp_path,
         assert doc["predicted_bucket"]["2"]["bucket_bytes"] > 0
     else:
         assert any("no alpha-beta fit" in n for n in doc["notes"])
+    # The run folder keeps the JSON the run wrote and, from the CLI, the report it would print.
+    run_dir = Path(doc["run_dir"])
+    assert json.loads((run_dir / "comm.json").read_text())["points"] == points
+    assert (run_dir / "comm.txt").read_text().startswith("collectives: ")
     lines = _said_once(captured.err)
     assert lines == [
         "comm: world size 2 (1/1)",

@@ -1,7 +1,8 @@
 """Measurements: what the variants and the tool itself cost. Every step is trained by the one
-trainer (`verify/training/trainer.py`), every rank started by the one launcher.
+trainer (`verify/training/trainer.py`), every rank started by the one launcher. The commands'
+rows are in the CLI's table (`verify/cli/commands.py`); a run function returns its result and
+writes its run folder's JSON and charts, the CLI prints the report and keeps it as `.txt`.
 
-    commands.py      the CLI rows: profile, bench, comm, scaling, train, bench-audit, bench-tracer
     base.py          what they share: options base, run folder, verdict, progress from rank 0
     timing.py        the slowest rank's time, interleaved rounds, paired ratios, decisions
     profiling.py     profile: torch.profiler traces      traces.py   reading them back

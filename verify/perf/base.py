@@ -11,8 +11,9 @@
 - `PERF_KINDS`: the implementations a measurement accepts: the built-in ladder, PyTorch's
   references and a user's class; never a `faulty:*` or `hang:*` one (they are built to fail).
 - `RunFolder`: `<out>/<name>_<world>x<device>_<stamp>/`, never reused (`runs.new_run_dir`),
-  with `metadata.json` written before any rank starts; `save` adds the result as JSON, the
-  report as text, and the ranks' thread budget to the metadata's machine line.
+  with `metadata.json` written before any rank starts; `save` adds the result as JSON, and
+  `machine` the ranks' thread budget to the metadata's machine line. The report as text,
+  `<name>.txt` beside the JSON, is the CLI's to write (`cli/command.py`, `report`).
 - `Measured`: what every measurement's result shares, from its launch (`from_launch`): the
   verdict, "pass" when every rank finished, whatever the numbers, "fault" when a rank failed,
   "timeout" when the time ran out first (`checks/verdict.py`, the checks' rule with no
@@ -22,7 +23,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -135,10 +135,9 @@ class RunFolder:
         threads = "; ".join(dict.fromkeys(r.threads for r in launches if r.threads))
         return runs.write_metadata(self.path, self.meta["options"], threads)["machine_line"]
 
-    def save(self, stem: str, result: Any, text: Callable[[Any], str]) -> None:
-        """`<stem>.json` (the result's `to_dict()`) and `<stem>.txt` (the report `text` makes)."""
+    def save(self, stem: str, result: Any) -> None:
+        """`<stem>.json`: the result's `to_dict()`."""
         runs.write_json(self.path / f"{stem}.json", result.to_dict())
-        (self.path / f"{stem}.txt").write_text(text(result) + "\n")
 
 
 def say(ctx: RankContext, text: str) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, collectives, text_bench
+from verify.perf import charts, collectives
 from verify.perf.bandwidth import bucket_bandwidth
 from verify.perf.base import (
     ALL,
@@ -121,7 +121,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
         )
         notes = [c.note for c in _charts(result, folder) if c.note]
         result = replace(result, notes=tuple(dict.fromkeys(notes)))
-    folder.save("bench", result, text_bench.bench)
+    folder.save("bench", result)
     return result
 
 

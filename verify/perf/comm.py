@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
+from verify.perf import charts
 from verify.perf.alphabeta import MiB, best_bucket, bus_factor, fit_alpha_beta
 from verify.perf.base import Measured, MeasureOptions, RunFolder, say
 from verify.perf.collectives import (
@@ -177,7 +177,7 @@ def run_comm(options: CommOptions) -> CommResult:
         result = CommResult.from_launch(
             options, launches[-1], points=tuple(points), run_dir=str(folder.path), machine=machine
         )
-        folder.save("comm", result, text.comm)
+        folder.save("comm", result)
         return result
     fits, predictions, notes = {}, {}, []
     for ws in options.world_sizes:
@@ -215,7 +215,7 @@ def run_comm(options: CommOptions) -> CommResult:
         machine=machine,
         notes=tuple(n for n in [*notes, chart.note] if n),
     )
-    folder.save("comm", result, text.comm)
+    folder.save("comm", result)
     return result
 
 

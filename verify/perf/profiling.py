@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text, traces
+from verify.perf import charts, traces
 from verify.perf.base import ALL, Measured, MeasureOptions, RunFolder, resolve_all, say
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -126,7 +126,7 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
         result = ProfileResult.from_launch(
             options, run, run_dir=folder.path, trace_dirs=trace_dirs, machine=machine
         )
-        folder.save("summary", result, text.profile)
+        folder.save("summary", result)
         return result
     summaries = tuple(traces.analyze_run(trace_dirs[v], v)[0] for v in options.variants)
     notes = [
@@ -156,7 +156,7 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
         machine=machine,
         notes=tuple(dict.fromkeys(n for n in notes if n)),
     )
-    folder.save("summary", result, text.profile)
+    folder.save("summary", result)
     return result
 
 

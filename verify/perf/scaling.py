@@ -23,7 +23,7 @@ from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
+from verify.perf import charts
 from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say
 from verify.perf.timing import timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
@@ -143,7 +143,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
             title=f"weak scaling, {result.threads}",
         )
         result = replace(result, notes=tuple(n for n in [chart.note] if n))
-    folder.save("scaling", result, text.scaling)
+    folder.save("scaling", result)
     return result
 
 

@@ -28,7 +28,7 @@ from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
+from verify.perf import charts
 from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say, set_field
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.training.workloads import GPTConfig, Markov
@@ -144,7 +144,7 @@ def run_training(options: TrainOptions) -> TrainResult:
         steps = list(range(1, options.steps + 1))
         chart = charts.loss_curves(folder.path / "loss.png", steps, losses, REFERENCE)
         result = replace(result, notes=tuple(n for n in [chart.note] if n))
-    folder.save("train", result, text.train)
+    folder.save("train", result)
     return result
 
 
