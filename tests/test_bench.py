@@ -15,13 +15,13 @@ import json
 import math
 import random
 import re
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from verify.cli import main
-from verify.perf import alphabeta, text, text_bench, timing
+from verify.cli import main, text_bench, text_perf
+from verify.perf import alphabeta, timing
 from verify.perf.bench import BenchOptions, run_bench
 from verify.perf.bench_result import LOCAL
 from verify.perf.collectives import OPS
@@ -263,7 +263,7 @@ def test_scaling_reports_speedup_and_efficiency(tmp_path):
     assert [p.world_size for p in result.points] == [1, 2]
     assert result.speedup(result.points[0]) == 1.0
     assert result.points[1].tokens_per_step == 2 * result.points[0].tokens_per_step
-    assert "per rank" in result.threads and "efficiency" in text.scaling(result)
+    assert "per rank" in result.threads and "efficiency" in text_perf.scaling(result)
 
 
 def test_training_follows_the_single_process_curve(tmp_path, capsys):

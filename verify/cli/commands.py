@@ -14,9 +14,8 @@ from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.checks.script_audit import AuditOptions, check_audit
-from verify.cli import text_audit, text_checks, text_matrix
+from verify.cli import text_audit, text_bench, text_checks, text_costs, text_matrix, text_perf
 from verify.cli.command import Command
-from verify.perf import text, text_bench, text_costs
 from verify.perf.bench import BenchOptions, run_bench
 from verify.perf.bench_audit import AuditBenchOptions, run_audit_bench
 from verify.perf.bench_sanitize import SanitizeBenchOptions, run_sanitize_bench
@@ -107,7 +106,7 @@ PERF_COMMANDS: tuple[Command, ...] = (
         "profile variants; traces for TensorBoard / Perfetto",
         ProfileOptions,
         run_profile,
-        text.profile,
+        text_perf.profile,
         report="summary",
     ),
     Command(
@@ -123,7 +122,7 @@ PERF_COMMANDS: tuple[Command, ...] = (
         "collective bandwidth, alpha-beta fit, best bucket size",
         CommOptions,
         run_comm,
-        text.comm,
+        text_perf.comm,
         report="comm",
     ),
     Command(
@@ -131,7 +130,7 @@ PERF_COMMANDS: tuple[Command, ...] = (
         "throughput at world sizes 1..N",
         ScalingOptions,
         run_scaling,
-        text.scaling,
+        text_perf.scaling,
         report="scaling",
     ),
     Command(
@@ -139,7 +138,7 @@ PERF_COMMANDS: tuple[Command, ...] = (
         "train end to end; loss curves vs a single process",
         TrainOptions,
         run_training,
-        text.train,
+        text_perf.train,
         report="train",
     ),
     Command(

@@ -23,7 +23,7 @@ the transformer workload at one bucket size, every variant trained by the one tr
 4. **Bucket all-reduce bandwidth** (`bandwidth.py`): our bucket all-reduces on ready
    gradients against raw all-reduces of buffers of the same sizes.
 
-The bars and their decisions are in `bench_result.py`; the report in `text_bench.py`. The run
+The bars and their decisions are in `bench_result.py`; the report in `cli/text_bench.py`. The run
 folder holds bench.json, bench.txt, breakdown.png and sweep.png.
 """
 
