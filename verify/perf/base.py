@@ -19,15 +19,17 @@
   "timeout" when the time ran out first (`checks/verdict.py`, the checks' rule with no
   findings); `failure`, the launcher's summary of a run that did not finish; `ok`.
 - `say`: one progress line from rank 0 (the parent prints it once; `verify/progress.py`).
+- `next_step`, `parameters`: a trainer's next step, whichever arm takes it; a model's size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from impls.registry import REGISTRY, resolve
 from verify import progress, runs
@@ -35,6 +37,9 @@ from verify.checks.verdict import PASS, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
 from verify.options import ThreadOptions, knob
+
+if TYPE_CHECKING:
+    from verify.training.trainer import Trainer
 
 #: registered kinds a measurement runs (user classes by path are always accepted)
 PERF_KINDS = frozenset({"builtin", "reference"})
@@ -138,6 +143,14 @@ class RunFolder:
     def save(self, stem: str, result: Any) -> None:
         """`<stem>.json`: the result's `to_dict()`."""
         runs.write_json(self.path / f"{stem}.json", result.to_dict())
+
+
+def next_step(trainer: Trainer) -> None:
+    trainer.step(trainer.step_no + 1)
+
+
+def parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def say(ctx: RankContext, text: str) -> None:

@@ -41,6 +41,8 @@ from verify.perf.base import (
     ALL,
     MeasureOptions,
     RunFolder,
+    next_step,
+    parameters,
     resolve_all,
     say,
     set_field,
@@ -128,14 +130,10 @@ def run_bench(options: BenchOptions) -> BenchResult:
 # --- in each rank ---------------------------------------------------------------------------
 
 
-def _next_step(trainer: Trainer) -> None:
-    trainer.step(trainer.step_no + 1)
-
-
 def _rounds(ctx: RankContext, trainers: dict, rounds: int, what: str) -> dict:
     """`rounds` interleaved rounds of one step of every trainer: seconds, slowest rank."""
     arms = {
-        name: (lambda t=t: timed(lambda: _next_step(t), ctx.device)) for name, t in trainers.items()
+        name: (lambda t=t: timed(lambda: next_step(t), ctx.device)) for name, t in trainers.items()
     }
     return interleave(arms, rounds, lambda r: say(ctx, f"bench: {what}, round {r}/{rounds}"))
 
@@ -150,13 +148,13 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     say(ctx, f"bench: {options.warmup} warm-up steps of every variant")
     for t in trainers.values():
         for _ in range(options.warmup):
-            _next_step(t)
+            next_step(t)
     steps = _rounds(ctx, trainers, options.repeats, "step time")
     plan = {}
     if "zero1" in trainers:
         p = trainers["zero1"].optimizer.plan
         plan = {"bound": p.bound, "ideal": p.ideal, "loads": list(p.loads), "total": p.total}
-    parameters = sum(p.numel() for p in trainers[LOCAL].model.parameters())
+    size = parameters(trainers[LOCAL].model)
     del trainers
     gc.collect()
     say(ctx, "bench: memory of each variant alone")
@@ -169,7 +167,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
             for impl in options.sweep_impls:
                 trainers[f"{impl}@{mb:g}"] = Trainer(ctx, options.train_spec(impl, mb))
         for t in trainers.values():
-            _next_step(t)
+            next_step(t)
         sizes = ", ".join(f"{b:g}" for b in options.sweep_sizes)
         sweep = _rounds(ctx, trainers, options.sweep_repeats, f"bucket sweep over {sizes} MB")
         del trainers
@@ -189,7 +187,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
         "grad_bytes": grad_bytes,
         "backward_s": backward_s,
         "bandwidth": bandwidth,
-        "parameters": parameters,
+        "parameters": size,
     }
 
 
