@@ -16,11 +16,12 @@ import math
 import random
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from verify.cli import main
-from verify.perf import alphabeta, text, text_bench, timing
+from verify.cli import main, text_bench, text_perf
+from verify.perf import alphabeta, timing
 from verify.perf.bench import BenchOptions, run_bench
 from verify.perf.bench_result import LOCAL
 from verify.perf.collectives import OPS
@@ -186,7 +187,8 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
     assert "step / torch-fsdp" in report and "state, gradients, parameters: sharded" in report
     assert doc["shards"]["zero3"]["passed"] and "zero3" in doc["against_fsdp"]
     run_dir = tmp_path / result.run_dir
-    assert (run_dir / "bench.json").exists() and (run_dir / "bench.txt").exists()
+    # The run writes its JSON; the text report is the CLI's to keep (`report=`: the comm test).
+    assert (run_dir / "bench.json").exists() and not (run_dir / "bench.txt").exists()
     meta = json.loads((run_dir / "metadata.json").read_text())
     assert "1 thread per rank" in meta["threads"] or "threads per rank" in meta["threads"]
     assert meta["threads"] in meta["machine_line"] and meta["machine_line"] in report
@@ -233,6 +235,10 @@ def test_comm_cli_prints_one_json_document_and_each_progress_line_once(tmp_path,
         assert doc["predicted_bucket"]["2"]["bucket_bytes"] > 0
     else:
         assert any("no alpha-beta fit" in n for n in doc["notes"])
+    # The run folder keeps the JSON the run wrote and, from the CLI, the report it would print.
+    run_dir = Path(doc["run_dir"])
+    assert json.loads((run_dir / "comm.json").read_text())["points"] == points
+    assert (run_dir / "comm.txt").read_text().startswith("collectives: ")
     lines = _said_once(captured.err)
     assert lines == [
         "comm: world size 2 (1/1)",
@@ -257,7 +263,7 @@ def test_scaling_reports_speedup_and_efficiency(tmp_path):
     assert [p.world_size for p in result.points] == [1, 2]
     assert result.speedup(result.points[0]) == 1.0
     assert result.points[1].tokens_per_step == 2 * result.points[0].tokens_per_step
-    assert "per rank" in result.threads and "efficiency" in text.scaling(result)
+    assert "per rank" in result.threads and "efficiency" in text_perf.scaling(result)
 
 
 def test_training_follows_the_single_process_curve(tmp_path, capsys):

@@ -25,7 +25,7 @@ from impls.faulty.race_faults import ReusesStagingBuffer
 from verify.checks.audit import fingerprint
 from verify.checks.consistency import ConsistencyOptions
 from verify.launching import gpus, launch, torchrun
-from verify.launching.rank import BLOCKING_WAIT_ENV, block_nccl_waits, group_kwargs
+from verify.launching.rank_job import BLOCKING_WAIT_ENV, block_nccl_waits, group_kwargs
 from verify.options import launch_knobs
 from verify.perf import traces
 from verify.perf.bench import BenchOptions

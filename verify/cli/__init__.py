@@ -139,11 +139,10 @@ def _run(argv: list[str] | None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         text = command.text(result)
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)
-        folder = getattr(result, "report_dir", None)
-        if folder:  # the report folder keeps what a run printed
-            with open(os.path.join(folder, "report.txt"), "w") as f:
+        folder = getattr(result, "report_dir", None) or getattr(result, "run_dir", None)
+        if folder and command.report:  # the run's folder keeps what the run printed
+            with open(os.path.join(folder, f"{command.report}.txt"), "w") as f:
                 f.write(text + "\n")
-        folder = folder or getattr(result, "run_dir", None)
         if folder and not args.json and os.path.isdir(folder):  # nothing ever cleans --out
             print(runs.disk_line(folder))
     return EXIT_CODES[result.verdict]

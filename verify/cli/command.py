@@ -1,8 +1,9 @@
 """One row of the CLI table: a subcommand, its options dataclass, what runs it, what prints it.
 
 The CLI (`verify/cli/__init__.py`) only parses (flags derived from `options`, see
-`flags.py`), calls `run(options)`, prints `text(result)` or `result.to_dict()` as JSON, and
-exits with the code of `result.verdict` ("pass" 0, "fault" 1, "timeout" 2). Every result
+`flags.py`), calls `run(options)`, prints `text(result)` or `result.to_dict()` as JSON,
+writes `text(result)` into the result's folder as `<report>.txt` when the command keeps one,
+and exits with the code of `result.verdict` ("pass" 0, "fault" 1, "timeout" 2). Every result
 type has a `verdict` field and a `to_dict()`.
 """
 
@@ -27,6 +28,9 @@ class Command:
         script: takes a script and its arguments after `--` (`hang --nproc N -- train.py`).
         fixed: options the CLI sets from other flags: `fixed(args) -> dict` (e.g. where a
             script's output goes under --json).
+        report: the name of the text report the CLI writes into the result's folder
+            (`report_dir`, else `run_dir`) as `<report>.txt`: what the command printed, kept
+            beside the `<report>.json` the run wrote. None: no folder, no file.
     """
 
     name: str
@@ -37,3 +41,4 @@ class Command:
     conflicts: tuple[tuple[str, str], ...] = ()
     script: bool = False
     fixed: Callable[[Any], dict] | None = None
+    report: str | None = None

@@ -1,7 +1,9 @@
 """The CLI table: every subcommand, its options, what runs it and what prints it.
 
 Adding a command is adding a row; its flags come from its options dataclass
-(`verify/options.py`). The measurement commands' rows live with them (`verify/perf/`).
+(`verify/options.py`). A measurement's verdict is "pass" when every rank finished, whatever
+the numbers (a missed bar is reported, not an error), "fault" when a rank failed and
+"timeout" when the time ran out (`perf/base.py`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,16 @@ from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.checks.script_audit import AuditOptions, check_audit
-from verify.cli import text_audit, text_checks, text_matrix
+from verify.cli import text_audit, text_bench, text_checks, text_costs, text_matrix, text_perf
 from verify.cli.command import Command
+from verify.perf.bench import BenchOptions, run_bench
+from verify.perf.bench_audit import AuditBenchOptions, run_audit_bench
+from verify.perf.bench_sanitize import SanitizeBenchOptions, run_sanitize_bench
+from verify.perf.bench_tracer import TracerBenchOptions, run_tracer_bench
+from verify.perf.comm import CommOptions, run_comm
+from verify.perf.profiling import ProfileOptions, run_profile
+from verify.perf.scaling import ScalingOptions, run_scaling
+from verify.perf.train import TrainOptions, run_training
 from verify.runs import CleanOptions, prune
 
 
@@ -66,6 +76,7 @@ CHECK_COMMANDS: tuple[Command, ...] = (
         ),
         script=True,
         fixed=_hang_fixed,
+        report="report",
     ),
     Command(
         "audit",
@@ -75,6 +86,7 @@ CHECK_COMMANDS: tuple[Command, ...] = (
         text_audit.audit,
         script=True,
         fixed=_hang_fixed,
+        report="report",
     ),
     Command(
         "list", "list implementations and workloads", None, lambda _: None, text_matrix.listing
@@ -88,8 +100,70 @@ CHECK_COMMANDS: tuple[Command, ...] = (
     ),
 )
 
+PERF_COMMANDS: tuple[Command, ...] = (
+    Command(
+        "profile",
+        "profile variants; traces for TensorBoard / Perfetto",
+        ProfileOptions,
+        run_profile,
+        text_perf.profile,
+        report="summary",
+    ),
+    Command(
+        "bench",
+        "step time of every variant vs torch-ddp / torch-zero / torch-fsdp; memory per rank vs 1/N",
+        BenchOptions,
+        run_bench,
+        text_bench.bench,
+        report="bench",
+    ),
+    Command(
+        "comm",
+        "collective bandwidth, alpha-beta fit, best bucket size",
+        CommOptions,
+        run_comm,
+        text_perf.comm,
+        report="comm",
+    ),
+    Command(
+        "scaling",
+        "throughput at world sizes 1..N",
+        ScalingOptions,
+        run_scaling,
+        text_perf.scaling,
+        report="scaling",
+    ),
+    Command(
+        "train",
+        "train end to end; loss curves vs a single process",
+        TrainOptions,
+        run_training,
+        text_perf.train,
+        report="train",
+    ),
+    Command(
+        "bench-audit",
+        "benchmark the audit against an all-gather and a training step",
+        AuditBenchOptions,
+        run_audit_bench,
+        text_costs.audit,
+    ),
+    Command(
+        "bench-tracer",
+        "benchmark the collective tracer against a training step",
+        TracerBenchOptions,
+        run_tracer_bench,
+        text_costs.tracer,
+    ),
+    Command(
+        "bench-sanitize",
+        "benchmark --sanitize (the race sanitizer) against a training step",
+        SanitizeBenchOptions,
+        run_sanitize_bench,
+        text_costs.sanitize,
+    ),
+)
+
 
 def all_commands() -> tuple[Command, ...]:
-    from verify.perf.commands import PERF_COMMANDS
-
     return CHECK_COMMANDS + PERF_COMMANDS

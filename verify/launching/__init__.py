@@ -5,8 +5,9 @@
     interrupt()                     end every supervised run now (Ctrl-C, SIGTERM)
 
 One process type (`process.py`: a fresh interpreter in a session of its own), one set-up inside
-a rank (`rank.py`), one supervisor (`supervisor.py`), one rank record (`outcome.py`), one
-thread budget (`threads.py`); `torchrun.py` joins a job the tool did not start.
+a rank (`rank.py`, its job `rank_job.py`; a script's rank: `rank_script.py`), one supervisor
+(`supervisor.py`), one rank record (`outcome.py`), one thread budget (`threads.py`);
+`torchrun.py` joins a job the tool did not start.
 """
 
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, STALL_ENV

@@ -19,7 +19,7 @@ from typing import TextIO
 
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
-from verify.launching.rank import RankJob
+from verify.launching.rank_job import RankJob
 from verify.launching.supervisor import (
     STARTUP_CAP_S,
     check_interrupted,

@@ -1,6 +1,6 @@
 """`run_script`: a user's training script in N ranks, the way torchrun would start it.
 
-Each rank runs `python train.py ARGS` in a process of its own (`rank.py`, kind "script") with
+Each rank runs `python train.py ARGS` in a process of its own (`rank_script.py`) with
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, so the
 script's own `init_process_group()` (env://) works unchanged. The rendezvous cannot collide
 with another run: this process hosts the key-value store on a port the OS picked and keeps it
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from verify.launching import runner
 from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
-from verify.launching.rank import script_job
+from verify.launching.rank_script import script_job
 from verify.launching.threads import thread_budget
 
 

@@ -43,7 +43,7 @@ import torch
 from verify.launching import gpus, runner, torchrun
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, NO_ZYGOTE_ENV, SPAWNED_ENV, STALL_ENV
 from verify.launching.outcome import LaunchResult
-from verify.launching.rank import RankJob
+from verify.launching.rank_job import RankJob
 from verify.launching.supervisor import STARTUP_CAP_S
 from verify.launching.threads import thread_budget
 from verify.launching.zygote import Zygote

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, SPAWNED_ENV, STALL_ENV
 from verify.launching.outcome import LaunchResult, RankContext, RankReport
+from verify.launching.rank_job import group_kwargs
+from verify.launching.rank_script import script_job
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
@@ -78,7 +80,7 @@ def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -
             backend,
             init_method="env://",
             timeout=timeout,
-            **rank_side.group_kwargs(backend, device),
+            **group_kwargs(backend, device),
         )
     global _joins
     _joins += 1  # every rank calls launch() in the same order: the n-th launch's keys
@@ -161,7 +163,7 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
     report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    job = rank_side.script_job(
+    job = script_job(
         rank=rank,
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),

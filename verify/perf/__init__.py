@@ -1,7 +1,9 @@
 """Measurements: what the variants and the tool itself cost. Every step is trained by the one
-trainer (`verify/training/trainer.py`), every rank started by the one launcher.
+trainer (`verify/training/trainer.py`), every rank started by the one launcher. The commands'
+rows are in the CLI's table (`verify/cli/commands.py`); a run function returns its result and
+writes its run folder's JSON and charts, the CLI prints the report and keeps it as `.txt`
+(`verify/cli/text_perf.py`, `text_bench.py`, `text_costs.py`).
 
-    commands.py      the CLI rows: profile, bench, comm, scaling, train, bench-audit, bench-tracer
     base.py          what they share: options base, run folder, verdict, progress from rank 0
     timing.py        the slowest rank's time, interleaved rounds, paired ratios, decisions
     profiling.py     profile: torch.profiler traces      traces.py   reading them back
@@ -14,6 +16,5 @@ trainer (`verify/training/trainer.py`), every rank started by the one launcher.
     bench_audit.py   bench-audit: the audit's cost      bench_tracer.py  the tracer's cost
     bench_memory.py  bench's memory per rank, against 1/N (the memory check's measure)
     issued.py        the collectives a traced step issued, by kind and phase
-    text.py, text_bench.py, text_costs.py   the reports (results in, text out)
     charts.py        the PNGs
 """

@@ -3,32 +3,43 @@
 - `MeasureOptions`: where the ranks run (`--device`: cuda with NCCL when every rank can have a
   GPU, else cpu with gloo), how long they may run (`--timeout`) and their thread budget
   (`--threads-per-rank`). A command's options add their own knobs, say how many ranks run at
-  once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder.
+  once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder. What
+  the ranks train comes from the options by name (`spec_from`): a knob named as in `TrainSpec`
+  is that knob, and `train_spec()` states only what differs (the step count, the arm's impl).
+  Unless a command says otherwise, a measurement trains the transformer with every rank, and
+  every arm, starting from the same weights.
 - `PERF_KINDS`: the implementations a measurement accepts: the built-in ladder, PyTorch's
   references and a user's class; never a `faulty:*` or `hang:*` one (they are built to fail).
 - `RunFolder`: `<out>/<name>_<world>x<device>_<stamp>/`, never reused (`runs.new_run_dir`),
-  with `metadata.json` written before any rank starts; `save` adds the result as JSON, the
-  report as text, and the ranks' thread budget to the metadata's machine line.
-- `verdict_of`: "pass" when every rank finished, whatever the numbers; "fault" when a rank
-  failed; "timeout" when the time ran out first.
+  with `metadata.json` written before any rank starts; `save` adds the result as JSON, and
+  `machine` the ranks' thread budget to the metadata's machine line. The report as text,
+  `<name>.txt` beside the JSON, is the CLI's to write (`cli/command.py`, `report`).
+- `Measured`: what every measurement's result shares, from its launch (`from_launch`): the
+  verdict, "pass" when every rank finished, whatever the numbers, "fault" when a rank failed,
+  "timeout" when the time ran out first (`checks/verdict.py`, the checks' rule with no
+  findings); `failure`, the launcher's summary of a run that did not finish; `ok`.
 - `say`: one progress line from rank 0 (the parent prints it once; `verify/progress.py`).
+- `next_step`, `parameters`: a trainer's next step, whichever arm takes it; a model's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from impls.registry import REGISTRY, resolve
 from verify import progress, runs
-from verify.checks.verdict import verdict_of as _verdict_of
+from verify.checks.verdict import PASS, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
 from verify.options import ThreadOptions, knob
+
+if TYPE_CHECKING:
+    from verify.training.trainer import Trainer
 
 #: registered kinds a measurement runs (user classes by path are always accepted)
 PERF_KINDS = frozenset({"builtin", "reference"})
@@ -65,6 +76,10 @@ class MeasureOptions(ThreadOptions):
         unit="s",
         positive=True,
     )
+
+    # Read by `spec_from` as the fields are (module docstring); a command may redeclare them.
+    workload: ClassVar[str] = "transformer"
+    same_init: ClassVar[bool] = True
 
     # On NCCL a measurement's waits stay as a user's are (they return once the GPU has the
     # collective queued): blocking ones, which a check's ranks use to see a hang, would add a
@@ -125,15 +140,17 @@ class RunFolder:
         threads = "; ".join(dict.fromkeys(r.threads for r in launches if r.threads))
         return runs.write_metadata(self.path, self.meta["options"], threads)["machine_line"]
 
-    def save(self, stem: str, result: Any, text: Callable[[Any], str]) -> None:
-        """`<stem>.json` (the result's `to_dict()`) and `<stem>.txt` (the report `text` makes)."""
+    def save(self, stem: str, result: Any) -> None:
+        """`<stem>.json`: the result's `to_dict()`."""
         runs.write_json(self.path / f"{stem}.json", result.to_dict())
-        (self.path / f"{stem}.txt").write_text(text(result) + "\n")
 
 
-def verdict_of(run: LaunchResult) -> str:
-    """The verdict of a measurement's launch (module docstring)."""
-    return _verdict_of((), run)
+def next_step(trainer: Trainer) -> None:
+    trainer.step(trainer.step_no + 1)
+
+
+def parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def say(ctx: RankContext, text: str) -> None:
@@ -142,6 +159,20 @@ def say(ctx: RankContext, text: str) -> None:
         (rank_side.say if ctx.spawned else progress.say)(text)
 
 
-def failure_of(run: LaunchResult) -> str | None:
-    """The launcher's summary of a run that did not end with every rank returning."""
-    return None if run.ok else run.summary()
+class Measured:
+    """The verdict tail of a measurement's result (module docstring). A mixin, not fields:
+    each result dataclass declares `verdict` (second, after `options`) and `failure` where its
+    JSON has always had them, and builds itself with `from_launch`."""
+
+    verdict: str
+    failure: str | None
+
+    @classmethod
+    def from_launch(cls, options: Any, run: LaunchResult, **fields: Any):
+        """The result of `run` (its last launch, for a command that makes several): the
+        verdict and failure it ended with, and the other `fields` as given."""
+        return cls(options, verdict=verdict_of((), run), failure=failure_text(run), **fields)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == PASS

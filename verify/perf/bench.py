@@ -23,7 +23,7 @@ the transformer workload at one bucket size, every variant trained by the one tr
 4. **Bucket all-reduce bandwidth** (`bandwidth.py`): our bucket all-reduces on ready
    gradients against raw all-reduces of buffers of the same sizes.
 
-The bars and their decisions are in `bench_result.py`; the report in `text_bench.py`. The run
+The bars and their decisions are in `bench_result.py`; the report in `cli/text_bench.py`. The run
 folder holds bench.json, bench.txt, breakdown.png and sweep.png.
 """
 
@@ -35,22 +35,22 @@ from dataclasses import dataclass, replace
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, collectives, text_bench
+from verify.perf import charts, collectives
 from verify.perf.bandwidth import bucket_bandwidth
 from verify.perf.base import (
     ALL,
     MeasureOptions,
     RunFolder,
-    failure_of,
+    next_step,
+    parameters,
     resolve_all,
     say,
     set_field,
-    verdict_of,
 )
 from verify.perf.bench_memory import memory_alone
 from verify.perf.bench_result import LOCAL, REFERENCE, BenchResult
 from verify.perf.timing import interleave, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,15 +94,8 @@ class BenchOptions(MeasureOptions, OutputOptions):
 
     def train_spec(self, impl: str | None, bucket_mb: float | None = None) -> TrainSpec:
         """The transformer every arm trains: the same weights on every rank and in every arm."""
-        return TrainSpec(
-            impl=impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=bucket_mb or self.bucket_mb,
-            steps=self.warmup + self.repeats,
-            same_init=True,
-        )
+        steps = self.warmup + self.repeats
+        return spec_from(self, impl=impl, bucket_mb=bucket_mb or self.bucket_mb, steps=steps)
 
 
 def run_bench(options: BenchOptions) -> BenchResult:
@@ -117,18 +110,12 @@ def run_bench(options: BenchOptions) -> BenchResult:
     )
     machine = folder.machine(run)
     if not run.ok:
-        result = BenchResult(
-            options,
-            verdict_of(run),
-            run_dir=str(folder.path),
-            machine=machine,
-            failure=failure_of(run),
-        )
+        result = BenchResult.from_launch(options, run, run_dir=str(folder.path), machine=machine)
     else:
         values = run.values
-        result = BenchResult(
+        result = BenchResult.from_launch(
             options,
-            "pass",
+            run,
             memory=tuple(v.pop("memory") for v in values),
             run_dir=str(folder.path),
             machine=machine,
@@ -136,21 +123,17 @@ def run_bench(options: BenchOptions) -> BenchResult:
         )
         notes = [c.note for c in _charts(result, folder) if c.note]
         result = replace(result, notes=tuple(dict.fromkeys(notes)))
-    folder.save("bench", result, text_bench.bench)
+    folder.save("bench", result)
     return result
 
 
 # --- in each rank ---------------------------------------------------------------------------
 
 
-def _next_step(trainer: Trainer) -> None:
-    trainer.step(trainer.step_no + 1)
-
-
 def _rounds(ctx: RankContext, trainers: dict, rounds: int, what: str) -> dict:
     """`rounds` interleaved rounds of one step of every trainer: seconds, slowest rank."""
     arms = {
-        name: (lambda t=t: timed(lambda: _next_step(t), ctx.device)) for name, t in trainers.items()
+        name: (lambda t=t: timed(lambda: next_step(t), ctx.device)) for name, t in trainers.items()
     }
     return interleave(arms, rounds, lambda r: say(ctx, f"bench: {what}, round {r}/{rounds}"))
 
@@ -165,13 +148,13 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
     say(ctx, f"bench: {options.warmup} warm-up steps of every variant")
     for t in trainers.values():
         for _ in range(options.warmup):
-            _next_step(t)
+            next_step(t)
     steps = _rounds(ctx, trainers, options.repeats, "step time")
     plan = {}
     if "zero1" in trainers:
         p = trainers["zero1"].optimizer.plan
         plan = {"bound": p.bound, "ideal": p.ideal, "loads": list(p.loads), "total": p.total}
-    parameters = sum(p.numel() for p in trainers[LOCAL].model.parameters())
+    size = parameters(trainers[LOCAL].model)
     del trainers
     gc.collect()
     say(ctx, "bench: memory of each variant alone")
@@ -184,7 +167,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
             for impl in options.sweep_impls:
                 trainers[f"{impl}@{mb:g}"] = Trainer(ctx, options.train_spec(impl, mb))
         for t in trainers.values():
-            _next_step(t)
+            next_step(t)
         sizes = ", ".join(f"{b:g}" for b in options.sweep_sizes)
         sweep = _rounds(ctx, trainers, options.sweep_repeats, f"bucket sweep over {sizes} MB")
         del trainers
@@ -204,7 +187,7 @@ def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:
         "grad_bytes": grad_bytes,
         "backward_s": backward_s,
         "bandwidth": bandwidth,
-        "parameters": parameters,
+        "parameters": size,
     }
 
 

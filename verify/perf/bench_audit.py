@@ -1,7 +1,7 @@
 """`python -m verify bench-audit`: what the per-step audit costs, against the alternatives.
 
 In one launch, on the transformer workload (~50M parameters by default), three arms take
-turns every round, the order rotating (`timing.interleave`):
+turns every round, the order rotating (the skeleton of `costs.py`):
 
 - one training step of the one trainer (`training/trainer.py`: zero_grad, forward, backward,
   gradient sync, AdamW step);
@@ -10,7 +10,7 @@ turns every round, the order rotating (`timing.interleave`):
 - an all-gather of every tensor the audit covers: the naive way to compare replicas, and a
   lower bound on its cost (it does not even compare yet).
 
-Every time is the slowest rank's. The two ratios the project holds itself to, audit /
+Every time is the slowest rank's. The two ratios the tool holds itself to, audit /
 all-gather at most 0.1 and audit / step under 0.05, are paired per round with a 95% interval
 and decided three ways (`timing.decide`).
 
@@ -21,29 +21,29 @@ and decided three ways (`timing.decide`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from verify import runs
 from verify.checks.audit import Auditor
-from verify.launching import RankContext, launch
-from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
+from verify.launching import RankContext
+from verify.options import knob
+from verify.perf.base import Measured, next_step, parameters
 from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
 from verify.perf.bench_script_audit import script_audit_bench_on_rank
-from verify.perf.timing import Ratio, decide, interleave, paired, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.perf.costs import CostOptions, goal_bar, run_cost, take_turns
+from verify.perf.timing import Ratio, timed
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 GOAL_VS_ALLGATHER = 0.10
 GOAL_VS_STEP = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
-class AuditBenchOptions(MeasureOptions):
+class AuditBenchOptions(CostOptions):
     """What the audit is measured on, and how many rounds."""
 
-    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
     world_size: int = knob(2, "ranks to start (the audit compares ranks: at least 2)", minimum=2)
     model_size_m: float = knob(
         50.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
@@ -54,24 +54,17 @@ class AuditBenchOptions(MeasureOptions):
         False, "measure `audit --nproc`'s step hooks instead: audited / plain training step"
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        resolve_all((self.impl,), "bench-audit")
+    command: ClassVar[str] = "bench-audit"
+    # Each rank seeded differently (TrainSpec's default): the wrapper's broadcast makes
+    # replicas agree, as in `consistency`.
+    same_init: ClassVar[bool] = False
 
     def train_spec(self) -> TrainSpec:
-        # Each rank seeded differently (the default): the wrapper's broadcast makes replicas
-        # agree, as in `consistency`.
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            steps=1 + self.repeats,
-        )
+        return spec_from(self, steps=1 + self.repeats)
 
 
 @dataclass(frozen=True)
-class AuditBenchResult:
+class AuditBenchResult(Measured):
     """Every round's three times, and what the audit covered."""
 
     options: AuditBenchOptions
@@ -90,24 +83,15 @@ class AuditBenchResult:
     torch_version: str = ""
     failure: str | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
-
     def bars(self) -> list[tuple[str, Ratio, float, str]]:
         """(what, ratio paired per round, goal, decision) for both goals (for the one goal of
         --script-audit)."""
         if self.options.script_audit:
-            r = paired(list(self.audited_s), list(self.plain_s))
-            return [("audited / plain step", r, GOAL_SCRIPT, decide(r, GOAL_SCRIPT))]
-        out = []
-        for what, other, goal in (
-            ("audit / all-gather", self.allgather_s, GOAL_VS_ALLGATHER),
-            ("audit / step", self.step_s, GOAL_VS_STEP),
-        ):
-            r = paired(list(self.audit_s), list(other))
-            out.append((what, r, goal, decide(r, goal)))
-        return out
+            return [goal_bar("audited / plain step", self.audited_s, self.plain_s, GOAL_SCRIPT)]
+        return [
+            goal_bar("audit / all-gather", self.audit_s, self.allgather_s, GOAL_VS_ALLGATHER),
+            goal_bar("audit / step", self.audit_s, self.step_s, GOAL_VS_STEP),
+        ]
 
     @property
     def audit_vs_allgather(self) -> float:
@@ -119,14 +103,10 @@ class AuditBenchResult:
 
     def to_dict(self) -> dict:
         d = {**asdict(self), "ok": self.ok}
-        if self.ok and self.options.script_audit:
-            d["bars"] = [
-                {"what": w, **r.to_dict(), "goal": g, "decision": dec}
-                for w, r, g, dec in self.bars()
-            ]
-        elif self.ok:
+        if self.ok and not self.options.script_audit:
             d["audit_vs_allgather"] = self.audit_vs_allgather
             d["audit_vs_step"] = self.audit_vs_step
+        if self.ok:
             d["bars"] = [
                 {"what": w, **r.to_dict(), "goal": g, "decision": dec}
                 for w, r, g, dec in self.bars()
@@ -135,22 +115,12 @@ class AuditBenchResult:
 
 
 def run_audit_bench(options: AuditBenchOptions) -> AuditBenchResult:
-    info = runs.machine_info()
-    run = launch(
-        script_audit_bench_on_rank if options.script_audit else audit_bench_on_rank,
-        world_size=options.world_size,
-        args=(options,),
-        **launch_knobs(options),
-    )
-    machine = runs.describe_machine(info, run.threads)
-    if not run.ok:
-        return AuditBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
-    return AuditBenchResult(
-        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
-    )
+    on_rank = script_audit_bench_on_rank if options.script_audit else audit_bench_on_rank
+    return run_cost(options, on_rank, AuditBenchResult)
 
 
 def audit_bench_on_rank(ctx: RankContext, options: AuditBenchOptions) -> dict:
+    """The three arms (module docstring), after a warm-up step and audit."""
     trainer = Trainer(ctx, options.train_spec())
     sharded = trainer.impl is not None and trainer.impl.sharded
     auditor = Auditor(trainer.model, None if sharded else trainer.optimizer)
@@ -171,16 +141,14 @@ def audit_bench_on_rank(ctx: RankContext, options: AuditBenchOptions) -> dict:
     trainer.step(1)  # warm-up: allocates gradients and optimizer state
     audit()
     arms = {
-        "step": lambda: timed(lambda: trainer.step(trainer.step_no + 1), ctx.device),
+        "step": lambda: timed(lambda: next_step(trainer), ctx.device),
         "audit": lambda: timed(audit, ctx.device),
         "allgather": lambda: timed(allgather, ctx.device),
     }
-    samples = interleave(
-        arms, options.repeats, lambda r: say(ctx, f"bench-audit: round {r}/{options.repeats}")
-    )
+    samples = take_turns(ctx, arms, options.repeats, "bench-audit")
     tensors = [t for _, t in covered() if t is not None]
     return {
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "parameters": parameters(trainer.model),
         "audited_tensors": len(tensors),
         "audited_bytes": sum(t.numel() * t.element_size() for t in tensors),
         "step_s": tuple(samples["step"]),

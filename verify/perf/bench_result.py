@@ -1,4 +1,4 @@
-"""What `bench` found, and the bars it holds the variants to (issue 5).
+"""What `bench` found, and the bars it holds the variants to.
 
 Step-time bars compare two variants round by round (`timing.paired`: the geometric mean of the
 per-round ratios, with a 95% interval) and decide three ways (`timing.decide`): "met" when the
@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 from verify.checks.memory import MemoryResult
 from verify.perf.alphabeta import AlphaBeta, MiB, predict_exposed
+from verify.perf.base import Measured
 from verify.perf.timing import MET, MISSED, UNDECIDED, Ratio, decide, paired
 
 LOCAL = "local"  # no wrapper, no communication: the compute-only reference
 REFERENCE = "torch-ddp"
 SHARDED_REFERENCE = "torch-fsdp"  # what the sharded rungs' step times are compared with
-SHARDED = ("zero2", "zero3", SHARDED_REFERENCE)  # the rungs issue 20 measures against 1/N
+SHARDED = ("zero2", "zero3", SHARDED_REFERENCE)  # the sharded rungs, measured against 1/N
 ZERO1_MEMORY = ("zero1", "torch-zero", "bucketed")  # ZeRO-1's bars and phase table read these
 # the ladder whose memory bench measures, each alone, in the ladder's order
 MEMORY_VARIANTS = ("bucketed", "zero1", "torch-zero", *SHARDED)
@@ -64,7 +65,7 @@ class Bar:
 
 
 @dataclass(frozen=True)
-class BenchResult:
+class BenchResult(Measured):
     """Every sample `bench` took (times are the slowest rank's seconds), per rank memory, and
     the fits; `bars()` and the helpers below turn them into the report's numbers."""
 
@@ -84,10 +85,6 @@ class BenchResult:
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def median(self, name: str, table: str = "steps") -> float:
         return statistics.median(getattr(self, table)[name])
@@ -117,7 +114,7 @@ class BenchResult:
         )
 
     def bars(self) -> list[Bar]:
-        """The issue's bars that this run's variants allow (module docstring)."""
+        """The bars that this run's variants allow (module docstring)."""
         out = []
         if {"bucketed", REFERENCE} <= self.steps.keys():
             out.append(

@@ -4,8 +4,8 @@ In one launch the one trainer (`training/trainer.py`) trains the transformer wor
 the bucketed implementation; its steps rotate through three arms, one step each per round,
 the order rotating every round (`timing.interleave`): plain; sanitized (access checking and
 adversarial completion, what `--sanitize` runs); and check-only (access checking without the
-copies of adversarial completion). Each arm installs its sanitizer just before its step and
-removes it just after (the plain arm installs and removes one too, before its step, so the
+copies of adversarial completion); the skeleton is `costs.py`'s. Each arm installs its sanitizer
+just before its step and removes it just after (the plain arm installs and removes one too, before its step, so the
 cost of swapping functions falls on every arm alike). Each sample is the slowest rank's step.
 
 The costs are sanitized / plain and check-only / plain, paired per round with 95% intervals
@@ -19,42 +19,36 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
-from verify import runs
-from verify.launching import RankContext, launch
-from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
-from verify.perf.timing import Ratio, interleave, paired, timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.launching import RankContext
+from verify.options import knob
+from verify.perf.base import Measured, next_step, parameters
+from verify.perf.costs import CostOptions, run_cost, take_turns
+from verify.perf.timing import Ratio, paired, timed
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 ARMS = ("plain", "sanitized", "check-only")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SanitizeBenchOptions(MeasureOptions):
+class SanitizeBenchOptions(CostOptions):
     """What the sanitizer is measured on, and for how long."""
 
-    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
-    world_size: int = knob(2, "ranks to start (collectives need two)", minimum=2)
     model_size_m: float | None = knob(
         5.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
     )
     bucket_mb: float = knob(4.0, "bucket size (several buckets a step)", unit="MB", positive=True)
     repeats: int = knob(15, "interleaved rounds (one step of each arm per round)", minimum=2)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        resolve_all((self.impl,), "bench-sanitize")
+    command: ClassVar[str] = "bench-sanitize"
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl, workload="transformer", model_size_m=self.model_size_m,
-            bucket_mb=self.bucket_mb, steps=1 + len(ARMS) * self.repeats, same_init=True,
-        )  # fmt: skip
+        return spec_from(self, steps=1 + len(ARMS) * self.repeats)
 
 
 @dataclass(frozen=True)
-class SanitizeBenchResult:
+class SanitizeBenchResult(Measured):
     """Every step's time in every arm, and the sanitizer's accounting per step."""
 
     options: SanitizeBenchOptions
@@ -65,10 +59,6 @@ class SanitizeBenchResult:
     load_avg: tuple[float, float] = (0.0, 0.0)
     machine: str = ""
     failure: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def ratio(self, arm: str) -> Ratio:
         return paired(list(self.steps_s[arm]), list(self.steps_s["plain"]))
@@ -85,17 +75,7 @@ class SanitizeBenchResult:
 
 
 def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
-    info = runs.machine_info()
-    run = launch(
-        sanitize_bench_on_rank, world_size=options.world_size, args=(options,),
-        **launch_knobs(options),
-    )  # fmt: skip
-    machine = runs.describe_machine(info, run.threads)
-    if not run.ok:
-        return SanitizeBenchResult(
-            options, verdict_of(run), machine=machine, failure=failure_of(run)
-        )
-    return SanitizeBenchResult(options, "pass", machine=machine, **run.values[0])
+    return run_cost(options, sanitize_bench_on_rank, SanitizeBenchResult)
 
 
 def sanitize_bench_on_rank(ctx: RankContext, options: SanitizeBenchOptions) -> dict:
@@ -117,28 +97,23 @@ def sanitize_bench_on_rank(ctx: RankContext, options: SanitizeBenchOptions) -> d
             if name == "plain":  # the swap's cost, without the sanitizer in the step
                 sanitizer.install()
                 sanitizer.uninstall()
-                trainer.step(trainer.step_no + 1)
+                next_step(trainer)
                 return
             sanitizer.install()
             sanitizer.name_tensors(trainer.model.named_parameters())
             try:
-                trainer.step(trainer.step_no + 1)
+                next_step(trainer)
                 sanitizer.end_step()
             finally:
                 sanitizer.uninstall()
 
         return timed(step, ctx.device)
 
-    def each_round(r: int) -> None:
-        if r % 5 == 1 or r == options.repeats:
-            say(ctx, f"bench-sanitize: round {r}/{options.repeats}")
-
     load_before = os.getloadavg()[0]
-    samples = interleave(
-        {name: (lambda n=name: arm(n)) for name in ARMS}, options.repeats, each_round
-    )
+    arms = {name: (lambda n=name: arm(n)) for name in ARMS}
+    samples = take_turns(ctx, arms, options.repeats, "bench-sanitize", every=5)
     return {
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "parameters": parameters(trainer.model),
         "steps_s": {name: tuple(v) for name, v in samples.items()},
         "stats": {name: asdict(s.stats) for name, s in sanitizers.items()},
         "load_avg": (load_before, os.getloadavg()[0]),

@@ -11,15 +11,16 @@ model is built, so parameters get their names), on the one trainer's transformer
   step, parameters and optimizer state after it, fingerprinted and agreed on over the
   audit's own gloo group.
 
-Every time is the slowest rank's. The ratio audited / plain is paired per round with a 95%
-interval (`timing.paired`); the goal is at most 1.02.
+Every time is the slowest rank's (the skeleton of `costs.py`). The ratio audited / plain is
+paired per round with a 95% interval (`timing.paired`); the goal is at most 1.02.
 """
 
 from __future__ import annotations
 
 from verify.launching import RankContext
-from verify.perf.base import say
-from verify.perf.timing import interleave, timed
+from verify.perf.base import next_step, parameters
+from verify.perf.costs import take_turns
+from verify.perf.timing import timed
 from verify.script_audit import Auditor, AuditSettings
 from verify.training.trainer import Trainer
 
@@ -39,19 +40,16 @@ def script_audit_bench_on_rank(ctx: RankContext, options) -> dict:
 
         def step(audited: bool) -> float:
             (auditor.attach if audited else auditor.detach)()
-            return timed(lambda: trainer.step(trainer.step_no + 1), ctx.device)
+            return timed(lambda: next_step(trainer), ctx.device)
 
         warm = auditor.seconds  # the side group's creation is not a step's cost
-        samples = interleave(
-            {"plain": lambda: step(False), "audited": lambda: step(True)},
-            options.repeats,
-            lambda r: say(ctx, f"bench-audit --script-audit: round {r}/{options.repeats}"),
-        )
+        arms = {"plain": lambda: step(False), "audited": lambda: step(True)}
+        samples = take_turns(ctx, arms, options.repeats, "bench-audit --script-audit")
         report = auditor.report()
     finally:
         auditor.remove()
     return {
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "parameters": parameters(trainer.model),
         "audited_tensors": report.tensors,
         "plain_s": tuple(samples["plain"]),
         "audited_s": tuple(samples["audited"]),

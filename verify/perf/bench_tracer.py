@@ -4,7 +4,7 @@ In one launch (the launcher's own tracing off: this benchmark switches the trace
 one trainer (`training/trainer.py`) trains the transformer workload with the bucketed
 implementation (default bucket size; `--bucket-mb 0.1` gives several all-reduces per step,
 the hard case for a per-call cost), its steps alternating between two arms, untraced and
-traced, the order swapping every round (`timing.interleave`). The tracer is switched by
+traced, the order swapping every round (the skeleton of `costs.py`). The tracer is switched by
 swapping function references, before either arm's step alike (a swap slows the next step a
 little, and the tracer in use is never swapped), so nothing else differs. Each sample is the
 slowest rank's step.
@@ -26,28 +26,27 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from impls.registry import DEFAULT_BUCKET_MB
-from verify import runs
-from verify.launching import RankContext, launch
-from verify.options import knob, launch_knobs
-from verify.perf.base import MeasureOptions, failure_of, resolve_all, say, verdict_of
-from verify.perf.timing import Ratio, decide, interleave, paired, timed_with_cpu
-from verify.training.trainer import Trainer, TrainSpec
+from verify.launching import RankContext
+from verify.options import knob
+from verify.perf.base import Measured, next_step, parameters
+from verify.perf.costs import CostOptions, run_cost, take_turns
+from verify.perf.timing import Ratio, decide, paired, timed_with_cpu
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.watching import tracer
 
 GOAL = 0.05  # the tracer may add at most 5% to a step
 
 
 @dataclass(frozen=True, kw_only=True)
-class TracerBenchOptions(MeasureOptions):
+class TracerBenchOptions(CostOptions):
     """What the tracer is measured on, and for how long."""
 
-    impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
-    world_size: int = knob(2, "ranks to start (collectives need two)", minimum=2)
     model_size_m: float | None = knob(
         None,
         "the transformer's size (default: a tiny GPT, where a per-call cost shows most)",
@@ -66,27 +65,19 @@ class TracerBenchOptions(MeasureOptions):
     )
     steps: int = knob(4, "rounds per repeat", minimum=1, cli=False)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        resolve_all((self.impl,), "bench-tracer")
+    command: ClassVar[str] = "bench-tracer"
 
     @property
     def rounds(self) -> int:
         return self.repeats * self.steps
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            bucket_mb=self.bucket_mb,
-            steps=2 + 2 * self.rounds,
-            same_init=True,
-        )
+        # `steps` here counts rounds per repeat, not optimizer steps: overridden, never read.
+        return spec_from(self, steps=2 + 2 * self.rounds)
 
 
 @dataclass(frozen=True)
-class TracerBenchResult:
+class TracerBenchResult(Measured):
     """Every step's time in both arms, the per-call price, and the machine's load."""
 
     options: TracerBenchOptions
@@ -103,10 +94,6 @@ class TracerBenchResult:
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     @property
     def ratio(self) -> Ratio:
@@ -170,29 +157,12 @@ class TracerBenchResult:
 
 def run_tracer_bench(options: TracerBenchOptions) -> TracerBenchResult:
     """One launch, tracing off in the launcher (this benchmark installs the tracer itself)."""
-    info = runs.machine_info()
-    run = launch(
-        tracer_bench_on_rank,
-        world_size=options.world_size,
-        args=(options,),
-        **launch_knobs(options),
-        stall_timeout_s=None,
-    )
-    machine = runs.describe_machine(info, run.threads)
-    if not run.ok:
-        return TracerBenchResult(options, verdict_of(run), machine=machine, failure=failure_of(run))
-    return TracerBenchResult(
-        options, "pass", machine=machine, torch_version=info["torch"], **run.values[0]
-    )
+    return run_cost(options, tracer_bench_on_rank, TracerBenchResult, stall_timeout_s=None)
 
 
 def tracer_bench_on_rank(ctx: RankContext, options: TracerBenchOptions) -> dict:
     """The interleaved rounds (module docstring), then the per-call price."""
     trainer = Trainer(ctx, options.train_spec())
-
-    def step() -> None:
-        trainer.step(trainer.step_no + 1)
-
     cpu: dict[bool, list[float]] = {False: [], True: []}
 
     def arm(traced: bool) -> float:
@@ -203,31 +173,24 @@ def tracer_bench_on_rank(ctx: RankContext, options: TracerBenchOptions) -> dict:
         first, last = (tracer.pause, tracer.resume) if traced else (tracer.resume, tracer.pause)
         first()
         last()
-        wall, thread_cpu = timed_with_cpu(step, ctx.device)
+        wall, thread_cpu = timed_with_cpu(lambda: next_step(trainer), ctx.device)
         cpu[traced].append(thread_cpu)
         return wall
 
     tmp = tempfile.mkdtemp(prefix="ddp-verify-bench-")
-    step()  # warm-up: gradients and optimizer state allocated
+    next_step(trainer)  # warm-up: gradients and optimizer state allocated
     tracer.install(os.path.join(tmp, "trace"), rank=ctx.rank)
-    first = tracer._writer.written
-    step()
-    per_step = tracer._writer.written - first
+    first = tracer.records_written()
+    next_step(trainer)
+    per_step = tracer.records_written() - first
     load_before = os.getloadavg()[0]
-    rounds = options.rounds
-
-    def each_round(r: int) -> None:
-        if r % 40 == 1 or r == rounds:  # a line every 40 rounds, and the last
-            say(ctx, f"bench-tracer: round {r}/{rounds}")
-
-    samples = interleave(
-        {"plain": lambda: arm(False), "traced": lambda: arm(True)}, rounds, each_round
-    )
+    arms = {"plain": lambda: arm(False), "traced": lambda: arm(True)}
+    samples = take_turns(ctx, arms, options.rounds, "bench-tracer", every=40)
     tracer.uninstall()
     plain_us, traced_us = _per_call_us(ctx, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     return {
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "parameters": parameters(trainer.model),
         "collectives_per_step": per_step,
         "plain_step_s": tuple(samples["plain"]),
         "traced_step_s": tuple(samples["traced"]),
@@ -248,7 +211,7 @@ def _per_call_us(ctx: RankContext, tmp: str) -> tuple[float, float]:
         return None
 
     tracer.install(os.path.join(tmp, "calls"), rank=ctx.rank)
-    wrapped = tracer._make_wrapper("all_reduce", stand_in)
+    wrapped = tracer.wrapped("all_reduce", stand_in)
     call = torch.ones(1, device=ctx.device)
     calls: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(20):

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
+from verify.perf import charts
 from verify.perf.alphabeta import MiB, best_bucket, bus_factor, fit_alpha_beta
-from verify.perf.base import MeasureOptions, RunFolder, failure_of, say, verdict_of
+from verify.perf.base import Measured, MeasureOptions, RunFolder, say
 from verify.perf.collectives import (
     OPS,
     collective_call,
@@ -109,7 +109,7 @@ class CommPoint:
 
 
 @dataclass(frozen=True)
-class CommResult:
+class CommResult(Measured):
     """Every (op, world size, size) point, the fits and the predicted bucket sizes."""
 
     options: CommOptions
@@ -124,10 +124,6 @@ class CommResult:
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         o = self.options
@@ -178,15 +174,10 @@ def run_comm(options: CommOptions) -> CommResult:
             grad_bytes, backward_s = got["grad_bytes"], got["backward_s"]
     machine = folder.machine(*launches)
     if not launches[-1].ok:
-        result = CommResult(
-            options,
-            verdict_of(launches[-1]),
-            tuple(points),
-            run_dir=str(folder.path),
-            machine=machine,
-            failure=failure_of(launches[-1]),
+        result = CommResult.from_launch(
+            options, launches[-1], points=tuple(points), run_dir=str(folder.path), machine=machine
         )
-        folder.save("comm", result, text.comm)
+        folder.save("comm", result)
         return result
     fits, predictions, notes = {}, {}, []
     for ws in options.world_sizes:
@@ -211,20 +202,20 @@ def run_comm(options: CommOptions) -> CommResult:
         reference=(memcpy_name(options.device_type), memcpy / 1e9),
         title="bus bandwidth (nccl-tests definition)",
     )
-    result = CommResult(
+    result = CommResult.from_launch(
         options,
-        "pass",
-        tuple(points),
-        memcpy,
-        fits,
-        grad_bytes,
-        backward_s,
-        predictions,
-        str(folder.path),
-        machine,
+        launches[-1],
+        points=tuple(points),
+        memcpy_Bps=memcpy,
+        fits=fits,
+        grad_bytes=grad_bytes,
+        backward_s=backward_s,
+        predictions=predictions,
+        run_dir=str(folder.path),
+        machine=machine,
         notes=tuple(n for n in [*notes, chart.note] if n),
     )
-    folder.save("comm", result, text.comm)
+    folder.save("comm", result)
     return result
 
 

@@ -34,17 +34,9 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text, traces
-from verify.perf.base import (
-    ALL,
-    MeasureOptions,
-    RunFolder,
-    failure_of,
-    resolve_all,
-    say,
-    verdict_of,
-)
-from verify.training.trainer import Trainer, TrainSpec
+from verify.perf import charts, traces
+from verify.perf.base import ALL, Measured, MeasureOptions, RunFolder, resolve_all, say
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 DEFAULT_MODEL_M = 5.0
 DEFAULT_PROFILE_BUCKET_MB = 4.0  # several buckets in the 5M model, so overlap is visible
@@ -86,19 +78,11 @@ class ProfileOptions(MeasureOptions, OutputOptions):
         return resolve_all((self.impl,), "profile") if self.impl == ALL else (self.impl,)
 
     def train_spec(self, impl: str) -> TrainSpec:
-        return TrainSpec(
-            impl=impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.wait + self.warmup + self.active,
-            same_init=True,
-        )
+        return spec_from(self, impl=impl, steps=self.wait + self.warmup + self.active)
 
 
 @dataclass(frozen=True)
-class ProfileResult:
+class ProfileResult(Measured):
     """The run folder, each variant's summary read back from its traces, where they are."""
 
     options: ProfileOptions
@@ -109,10 +93,6 @@ class ProfileResult:
     machine: str = ""
     failure: str | None = None
     notes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {
@@ -143,10 +123,10 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
     )
     machine = folder.machine(run)
     if not run.ok:
-        result = ProfileResult(
-            options, verdict_of(run), folder.path, (), trace_dirs, machine, failure_of(run)
+        result = ProfileResult.from_launch(
+            options, run, run_dir=folder.path, trace_dirs=trace_dirs, machine=machine
         )
-        folder.save("summary", result, text.profile)
+        folder.save("summary", result)
         return result
     summaries = tuple(traces.analyze_run(trace_dirs[v], v)[0] for v in options.variants)
     notes = [
@@ -167,17 +147,16 @@ def run_profile(options: ProfileOptions) -> ProfileResult:
                     title=f"{impl}: one step on rank 0 (world size {options.world_size})",
                 ).note
             )
-    result = ProfileResult(
+    result = ProfileResult.from_launch(
         options,
-        "pass",
-        folder.path,
-        summaries,
-        trace_dirs,
-        machine,
-        None,
-        tuple(dict.fromkeys(n for n in notes if n)),
+        run,
+        run_dir=folder.path,
+        summaries=summaries,
+        trace_dirs=trace_dirs,
+        machine=machine,
+        notes=tuple(dict.fromkeys(n for n in notes if n)),
     )
-    folder.save("summary", result, text.profile)
+    folder.save("summary", result)
     return result
 
 

@@ -23,10 +23,10 @@ from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
-from verify.perf.base import MeasureOptions, RunFolder, failure_of, resolve_all, say, verdict_of
+from verify.perf import charts
+from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say
 from verify.perf.timing import timed
-from verify.training.trainer import Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,15 +54,7 @@ class ScalingOptions(MeasureOptions, OutputOptions):
         return self.max_world_size
 
     def train_spec(self) -> TrainSpec:
-        return TrainSpec(
-            impl=self.impl,
-            workload="transformer",
-            model_size_m=self.model_size_m,
-            local_batch=self.local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.warmup + self.repeats,
-            same_init=True,
-        )
+        return spec_from(self, steps=self.warmup + self.repeats)
 
 
 @dataclass(frozen=True)
@@ -77,7 +69,7 @@ class ScalingPoint:
 
 
 @dataclass(frozen=True)
-class ScalingResult:
+class ScalingResult(Measured):
     """One point per world size; `threads` is the thread budget every rank had."""
 
     options: ScalingOptions
@@ -88,10 +80,6 @@ class ScalingResult:
     failure: str | None = None
     notes: tuple[str, ...] = ()
     threads: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def speedup(self, p: ScalingPoint) -> float:
         return p.throughput / self.points[0].throughput
@@ -137,13 +125,12 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
         points.append(run.values[0])
     machine = folder.machine(*launches)
     last = launches[-1]
-    result = ScalingResult(
+    result = ScalingResult.from_launch(
         options,
-        verdict_of(last),
-        tuple(points),
-        str(folder.path),
-        machine,
-        failure_of(last),
+        last,
+        points=tuple(points),
+        run_dir=str(folder.path),
+        machine=machine,
         threads=last.threads,
     )
     if result.ok:
@@ -156,7 +143,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
             title=f"weak scaling, {result.threads}",
         )
         result = replace(result, notes=tuple(n for n in [chart.note] if n))
-    folder.save("scaling", result, text.scaling)
+    folder.save("scaling", result)
     return result
 
 

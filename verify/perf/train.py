@@ -28,17 +28,9 @@ from impls.registry import DEFAULT_BUCKET_MB
 from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
-from verify.perf import charts, text
-from verify.perf.base import (
-    MeasureOptions,
-    RunFolder,
-    failure_of,
-    resolve_all,
-    say,
-    set_field,
-    verdict_of,
-)
-from verify.training.trainer import Trainer, TrainSpec
+from verify.perf import charts
+from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say, set_field
+from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.training.workloads import GPTConfig, Markov
 
 REFERENCE = "single process"
@@ -79,20 +71,12 @@ class TrainOptions(MeasureOptions, OutputOptions):
                 f"sequences is more than the {Markov.examples} examples"
             )
 
+    workload: ClassVar[str] = "markov"
+
     def train_spec(self, impl: str | None) -> TrainSpec:
         """`impl` on the ranks' shards, or (None) the single process on the whole batch."""
         local_batch = self.local_batch if impl else self.world_size * self.local_batch
-        return TrainSpec(
-            impl=impl,
-            workload="markov",
-            model_size_m=self.model_size_m,
-            local_batch=local_batch,
-            bucket_mb=self.bucket_mb,
-            steps=self.steps,
-            lr=self.lr,
-            same_init=True,
-            seed=self.seed,
-        )
+        return spec_from(self, impl=impl, local_batch=local_batch)
 
     @property
     def config(self) -> GPTConfig:
@@ -102,7 +86,7 @@ class TrainOptions(MeasureOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class TrainResult:
+class TrainResult(Measured):
     """Every run's loss per step (the global batch's mean) and wall time."""
 
     options: TrainOptions
@@ -114,10 +98,6 @@ class TrainResult:
     failure: str | None = None
     notes: tuple[str, ...] = ()
     reference: ClassVar[str] = REFERENCE  # the single process's name among `losses`
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
 
     def max_gap(self, name: str) -> float:
         return max(abs(a - b) for a, b in zip(self.losses[name], self.losses[REFERENCE]))
@@ -157,14 +137,14 @@ def run_training(options: TrainOptions) -> TrainResult:
             losses[n], seconds[n] = curve, s
     machine = folder.machine(*launches)
     last = launches[-1]
-    result = TrainResult(
-        options, verdict_of(last), losses, seconds, str(folder.path), machine, failure_of(last)
+    result = TrainResult.from_launch(
+        options, last, losses=losses, seconds=seconds, run_dir=str(folder.path), machine=machine
     )
     if result.ok:
         steps = list(range(1, options.steps + 1))
         chart = charts.loss_curves(folder.path / "loss.png", steps, losses, REFERENCE)
         result = replace(result, notes=tuple(n for n in [chart.note] if n))
-    folder.save("train", result, text.train)
+    folder.save("train", result)
     return result
 
 

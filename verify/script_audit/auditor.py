@@ -1,6 +1,6 @@
 """The audit inside a rank of a user's script: PyTorch's global optimizer step hooks.
 
-`Auditor.install()` runs before the script's first line (`launching/rank.py`). From then on,
+`Auditor.install()` runs before the script's first line (`launching/rank_script.py`). From then on,
 every `step()` of every optimizer the script creates is audited, on every rank in the same
 order (a step is a point all ranks reach together in data-parallel training):
 

@@ -163,6 +163,19 @@ def installed() -> bool:
     return _writer is not None
 
 
+def records_written() -> int:
+    """How many records this process's trace holds so far (0 when not installed): what a
+    stretch of code issued is the difference across it (`bench-tracer`: collectives a step)."""
+    return _writer.written if _writer is not None else 0
+
+
+def wrapped(name: str, fn):
+    """`fn` wrapped as `install` wraps the collective `name` (one of `torch.distributed`'s):
+    `bench-tracer` times the wrapper around a stand-in that does nothing, for the tracer's
+    price of a call. Records go to the installed trace, like any traced call's."""
+    return _make_wrapper(name, fn)
+
+
 def name_shapes(named) -> None:
     """Record the dtype and shape of named tensors (a model's parameters), so the diagnosis can
     say which parameter a collective's tensor is shaped like (`fc1.weight`, where the record

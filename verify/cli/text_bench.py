@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from verify.cli.text_perf import best_bucket_line, failed
 from verify.perf.alphabeta import MiB, bus_factor
 from verify.perf.bench_result import LOCAL, REFERENCE, SHARDED_REFERENCE, ZERO1_MEMORY
-from verify.perf.text import best_bucket_line, failed
 from verify.perf.timing import MET, MISSED, Ratio
 
 if TYPE_CHECKING:

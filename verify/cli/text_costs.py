@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from verify.cli.text_bench import decision, interval
+from verify.cli.text_perf import failed
 from verify.perf.alphabeta import MiB
 from verify.perf.bench_tracer import GOAL as TRACER_GOAL
-from verify.perf.text import failed
-from verify.perf.text_bench import decision, interval
 from verify.training.language import GPTConfig
 
 if TYPE_CHECKING:

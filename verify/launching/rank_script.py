@@ -1,0 +1,157 @@
+"""Inside a rank of a user's script (`hang --nproc N -- train.py`, `audit --nproc N`, a
+torchrun job's rank under `verify.hang_run`): the script runs as `__main__` with its own argv,
+as `python script.py` would, after the rank's common set-up (`rank.run_job`).
+
+The script calls `init_process_group` itself: its "up" is reported when that returns (until
+then the rank is starting, not hung). Its exception or non-zero exit is its failure, reported
+before the traceback is printed. Its collectives are traced from before it imports anything;
+under `--sanitize` the race sanitizer runs around it, under `audit` the replica audit at every
+optimizer step; what they found is saved even when the script crashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import runpy
+import sys
+import traceback
+
+from verify.launching import process
+from verify.launching.outcome import RankReport, Up
+from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
+from verify.script_audit.report import AuditSettings
+
+
+def script_job(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    ppid: int,
+    threads: int,
+    report_dir: str,
+    argv: tuple[str, ...],
+    sanitize: bool = False,
+    audit_every: int | None = None,
+) -> RankJob:
+    """The job of one rank of a user's script, its files in `report_dir` (the same for the
+    tool's own launch, `script.py`, and a torchrun job's rank, `torchrun.script_main`): a
+    traced rank with its stack and helper files, the race sanitizer when asked, the replica
+    audit every `audit_every` optimizer steps when asked."""
+    at = lambda name: os.path.join(report_dir, f"rank{rank}.{name}")  # noqa: E731
+    return RankJob(
+        kind="script",
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        ppid=ppid,
+        threads=threads,
+        stack_path=at("stack"),
+        trace_path=at("trace"),
+        helper_dir=report_dir,
+        argv=tuple(argv),
+        races_path=at("races.json") if sanitize else None,
+        audit=None if audit_every is None else AuditSettings(audit_every, at("audit.json")),
+    )
+
+
+_SCRIPT_OK = RankReport("ok", pickle.dumps(None))  # a script returns nothing
+
+
+def run_script_job(job: RankJob, fd: int | None) -> None:
+    import torch.distributed as dist
+
+    path, *args = job.argv
+    sys.argv = [path, *args]
+    # As `python script.py` does: the script's directory first, not this tool's.
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    if job.trace_path is not None:  # before the script imports anything from torch.distributed
+        from verify.watching import tracer
+
+        tracer.install(job.trace_path, rank=job.rank)
+    _report_up_after_init(dist, fd, job)
+    start_helper(job)
+    sanitizer = _sanitize(job)
+    auditor = _audit(job)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            process.send(fd, _SCRIPT_OK)
+        else:
+            why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
+            process.send(fd, RankReport.failure(why))
+        raise
+    except BaseException as exc:
+        report = error_report(exc)
+        process.send(fd, report)
+        if job.on_failure is not None:
+            job.on_failure(report)
+        traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
+        sys.stderr.flush()
+        _finish_audit(auditor)  # what it found before the crash (os._exit skips `finally`)
+        os._exit(1)
+    finally:
+        _save_races(sanitizer, job)
+        _finish_audit(auditor)
+    process.send(fd, _SCRIPT_OK)
+
+
+def _sanitize(job: RankJob):
+    """The race sanitizer around a user's script (`hang --nproc N --sanitize`): a script has
+    no steps the tool knows of, so works never waited on are found when it ends."""
+    if job.races_path is None:
+        return None
+    from verify.sanitize import Sanitizer
+
+    sanitizer = Sanitizer(rank=job.rank)
+    sanitizer.install()
+    return sanitizer
+
+
+def _save_races(sanitizer, job: RankJob) -> None:
+    if sanitizer is None:
+        return
+    import json
+
+    with contextlib.suppress(Exception):
+        sanitizer.end_step()
+        with open(job.races_path, "w") as f:
+            json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
+
+
+def _audit(job: RankJob):
+    """The replica audit at every optimizer step (`audit --nproc N`, `verify/script_audit/`),
+    installed before the script builds its first module."""
+    if job.audit is None:
+        return None
+    from verify.script_audit import Auditor
+
+    auditor = Auditor(job.audit)
+    auditor.install()
+    return auditor
+
+
+def _finish_audit(auditor) -> None:
+    if auditor is not None:
+        with contextlib.suppress(Exception):
+            auditor.finish()
+
+
+def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
+    """Report "up" once the script's `init_process_group` returns (the rank has met its
+    peers): until then it is starting, not hung. A traced script's NCCL waits block
+    (`block_nccl_waits`), decided from the backend it asks for."""
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if job.trace_path is not None and job.nccl_blocking_wait:
+            block_nccl_waits(kwargs.get("backend", args[0] if args else None))
+        out = original(*args, **kwargs)
+        process.send(fd, Up())
+        return out
+
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
