@@ -34,9 +34,9 @@ from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import (
     FAULT,
-    PASS,
     Finding,
     Refusal,
+    Verdicted,
     collapse,
     every_rank,
     failure_text,
@@ -77,7 +77,7 @@ class ConsistencyReport:
 
 
 @dataclass(frozen=True)
-class ConsistencyResult:
+class ConsistencyResult(Verdicted):
     """The verdict, every checkpoint audited, and every distinct finding."""
 
     options: ConsistencyOptions
@@ -89,10 +89,6 @@ class ConsistencyResult:
     elapsed_s: float = 0.0
     notes: tuple[str, ...] = field(default=())
     threads: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == PASS
 
     @property
     def headline(self) -> str:

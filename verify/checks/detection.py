@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS, CellResult
 from verify.checks.matrix import CERTIFIED, Cell, MatrixOptions, MatrixResult, run_plan
+from verify.checks.verdict import Verdicted
 from verify.options import ThreadOptions, knob
 
 
@@ -69,7 +70,7 @@ class Detection:
 
 
 @dataclass(frozen=True)
-class DetectionResult:
+class DetectionResult(Verdicted):
     """The detection matrix, and the controls: correct implementations run on the same
     behaviours, which must pass every check."""
 
@@ -88,10 +89,6 @@ class DetectionResult:
         """ "pass": every fault caught by its check, and no correct implementation flagged."""
         ok = all(d.caught for d in self.detections) and not self.false_alarms
         return "pass" if ok else "fault"
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {

@@ -29,6 +29,7 @@ from verify.checks.verdict import (
     PASS,
     Finding,
     Refusal,
+    Verdicted,
     collapse,
     every_rank,
     failure_text,
@@ -121,7 +122,7 @@ class EquivalenceReport:
 
 
 @dataclass(frozen=True)
-class EquivalenceResult:
+class EquivalenceResult(Verdicted):
     """The verdict of `check_equivalence`, the merged report, and how the run went."""
 
     options: EquivalenceOptions
@@ -131,10 +132,6 @@ class EquivalenceResult:
     elapsed_s: float = 0.0
     threads: str = ""
     notes: tuple[str, ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == PASS
 
     @property
     def findings(self) -> tuple[Finding, ...]:

@@ -29,6 +29,7 @@ from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
 from verify import progress, runs
 from verify.checks.script import WatchedRun, finish_report, run_watched_script
+from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, RunOptions, knob, launch_knobs
@@ -95,7 +96,7 @@ class HangOptions(RunOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class HangResult(WatchedRun):
+class HangResult(WatchedRun, Verdicted):
     """The diagnosis of one run, its report folder, and the verdict the CLI exits with."""
 
     options: HangOptions
@@ -103,10 +104,6 @@ class HangResult(WatchedRun):
     @property
     def verdict(self) -> str:
         return self.watched_verdict
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {
@@ -129,10 +126,6 @@ class ScenariosResult:
     @property
     def verdict(self) -> str:
         return "pass" if all(as_expected(r) for r in self.results) else "fault"
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {"check": "hang-scenarios", "verdict": self.verdict,

@@ -32,7 +32,7 @@ from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
 from verify.checks.options import CHECK_KINDS
-from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT
+from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch, rank
 from verify.options import ThreadOptions, knob, launch_knobs
 
@@ -99,7 +99,7 @@ class MatrixOptions(ThreadOptions):
 
 
 @dataclass(frozen=True)
-class MatrixResult:
+class MatrixResult(Verdicted):
     """Every cell's result; "pass" when no cell failed (not claimed and n/a are not fails)."""
 
     options: MatrixOptions
@@ -119,10 +119,6 @@ class MatrixResult:
         if not any(r.status == "pass" for r in self.results.values()):
             return NOTHING
         return PASS
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == PASS
 
     def result(self, impl: str, key: str, check: str) -> CellResult:
         return self.results[(impl, key, check)]

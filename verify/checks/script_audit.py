@@ -18,6 +18,7 @@ from pathlib import Path
 
 from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
+from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, ThreadOptions, knob
@@ -62,7 +63,7 @@ class AuditOptions(ThreadOptions, OutputOptions):
 
 
 @dataclass(frozen=True)
-class AuditResult:
+class AuditResult(Verdicted):
     """The run (its diagnosis, report folder, races) and what the audit found."""
 
     options: AuditOptions
@@ -87,10 +88,6 @@ class AuditResult:
     @property
     def verdict(self) -> str:
         return "fault" if self.faults else self.run.watched_verdict
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
 
     def to_dict(self) -> dict:
         return {

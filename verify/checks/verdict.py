@@ -27,6 +27,18 @@ EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2}
 PHASES = ("construction", "race", "gradients", "step", "checkpoint", "run")
 
 
+class Verdicted:
+    """What every command's result carries: its `verdict` (a key of EXIT_CODES, which the CLI
+    exits with) and `passed`, read from it. A mixin, not a field: each result dataclass
+    declares `verdict` where its JSON has always had it."""
+
+    verdict: str
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASS
+
+
 @dataclass(frozen=True)
 class Finding:
     """One distinct fault (module docstring).

@@ -33,7 +33,7 @@ from torch import nn
 
 from impls.registry import REGISTRY, resolve
 from verify import progress, runs
-from verify.checks.verdict import PASS, failure_text, verdict_of
+from verify.checks.verdict import Verdicted, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
 from verify.options import ThreadOptions, knob
@@ -159,7 +159,7 @@ def say(ctx: RankContext, text: str) -> None:
         (rank_side.say if ctx.spawned else progress.say)(text)
 
 
-class Measured:
+class Measured(Verdicted):
     """The verdict tail of a measurement's result (module docstring). A mixin, not fields:
     each result dataclass declares `verdict` (second, after `options`) and `failure` where its
     JSON has always had them, and builds itself with `from_launch`."""
@@ -175,4 +175,5 @@ class Measured:
 
     @property
     def ok(self) -> bool:
-        return self.verdict == PASS
+        """`passed` under the name the measurements' JSON has always used."""
+        return self.passed
