@@ -111,11 +111,15 @@ class Implementation:
 
 def wrapper_recipe(cls: type) -> Callable[..., nn.Module]:
     """`wrap` for a DDP class of ours (built-ins, hang scenarios): `Cls(module,
-    process_group=...)`, plus the bucket size when the constructor takes one."""
+    process_group=...)`, plus the bucket size when the constructor takes one, and the
+    `find_unused_parameters` hint when it names it (ZeRO-3's refuses such a workload)."""
     keyword = takes_bucket_size(cls)
+    hinted = "find_unused_parameters" in inspect.signature(cls).parameters
 
-    def wrap(module, *, bucket_size_mb=DEFAULT_BUCKET_MB, process_group=None, **_hints):
+    def wrap(module, *, bucket_size_mb=DEFAULT_BUCKET_MB, process_group=None, **hints):
         kwargs = {keyword: bucket_size_mb} if keyword else {}
+        if hinted:
+            kwargs["find_unused_parameters"] = hints.get("find_unused_parameters", False)
         return cls(module, process_group=process_group, **kwargs)
 
     wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
