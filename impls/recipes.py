@@ -107,11 +107,15 @@ class Implementation:
 
 def wrapper_recipe(cls: type) -> Callable[..., nn.Module]:
     """`wrap` for a DDP class of ours (built-ins, hang scenarios): `Cls(module,
-    process_group=...)`, plus the bucket size when the constructor takes one."""
+    process_group=...)`, plus the bucket size when the constructor takes one, and the
+    `find_unused_parameters` hint when it names it (ZeRO-3's refuses such a workload)."""
     keyword = takes_bucket_size(cls)
+    hinted = "find_unused_parameters" in inspect.signature(cls).parameters
 
-    def wrap(module, *, bucket_size_mb=DEFAULT_BUCKET_MB, process_group=None, **_hints):
+    def wrap(module, *, bucket_size_mb=DEFAULT_BUCKET_MB, process_group=None, **hints):
         kwargs = {keyword: bucket_size_mb} if keyword else {}
+        if hinted:
+            kwargs["find_unused_parameters"] = hints.get("find_unused_parameters", False)
         return cls(module, process_group=process_group, **kwargs)
 
     wrap.bucket_keyword = keyword  # type: ignore[attr-defined]
@@ -119,7 +123,12 @@ def wrapper_recipe(cls: type) -> Callable[..., nn.Module]:
 
 
 def torch_ddp(
-    module, *, bucket_size_mb=DEFAULT_BUCKET_MB, process_group=None, find_unused_parameters=False
+    module,
+    *,
+    bucket_size_mb=DEFAULT_BUCKET_MB,
+    process_group=None,
+    find_unused_parameters=False,
+    **_hints,
 ):
     """PyTorch's DistributedDataParallel with the same bucket size: the reference.
 
@@ -147,8 +156,15 @@ def torch_zero(params, optimizer_cls, *, process_group=None, **defaults):
     )
 
 
-def torch_fsdp(module, *, process_group=None, find_unused_parameters=False, **_hints):
+def torch_fsdp(
+    module, *, process_group=None, find_unused_parameters=False, compute_dtype=None, **_hints
+):
     """PyTorch's FSDP2: `fully_shard` on each block, then on the root (torchtitan's order).
+
+    `compute_dtype` (a workload's hint): mixed precision, FSDP2's own way:
+    `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)`: parameters
+    gathered and computed in `compute_dtype`, gradients reduce-scattered in float32 into the
+    float32 shards.
 
     A block is a child of the root, or of a child container without a forward (a
     `ModuleList` of transformer blocks). A block that shares a parameter with another block
@@ -160,7 +176,7 @@ def torch_fsdp(module, *, process_group=None, find_unused_parameters=False, **_h
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .base import sync_module_states
 
@@ -173,9 +189,12 @@ def torch_fsdp(module, *, process_group=None, find_unused_parameters=False, **_h
     sync_module_states(module, group)
     device = next(module.parameters()).device.type
     mesh = DeviceMesh.from_group(group, device)
+    policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in fsdp_blocks(module):
-        fully_shard(block, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(module, mesh=mesh, mp_policy=policy)
 
 
 def fsdp_blocks(module: nn.Module) -> list[nn.Module]:

@@ -55,6 +55,7 @@ HINTS = {
     "faulty:zero3-not-regathered": "gathered again before its backward",
     "faulty:zero3-accumulation-lost": "a later forward replaced",
     "faulty:zero3-stale-on-one-rank": "gathered at an earlier step",
+    "faulty:zero3-padded-tail-dropped": "the shard that also holds the padding",
     "faulty:zero3-unsharded": "every rank holds every parameter whole",
     "faulty:zero2-shared-scatter-input": "while an async collective on it was running",
 }

@@ -61,6 +61,11 @@ EXPECTED = {
     "hang:deadlock": (
         {"hang"}, {"missing", "stuck outside collectives"}, 1, "hang_scenarios.py:", "before_sync"
     ),
+    # ZeRO-3's units are reduce-scattered from one line: the skip is named by the history,
+    # at the reduce-scatter's line (gloo aborts on the next, differently sized, one or hangs).
+    "hang:skip-reduce-scatter": (
+        {"hang", "crash"}, {"skipped collective"}, 1, "units.py:", "reduce_scatter_tensor"
+    ),
 }  # fmt: skip
 
 
@@ -277,6 +282,25 @@ def test_the_history_names_who_skipped():
     d = diagnose([_trace(0, r0), _trace(1, r1)], states, stalled=True)
     assert (d.verdict, d.culprit, d.findings[0].kind) == ("hang", 0, "skipped collective")
     assert "rank 0 skipped all_reduce #9" in d.headline and "x.py:flag" in d.headline
+
+
+def test_a_unit_left_out_at_the_same_line_is_a_skip():
+    """hang:skip-reduce-scatter in miniature: three steps of async reduce-scatters of units of
+    8, 4 and 16 elements, all from one line; at step 4 rank 1 leaves the first out. Its #10 is
+    rank 0's #11: a skip, not a size mismatch, and rank 1 broke the pattern."""
+    step = [8, 4, 16]
+
+    def rs(seq, n, state="completed"):
+        return _rec(seq, "u.py:164", n, state, op="reduce_scatter_tensor")
+
+    common = [rs(i + 1, n) for i, n in enumerate(step * 3)]
+    r0 = common + [rs(10, 8, "issued"), rs(11, 4, "issued"), rs(12, 16, "issued")]
+    r1 = common + [rs(10, 4, "issued"), rs(11, 16, "issued")]
+    states = [RankOutcome(0, "timeout"), RankOutcome(1, "timeout")]
+    d = diagnose([_trace(0, r0), _trace(1, r1)], states, stalled=True)
+    assert (d.verdict, d.culprit, d.findings[0].kind) == ("hang", 1, "skipped collective")
+    assert "rank 1 skipped reduce_scatter_tensor #10" in d.headline, d.headline
+    assert "u.py:164" in d.headline
 
 
 def test_same_count_different_shape_is_a_desync():

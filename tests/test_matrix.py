@@ -37,7 +37,7 @@ def test_the_rows_the_issue_asks_for_are_there():
     assert len(keys) == len(set(keys))
     assert {1, 2, 3, 4} <= {b.world_size for b in BEHAVIOURS}
     workloads = {b.workload for b in BEHAVIOURS}
-    assert {"frozen", "tied", "unused", "buffers", "bf16", "mixed"} <= workloads
+    assert {"frozen", "tied", "unused", "buffers", "bf16", "mixed", "bf16-compute"} <= workloads
     assert any(b.accumulate > 1 for b in BEHAVIOURS)
     assert any(not b.set_to_none for b in BEHAVIOURS)
     assert {25.0, SMALLEST_PARAMETER, 0.0045} <= {b.bucket_mb for b in BEHAVIOURS}

@@ -20,6 +20,7 @@ first step's collectives give the diagnosis a history to compare against:
 | raise | raises before its all-reduces | the others wait, the launcher ends them |
 | sigkill | SIGKILLs itself | the others wait, the launcher ends them |
 | deadlock | waits on an event nobody sets (outside any collective) | hang |
+| skip-reduce-scatter | (ZeRO-3) skips one unit's reduce-scatter in backward | abort or hang |
 | slow-rank | sleeps half the stall timeout, then continues | must NOT be flagged |
 """
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.bucketed import BucketedDDP
+from impls.zero3 import Zero3DDP
 
 FAULT_STEP = 2
 STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # set by the launcher (and the hang check) in every rank
@@ -60,14 +62,7 @@ class ScenarioDDP(nn.Module):
 
     @property
     def faulty(self) -> bool:
-        """True on the last rank at the fault step of the first model it wraps (never at world
-        size 1): the fault happens once per process, however many workloads follow."""
-        global _fault_model
-        if self.world_size == 1 or self.rank != self.world_size - 1 or self.steps != FAULT_STEP:
-            return False
-        if _fault_model is None:
-            _fault_model = id(self)
-        return _fault_model == id(self)
+        return _faulty_now(self)
 
     def finish_gradient_synchronization(self) -> None:
         self.steps += 1
@@ -89,6 +84,18 @@ class ScenarioDDP(nn.Module):
 
     def check_finite(self, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(nonfinite_count(self.params), op=op, group=self.process_group)
+
+
+def _faulty_now(wrapper) -> bool:
+    """True on the last rank at the fault step of the first model it wraps (never at world
+    size 1): the fault happens once per process, however many workloads follow."""
+    global _fault_model
+    ws, rank = wrapper.world_size, wrapper.rank
+    if ws == 1 or rank != ws - 1 or wrapper.steps != FAULT_STEP:
+        return False
+    if _fault_model is None:
+        _fault_model = id(wrapper)
+    return _fault_model == id(wrapper)
 
 
 def nonfinite_count(params: list[nn.Parameter]) -> torch.Tensor:
@@ -193,6 +200,32 @@ class ReversedBuckets(BucketedDDP):
         return dist.get_rank(self.process_group)
 
 
+class SkipReduceScatter(Zero3DDP):
+    """ZeRO-3 whose last rank, in step 2's backward, skips the reduce-scatter of the first unit
+    whose backward completes (as a rank-local early return would) and keeps zeros as its
+    gradient shard: the other ranks wait in that reduce-scatter for a rank that went on.
+    (No `__init__` of its own: the registry reads `Zero3DDP`'s, whose `find_unused_parameters`
+    makes it refuse the workload with a branch used on one rank, as `zero3` does.)"""
+
+    steps = 0  # synchronized forwards so far (instances count their own)
+    _skipped_at: int | None = None
+
+    def forward(self, *args, **kwargs):
+        if self.require_backward_grad_sync:
+            self.steps += 1  # a synchronized step's forward: step 2's backward follows
+        return super().forward(*args, **kwargs)
+
+    def _reduce_scatter(self, unit) -> None:
+        if _faulty_now(self) and self._skipped_at is None:
+            self._skipped_at = self.steps
+            unit.used = [False] * len(unit.leaves)  # no reduce-scatter: nothing to wait on
+            unit.reduced = unit.full.new_zeros(unit.total)
+            for leaf in unit.leaves:
+                leaf.grad = None
+            return
+        super()._reduce_scatter(unit)
+
+
 #: name -> (class, summary, what the hang check must conclude: "hang" | "crash" | "desync" | "ok")
 SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:skip-collective": (SkipCollective, "last rank skips a collective at step 2", "hang"),
@@ -204,5 +237,10 @@ SCENARIOS: dict[str, tuple[type, str, str]] = {
     "hang:raise": (Raises, "last rank raises at step 2", "crash"),
     "hang:sigkill": (Killed, "last rank is SIGKILLed at step 2", "crash"),
     "hang:deadlock": (Deadlock, "last rank blocks outside any collective", "hang"),
+    "hang:skip-reduce-scatter": (
+        SkipReduceScatter,
+        "zero3's last rank skips a unit's reduce-scatter at step 2",
+        "hang",
+    ),
     "hang:slow-rank": (SlowRank, "last rank stalls half the stall timeout (not a hang)", "ok"),
 }

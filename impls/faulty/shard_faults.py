@@ -1,5 +1,5 @@
-"""Broken ZeRO-3 wrappers: what the reduce-scatter divides, when and into what a unit is
-gathered, and a class that says it shards parameters and does not.
+"""Broken ZeRO-3 wrappers: what the reduce-scatter divides and pads, when and into what a unit
+is gathered, and a class that says it shards parameters and does not.
 
 Each class changes one method of `impls.zero3.Zero3DDP`; the line that is wrong carries a
 `# BUG:` comment. Registered as DDP wrappers with `full_parameters()`, they are built as a
@@ -10,6 +10,7 @@ read whole tensors through the wrapper (`verify/training/sharded.py`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from impls.naive import NaiveDDP
 from impls.zero3 import Zero3DDP, _Saved
@@ -90,6 +91,47 @@ class StaleParametersOnLastRank(Zero3DDP):
             # BUG: the first gather's values replace every later one on this rank
             unit.full.copy_(first.setdefault(id(unit), unit.full.clone()))
         unit.install(unit.leaves)
+
+
+@fault("zero3-padded-tail-dropped", caught_by="equivalence", shows_on=("odd-sizes",))
+class PaddedTailDropped(Zero3DDP):
+    """Copies the gradient into the reduce-scatter input whole chunks only: the last rows of
+    a parameter whose rows N does not divide are sent as zeros, as padding.
+
+    The input is built one rank chunk (ceil(rows / N) rows) at a time, and a chunk the
+    gradient does not fill is skipped; that partial chunk holds real rows before its padding.
+
+    Symptom: the rows in the rank shard that holds the padding get a zero gradient (AdamW
+    only decays them), alike on every rank, so consistency passes. Where the world size
+    divides every parameter's rows (the MLP at 2 or 4 ranks) no chunk is partial and every
+    value is right; at 3 ranks the MLP's 32-row layers show it too.
+
+    Caught by equivalence on the odd-sizes row (7, 3, 5 and 1 rows over 4 ranks: the 7-row
+    layer's last row lives in a padded chunk), at the first gradient check.
+    """
+
+    def _reduce_scatter(self, unit) -> None:
+        n = self.world_size
+        grads = torch.zeros(unit.total * n, dtype=unit.full.dtype, device=unit.full.device)
+        ranks = grads.view(n, unit.total)  # [rank][this rank's chunk of every parameter]
+        start, unit.used = 0, []
+        for leaf, chunk in zip(unit.leaves, unit.chunk):
+            unit.used.append(leaf.grad is not None)
+            if leaf.grad is not None:
+                flat = leaf.grad.reshape(-1) / n
+                for r in range(n):
+                    if (r + 1) * chunk <= flat.numel():  # BUG: a partial chunk is not padded
+                        ranks[r, start : start + chunk].copy_(flat[r * chunk : (r + 1) * chunk])
+            leaf.grad = None
+            start += chunk
+        if n == 1:
+            unit.reduced = grads
+            return
+        unit.reduced = grads.new_empty(unit.total)
+        handle = dist.reduce_scatter_tensor(
+            unit.reduced, grads, group=self.process_group, async_op=True
+        )
+        unit.reducing = (handle, grads)
 
 
 @fault("zero3-unsharded", caught_by="shard", shows_on=("world-2",))

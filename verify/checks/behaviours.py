@@ -125,6 +125,11 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
     ),
     Behaviour(key="bf16", title="a bf16 model", workload="bf16"),
     Behaviour(
+        key="bf16-compute",
+        title="mixed precision: fp32 parameters, bf16 compute, fp32 reduction",
+        workload="bf16-compute",
+    ),
+    Behaviour(
         key="odd-sizes",
         title="parameters of 7, 3, 5 and 1 rows over 4 ranks (uneven shards, padding)",
         workload="odd",

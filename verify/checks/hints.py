@@ -36,6 +36,7 @@ class Situation:
     accumulate: int = 1
     several_buckets: bool = False
     add_param_group: bool = False
+    uneven_shards: bool = False  # parameters whose rows the world size does not divide
 
 
 def situation_of(options) -> Situation:
@@ -49,6 +50,7 @@ def situation_of(options) -> Situation:
         round_trip_step=round_trip,
         accumulate=getattr(options, "accumulate", 1) or 1,
         several_buckets=getattr(options, "key", "") == "several-buckets",
+        uneven_shards=getattr(options, "key", "") == "odd-sizes",
         add_param_group=bool(getattr(options, "add_param_group", False)),
     )
 
@@ -219,6 +221,19 @@ def _scale(text: str, s: Situation) -> str | None:
     return "; or ".join(found) or None
 
 
+def _uneven_tail(text: str, s: Situation) -> str | None:
+    """Gradients wrong where row shards are uneven (no exact scale factor: `_scale` first)."""
+    if not s.uneven_shards or _first_step(text, _GRADS_AT) is None:
+        return None
+    return (
+        "gradients are wrong where the world size does not divide a parameter's rows; if "
+        "the class passes where it divides them all (world-2, world-4), the rows in the "
+        "shard that also holds the padding were lost or misplaced: pad the gradient to "
+        "N x ceil(rows / N) rows and send every chunk, the partial one too, and unpad by "
+        "dropping only the padded rows"
+    )
+
+
 def _step_diverged(text: str, s: Situation) -> str | None:
     """Parameters wrong while the gradients were right: the optimizer, not the DDP."""
     step = _first_step(text, _PARAMS_AT)
@@ -307,6 +322,7 @@ _RULES = (
     _scale,
     _not_reduced,
     _params_not_synced,
+    _uneven_tail,
     _accumulation_or_buckets,
     _carried_over,
     _step_diverged,

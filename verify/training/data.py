@@ -40,6 +40,9 @@ class Workload:
     summary = "MLP with LayerNorm; the plain case"
     #: hint for wrappers that must be told (PyTorch DDP's find_unused_parameters)
     has_unused_parameters = False
+    #: hint for wrappers that compute in a narrower dtype than the parameters' (FSDP2's
+    #: MixedPrecisionPolicy param_dtype); None: the parameters' own
+    compute_dtype: torch.dtype | None = None
     d_in, d_hidden, d_out = 16, 32, 4
 
     def __init__(self, *, local_batch: int = 8, seed: int = 0) -> None:

@@ -194,11 +194,10 @@ class Trainer:
         if self.impl is None:
             return self.model
         with self._constructing("the wrapper"):
-            return self.impl.wrap(
-                self.model,
-                bucket_size_mb=self.spec.bucket_mb,
-                find_unused_parameters=self.workload.has_unused_parameters,
-            )
+            hints = {"find_unused_parameters": self.workload.has_unused_parameters}
+            if self.workload.compute_dtype is not None:  # only where a workload asks for it
+                hints["compute_dtype"] = self.workload.compute_dtype
+            return self.impl.wrap(self.model, bucket_size_mb=self.spec.bucket_mb, **hints)
 
     def _make_optimizer(self):
         s = self.spec

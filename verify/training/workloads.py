@@ -190,6 +190,46 @@ class BF16(Workload):
         return F.mse_loss(out.float(), batch.targets)
 
 
+class BF16Linear(nn.Linear):
+    """A float32 Linear that computes in bfloat16 (weight, bias and input cast on the way in),
+    as autocast or FSDP2's `param_dtype=torch.bfloat16` does: the gradient that reaches the
+    float32 parameter is the bfloat16 one, widened, so every rank reduces float32 gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16), bias)
+
+
+class BF16ComputeMLP(nn.Module):
+    """float32 master weights, bfloat16 compute (mixed precision), one block per layer."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.fc1 = BF16Linear(d_in, d_hidden)
+        self.fc2 = BF16Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class BF16Compute(Workload):
+    """Mixed precision: float32 parameters and gradients, forward and backward in bfloat16.
+
+    One process and every rank run the same bfloat16 ops on the same shard (the reference's
+    g_r is rank r's, bitwise), and the gradients reduced are float32: the equivalence
+    tolerance is the float32 reduction's (`tolerances.gradient_tolerance` of the gradient's
+    dtype), not bfloat16's. FSDP2 is told `compute_dtype` and casts itself
+    (`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`); the model's own
+    casts are then no-ops, so both sides compute the same values."""
+
+    name = "bf16-compute"
+    summary = "float32 parameters computed in bfloat16, float32 gradient reduction"
+    compute_dtype = torch.bfloat16
+
+    def build(self) -> nn.Module:
+        return BF16ComputeMLP(self.d_in, self.d_hidden, self.d_out)
+
+
 class OddMLP(nn.Module):
     """Parameters of 7, 3, 5 and 1 rows: no world size from 2 to 4 divides most of them, and
     at 4 ranks two have fewer rows than there are ranks (a sharded rung pads them, and some
@@ -217,10 +257,22 @@ class Odd(Workload):
 
 WORKLOADS: dict[str, type[Workload]] = {
     w.name: w
-    for w in [Workload, Frozen, Tied, Unused, Buffers, Mixed, BF16, Odd, Transformer, Markov]
+    for w in [
+        Workload,
+        Frozen,
+        Tied,
+        Unused,
+        Buffers,
+        Mixed,
+        BF16,
+        BF16Compute,
+        Odd,
+        Transformer,
+        Markov,
+    ]
 }
 #: the workloads every implementation must get right (the test suite runs all of them)
-HARD_CASES = ("mlp", "frozen", "tied", "unused", "buffers", "mixed", "transformer")
+HARD_CASES = ("mlp", "frozen", "tied", "unused", "buffers", "mixed", "bf16-compute", "transformer")
 
 
 def get_workload(name: str, **options) -> Workload:

@@ -228,12 +228,20 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     others = [r for r in present if r not in culprits]
     ref = present[others[0]] if others else present[min(present)]
     bad = present[culprit]
-    # A different call site where history expected the others' collective: a skip (the same
-    # site with a different size is a reordering, reported as the mismatch it is).
-    skipped = bad.site != ref.site and (
-        blame is Blame.HISTORY
-        or (attr in ("op", "numel", "dtype", "site") and history.expected(k, colls) == token(ref))
-    )
+    # A different call site where history expected the others' collective: a skip. The same
+    # site with a different size is a reordering, reported as the mismatch it is, unless the
+    # culprit broke the pattern and its records from #k on are the others' from a later one
+    # (units reduce-scattered from one line, one of them left out on the culprit).
+    skipped = (
+        bad.site != ref.site
+        and (
+            blame is Blame.HISTORY
+            or (
+                attr in ("op", "numel", "dtype", "site")
+                and history.expected(k, colls) == token(ref)
+            )
+        )
+    ) or (blame is Blame.HISTORY and set(others) <= set(history.extra_ops(k, present, colls)))
     if skipped and hangs:
         what = (
             f"rank {culprit} skipped {ref.describe()} {at(ref.site)}, which rank(s) "
