@@ -113,12 +113,11 @@ def rank_all_cells(ctx) -> list[str]:
     problems = []
     for wl in HARD_CASES:
         reference = train(ctx, "torch-ddp", wl)
-        for impl in DDP_VARIANTS:
-            problems += compare(f"{impl}/{wl}", train(ctx, impl, wl), reference)
+        trained = {impl: train(ctx, impl, wl) for impl in DDP_VARIANTS}
+        for impl, got in trained.items():
+            problems += compare(f"{impl}/{wl}", got, reference)
         # ZeRO-1 against the same DDP with the unsharded optimizer: bitwise.
-        problems += compare(
-            f"zero1/{wl}", train(ctx, "zero1", wl), train(ctx, "bucketed", wl), exact=True
-        )
+        problems += compare(f"zero1/{wl}", train(ctx, "zero1", wl), trained["bucketed"], exact=True)
         if wl != "mixed":  # ZeroRedundancyOptimizer rejects models with several dtypes
             torch_zero = train(ctx, "torch-zero", wl)
             problems += compare(f"torch-zero/{wl}", torch_zero, reference, exact=True)
