@@ -162,6 +162,14 @@ class Auditor:
         self.max_detail = max_detail
         self.param_names = {id(p): n for n, p in model.named_parameters()}
 
+    def follow(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Audit `model` from now on, and `optimizer` when this auditor audits one (both
+        rebuilt by a state_dict round trip)."""
+        self.model = model
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        if self.optimizer is not None:
+            self.optimizer = optimizer
+
     def state_tensors(self) -> list[tuple[str, torch.Tensor | None]]:
         """Parameters, buffers and replicated optimizer state, by name."""
         named = [(f"param:{n}", p) for n, p in self.model.named_parameters()]

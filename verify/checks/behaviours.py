@@ -36,6 +36,8 @@ class Behaviour:
         accumulate: micro-batches per step, all but the last under `no_sync()` (claimed only
             by wrappers that have `no_sync()`).
         set_to_none, scheduler, round_trip: as in `EquivalenceOptions`.
+        round_trip_model: the round trip saves and loads the model too, into a fresh wrapper
+            (`training/model_state.py`); implies `round_trip`.
         add_param_group: build the optimizer over the first group and add the others.
         sharded_only: a behaviour of the sharded optimizer: n/a for DDP wrappers.
     """
@@ -50,10 +52,13 @@ class Behaviour:
     set_to_none: bool = TRAIN_DEFAULTS.set_to_none
     scheduler: bool = TRAIN_DEFAULTS.scheduler
     round_trip: bool = False
+    round_trip_model: bool = False
     add_param_group: bool = False
     sharded_only: bool = False
 
     def __post_init__(self) -> None:
+        if self.round_trip_model and not self.round_trip:
+            raise ValueError(f"{self.key}: round_trip_model needs round_trip")
         if self.round_trip and self.steps < 2:
             raise ValueError(f"{self.key}: a state_dict round trip needs steps >= 2")
         get_workload(self.workload)
@@ -134,6 +139,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
         title="parameters of 7, 3, 5 and 1 rows over 4 ranks (uneven shards, padding)",
         workload="odd",
         world_size=4,
+    ),
+    Behaviour(
+        key="model-round-trip",
+        title="model and optimizer state_dict round trip into a fresh wrapper",
+        round_trip=True,
+        round_trip_model=True,
     ),
     # The sharded optimizer's own behaviours (every row above already has two groups).
     Behaviour(

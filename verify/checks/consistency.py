@@ -209,8 +209,7 @@ class AuditHooks(Hooks):
             self.notes.append(
                 f"optimizer state_dict round trip after step {step}: {run.round_trip.note}"
             )
-        if self.auditor.optimizer is not None:
-            self.auditor.optimizer = run.optimizer
+        self.auditor.follow(run.model, run.optimizer)  # a model round trip built fresh ones
         label = f"step {step} after the state_dict round trip"
         self._audit(
             label,

@@ -238,7 +238,8 @@ def _notes(spec: TrainSpec) -> tuple[str, ...]:
         + (f", StepLR gamma {SCHEDULER_GAMMA}" if spec.scheduler else "")
     ]
     if spec.round_trip_step is not None:
-        notes.append(f"optimizer state_dict round trip after step {spec.round_trip_step}")
+        what = "model and optimizer" if spec.round_trip_model else "optimizer"
+        notes.append(f"{what} state_dict round trip after step {spec.round_trip_step}")
     if spec.accumulate > 1:
         notes.append(f"{spec.accumulate} micro-batches per step, all but the last in no_sync()")
     if not spec.set_to_none:

@@ -47,6 +47,7 @@ class SanitizeHooks(Hooks):
         self.sanitizer.end_step()
 
     def after_load(self, run: Trainer, step: int, error) -> None:
+        self.sanitizer.name_tensors(run.model.named_parameters())  # a fresh model's, if rebuilt
         self.sanitizer.end_step()
 
     @property

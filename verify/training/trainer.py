@@ -8,7 +8,8 @@ One step, as a user's training script takes it with a data-parallel wrapper::
         loss(wrapper, this rank's shard) / accumulate .backward()
     finish_gradient_synchronization()         # if the wrapper has it
     optimizer.step(); scheduler.step()
-    [state_dict round trip]                   # at `round_trip_step` (checkpoint.py)
+    [state_dict round trip]                   # at `round_trip_step` (checkpoint.py), the
+                                              # model's too with `round_trip_model` (model_state.py)
 
 Checks attach through `Hooks` (after construction, after each backward with the global batch,
 after the synchronization, after the step, after a reload), never by copying the loop.
@@ -26,6 +27,7 @@ says raises `InterfaceError` (`interface.py`): a usage error rather than a fault
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -37,7 +39,7 @@ from torch.profiler import record_function
 
 from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
 from verify.launching.outcome import RankContext
-from verify.training import checkpoint
+from verify.training import checkpoint, model_state
 from verify.training.interface import (
     InterfaceError,
     call_message,
@@ -70,6 +72,8 @@ class TrainSpec:
         lr, weight_decay: of the first group.
         scheduler: step a StepLR (halving the learning rate) after every optimizer step.
         round_trip_step: after this step, save the optimizer's state, build a fresh one, load.
+        round_trip_model: at `round_trip_step`, the model's state_dict too: a fresh model and
+            wrapper are built and loaded first, then the optimizer over them.
         add_param_group: build the optimizer over the first group, add the others after.
         same_init: seed every rank alike (no broadcast needed for replicas to agree).
         seed: data and initialization seed.
@@ -88,6 +92,7 @@ class TrainSpec:
     weight_decay: float = 0.1
     scheduler: bool = False
     round_trip_step: int | None = None
+    round_trip_model: bool = False
     add_param_group: bool = False
     same_init: bool = False
     seed: int = 0
@@ -182,22 +187,32 @@ class Trainer:
         self.round_trip: checkpoint.RoundTrip | None = None
         self._doing = "construction"
         torch.manual_seed(spec.seed * 1000 + (0 if spec.same_init else ctx.rank))
-        self.model = self.workload.build().to(ctx.device)
-        tracer.name_shapes(self.model.named_parameters())  # the diagnosis names collectives
-        self.wrapped = self._wrap()
+        self.model, self.wrapped = self._build()
         self.optimizer, self.scheduler = self._make_optimizer()
         self._call("after_build")
 
     # --- construction ---------------------------------------------------------------------
 
-    def _wrap(self) -> nn.Module:
+    def _build(self) -> tuple[nn.Module, nn.Module]:
+        """The model from torch's current seed, on this rank's device, and its wrapper."""
+        model = self.workload.build().to(self.ctx.device)
+        tracer.name_shapes(model.named_parameters())  # the diagnosis names collectives
         if self.impl is None:
-            return self.model
+            return model, model
         with self._constructing("the wrapper"):
             hints = {"find_unused_parameters": self.workload.has_unused_parameters}
             if self.workload.compute_dtype is not None:  # only where a workload asks for it
                 hints["compute_dtype"] = self.workload.compute_dtype
-            return self.impl.wrap(self.model, bucket_size_mb=self.spec.bucket_mb, **hints)
+            return model, self.impl.wrap(model, bucket_size_mb=self.spec.bucket_mb, **hints)
+
+    def _rebuild(self) -> tuple[nn.Module, nn.Module]:
+        """A fresh model and wrapper for the model's round trip, from another seed than the
+        first (a lost load shows), torch's random state left as it was."""
+        devices = [self.ctx.device.index or 0] if self.ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            s, rank = self.spec, self.ctx.rank
+            torch.manual_seed(s.seed * 1000 + 500 + (0 if s.same_init else rank))
+            return self._build()
 
     def _make_optimizer(self):
         s = self.spec
@@ -279,11 +294,24 @@ class Trainer:
         return step_loss
 
     def reload(self, step: int) -> None:
-        """The optimizer state_dict round trip (`checkpoint.round_trip`), scheduler included.
-        A failure is reported to the hooks and training goes on from a fresh optimizer."""
+        """The optimizer state_dict round trip (`checkpoint.round_trip`), scheduler included,
+        after the model's (`model_state.model_round_trip`: a fresh model and wrapper) with
+        `round_trip_model`. A failure is reported to the hooks and training goes on from a
+        fresh optimizer (and, when the model's failed, the fresh model as it was built)."""
         sched_state = self.scheduler.state_dict() if self.scheduler is not None else None
         error = None
+        model_note = ""
         try:
+            if self.spec.round_trip_model:
+                played = model_state.model_round_trip(
+                    self.wrapped,
+                    self._rebuild,
+                    rank=self.ctx.rank,
+                    world_size=self.ctx.world_size,
+                    device=self.ctx.device,
+                )
+                self.model, self.wrapped = played.model, played.wrapped
+                model_note = f"; the model's as {played.kind}: {played.note}"
             self.round_trip = checkpoint.round_trip(
                 self.optimizer,
                 lambda: self._make_optimizer()[0],
@@ -294,6 +322,9 @@ class Trainer:
                 sharded_params=hasattr(self.wrapped, "full_parameters"),
             )
             optimizer = self.round_trip.optimizer
+            if model_note:
+                note = self.round_trip.note + model_note
+                self.round_trip = dataclasses.replace(self.round_trip, note=note)
         except checkpoint.CheckpointError as exc:
             error = exc
             optimizer = self._make_optimizer()[0]  # state lost: both sides restart
