@@ -46,6 +46,12 @@ ranks (told by the tool's hint: their unit would be gathered and reduce-scattere
 ranks only, as PyTorch's FSDP refuses them too), parameters with no dim 0 to cut (0-dim), and a
 unit whose parameters mix dtypes. Frozen parameters are not sharded: they stay whole on every
 rank (broadcast at construction).
+
+Checkpoints are per-rank: between steps the module's parameters are this rank's row shards
+(padded), so `wrapper.module.state_dict()` holds them under the module's names, and
+`load_state_dict()` of the same rank's dict into a fresh wrapper of the same world size puts
+them back (as FSDP's local state dicts, and torch.distributed.checkpoint's one shard per rank).
+Whole parameters, for a checkpoint that does not depend on the world size: `full_parameters()`.
 """
 
 from __future__ import annotations

@@ -150,3 +150,34 @@ class KeepsFullParameters(NaiveDDP):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         # BUG: the module's own parameters, whole on every rank: nothing was ever sharded
         return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+
+@fault("zero3-load-wrong-rows", caught_by="equivalence", shows_on=("model-round-trip",))
+class LoadsWrongRows(Zero3DDP):
+    """`state_dict()` gathers the whole parameters (a full checkpoint, the same on every
+    rank), but `load_state_dict()` cuts every rank's shard from the first rows: every rank
+    resumes from rank 0's rows.
+
+    Symptom: training is right until the first checkpoint is loaded; from then on every rank
+    but rank 0 trains the wrong rows (rank 0's copy), and the ranks still agree on every full
+    tensor they put together, so consistency passes.
+
+    Caught by equivalence on the model-round-trip row, at the first step after the load.
+    """
+
+    @torch.no_grad()
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Buffers and frozen parameters as the module holds them, every sharded one whole."""
+        return {**self.module.state_dict(), **self.full_parameters()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        local = dict(state_dict)
+        for unit, names in zip(self.units, self.unit_names):
+            for name, shard in zip(names, unit.shards):
+                rows = shard.shape[0]
+                piece = state_dict[name][:rows]  # BUG: rank 0's rows, not [rank * rows :][:rows]
+                padded = torch.zeros_like(shard)
+                padded[: piece.shape[0]] = piece
+                local[name] = padded
+        return self.module.load_state_dict(local, strict=strict)

@@ -33,6 +33,7 @@ class Situation:
     world_size: int
     scheduler: bool = False
     round_trip_step: int | None = None
+    model_round_trip: bool = False  # the round trip loads the model too, into a fresh wrapper
     accumulate: int = 1
     several_buckets: bool = False
     add_param_group: bool = False
@@ -48,6 +49,7 @@ def situation_of(options) -> Situation:
         world_size=getattr(options, "ranks", None) or getattr(options, "world_size", None) or 2,
         scheduler=bool(getattr(options, "scheduler", False)),
         round_trip_step=round_trip,
+        model_round_trip=bool(getattr(options, "round_trip_model", False)),
         accumulate=getattr(options, "accumulate", 1) or 1,
         several_buckets=getattr(options, "key", "") == "several-buckets",
         uneven_shards=getattr(options, "key", "") == "odd-sizes",
@@ -266,6 +268,22 @@ def _step_diverged(text: str, s: Situation) -> str | None:
     return f"{head}: " + "; or ".join(causes)
 
 
+def _model_reloaded(text: str, s: Situation) -> str | None:
+    """Gradients right until the model was reloaded, wrong from the step after: the load (a
+    lost optimizer state leaves the gradients right: `_step_diverged`)."""
+    if not s.model_round_trip or s.round_trip_step is None:
+        return None
+    if _first_step(text, _GRADS_AT) != s.round_trip_step + 1:
+        return None
+    return (
+        f"gradients were right until the model's state_dict() round trip after step "
+        f"{s.round_trip_step}: "
+        "load_state_dict() must put every value back where state_dict() took it from: from "
+        "a full checkpoint each rank keeps its own rows (rows [r x ceil(n/N), (r+1) x "
+        "ceil(n/N)) on rank r), from a per-rank one each rank loads its own shard"
+    )
+
+
 def _carried_over(text: str, s: Situation) -> str | None:
     """Right at the first step, wrong from a later one: state left from a previous step."""
     step = _first_step(text, _GRADS_AT)
@@ -324,6 +342,7 @@ _RULES = (
     _params_not_synced,
     _uneven_tail,
     _accumulation_or_buckets,
+    _model_reloaded,
     _carried_over,
     _step_diverged,
 )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +83,10 @@ def model_round_trip(
     if world_size > 1:
         dist.all_gather_object(digests, digest)
     if "dtensor" in digests:
-        kind, note = "per-rank", "it holds DTensors (a sharded state dict): each rank loaded its own"
+        kind, note = (
+            "per-rank",
+            "it holds DTensors (a sharded state dict): each rank loaded its own",
+        )
     elif len(set(digests)) == 1:
         kind, note = "full", "identical on every rank: rank 0's loaded on every rank"
     else:
@@ -93,11 +95,13 @@ def model_round_trip(
         state = _copy(mine, to_cpu=False)
     else:
         object_device = device if device.type == "cuda" else None
-        state = _broadcast(_copy(mine, to_cpu=True) if rank == 0 else None, world_size, object_device)
+        state = _broadcast(
+            _copy(mine, to_cpu=True) if rank == 0 else None, world_size, object_device
+        )
     del mine
     model, fresh = _user("rebuild", "building a fresh model and wrapper", rebuild)
     target = state_owner(fresh)
     whose = "rank 0's state" if kind == "full" else "this rank's own state"
     call = f"{type(target).__name__}.load_state_dict() of {whose}"
     _user("load_state_dict", call, target.load_state_dict, state)
-    return ModelRoundTrip(model, fresh, kind, f"{type(owner).__name__}.state_dict() {note}")
+    return ModelRoundTrip(model, fresh, kind, f"{type(owner).__name__}.state_dict(): {note}")
