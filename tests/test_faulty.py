@@ -57,6 +57,7 @@ HINTS = {
     "faulty:zero3-stale-on-one-rank": "gathered at an earlier step",
     "faulty:zero3-padded-tail-dropped": "the shard that also holds the padding",
     "faulty:zero3-unsharded": "every rank holds every parameter whole",
+    "faulty:zero3-load-wrong-rows": "each rank keeps its own rows",
     "faulty:zero2-shared-scatter-input": "while an async collective on it was running",
 }
 

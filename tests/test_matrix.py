@@ -23,7 +23,7 @@ from verify.checks.behaviours import (
     smallest_parameter_mb,
 )
 from verify.checks.cells import not_claimed, shard_verdict
-from verify.checks.matrix import CERTIFIED, MatrixOptions, run_matrix
+from verify.checks.matrix import CERTIFIED, MatrixOptions, run_matrix, run_plan
 from verify.cli.text_matrix import matrix as format_matrix
 from verify.training.optim_state import PlainState
 from verify.training.workloads import get_workload
@@ -98,7 +98,13 @@ def test_claims_are_read_from_the_wrapper():
 
 
 def test_a_builtin_passes_every_row():
-    result = run_matrix(MatrixOptions(impls=("zero1",)))
+    """zero1 on every row; the sharded checkpoints of zero3 (row shards, per rank) and FSDP2
+    (DTensors) on the model round trip, in the same world-size-2 launch."""
+    options = MatrixOptions(impls=("zero1", "zero3", "torch-fsdp"))
+    trip = BEHAVIOUR["model-round-trip"]
+    plan = [("zero1", b, options.checks) for b in BEHAVIOURS]
+    plan += [(name, trip, ("equivalence",)) for name in ("zero3", "torch-fsdp")]
+    result = run_plan(options, plan)
     failed = {k: r.detail for k, r in result.results.items() if r.status != "pass"}
     # Only the shard check at world size 1 does not apply; zero1 claims everything else.
     assert failed == {
@@ -106,6 +112,16 @@ def test_a_builtin_passes_every_row():
     }, failed
     assert result.passed
     assert result.launches == 4  # one per world size: cells share ranks
+    # How each checkpoint was played: zero1's model full, the sharded ones per rank.
+    played = {
+        name: result.result(name, "model-round-trip", "equivalence").detail.splitlines()[-1]
+        for name in ("zero1", "zero3", "torch-fsdp")
+    }
+    assert "the model's as full: MLP.state_dict(): identical on every rank" in played["zero1"]
+    assert "the model's as per-rank: MLP.state_dict(): it differs" in played["zero3"]
+    assert (
+        "the model's as per-rank: FSDPMLP.state_dict(): it holds DTensors" in (played["torch-fsdp"])
+    )
 
 
 def test_a_user_class_without_no_sync_does_not_claim_accumulation():
