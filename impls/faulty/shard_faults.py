@@ -154,9 +154,8 @@ class KeepsFullParameters(NaiveDDP):
 
 @fault("zero3-load-wrong-rows", caught_by="equivalence", shows_on=("model-round-trip",))
 class LoadsWrongRows(Zero3DDP):
-    """`state_dict()` gathers the whole parameters (a full checkpoint, the same on every
-    rank), but `load_state_dict()` cuts every rank's shard from the first rows: every rank
-    resumes from rank 0's rows.
+    """`load_state_dict()` of a full checkpoint (`state_dict()` gathers) cuts every rank's
+    shard from the first rows: every rank resumes from rank 0's rows.
 
     Symptom: training is right until the first checkpoint is loaded; from then on every rank
     but rank 0 trains the wrong rows (rank 0's copy), and the ranks still agree on every full
