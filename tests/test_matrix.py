@@ -9,6 +9,7 @@ bucketed wrapper (bucket sizes, `no_sync()`) with a sharded optimizer, so it mee
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,8 @@ def test_a_builtin_passes_every_row():
     trip = BEHAVIOUR["model-round-trip"]
     plan = [("zero1", b, options.checks) for b in BEHAVIOURS]
     plan += [(name, trip, ("equivalence",)) for name in ("zero3", "torch-fsdp")]
+    # FSDP2's state is DTensors: measured by each rank's local shard, never read as nothing
+    plan += [("torch-fsdp", BEHAVIOUR[key], ("shard",)) for key in ("world-2", "world-4")]
     result = run_plan(options, plan)
     failed = {k: r.detail for k, r in result.results.items() if r.status != "pass"}
     # Only the shard check at world size 1 does not apply; zero1 claims everything else.
@@ -112,6 +115,10 @@ def test_a_builtin_passes_every_row():
     }, failed
     assert result.passed
     assert result.launches == 4  # one per world size: cells share ranks
+    for key in ("world-2", "world-4"):
+        detail = result.result("torch-fsdp", key, "shard").detail
+        per_rank = re.search(r"state bytes per rank \[([\d, ]+)\]", detail).group(1)
+        assert all(int(b) > 0 for b in per_rank.split(",")), detail
     # How each checkpoint was played: zero1's model full, the sharded ones per rank.
     played = {
         name: result.result(name, "model-round-trip", "equivalence").detail.splitlines()[-1]

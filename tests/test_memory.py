@@ -45,3 +45,5 @@ def test_each_rung_shards_what_it_promises_and_no_more():
         for kind in result.promised:  # together, the ranks hold the model once
             k = result.of(kind)
             assert sum(k.per_rank) <= k.unsharded + 2 * k.allowance + k.padding, k.describe()
+        for k in result.kinds:  # and at least once: what is there was measured (a DTensor too)
+            assert sum(k.per_rank) >= k.unsharded > 0, (impl, k.describe())

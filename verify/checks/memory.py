@@ -115,7 +115,7 @@ class MemoryHooks(Hooks):
     def after_step(self, run: Trainer, step: int) -> None:
         params = [p for p in run.model.parameters() if p.requires_grad]  # frozen: may stay whole
         self.params = sum(_local_bytes(p) for p in params)
-        self.state = _state_bytes(run.optimizer, params)
+        self.state = local_state_bytes(run.optimizer, params).bytes  # a DTensor by its shard
 
     def snapshot(self, run: Trainer) -> MemoryResult:
         """Measure everything now (after a step: the step's gradients are still held) and
@@ -176,21 +176,6 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def _full_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()  # a DTensor's numel is the full tensor's
-
-
-def _state_bytes(optimizer, params: list[torch.Tensor]) -> int:
-    """`local_state_bytes`, with DTensor state (FSDP2's) counted by its local shard: a
-    DTensor has no storage of its own to measure."""
-    state = getattr(optimizer, "state", {})
-    shards = [v for s in state.values() for v in s.values() if hasattr(v, "to_local")]
-    if shards:
-        return sum(_local_bytes(v) for v in shards) + sum(
-            _local_bytes(v)
-            for s in state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor) and not hasattr(v, "to_local")
-        )
-    return local_state_bytes(optimizer, params).bytes
 
 
 def promised(run: Trainer) -> tuple[str, ...]:

@@ -306,6 +306,9 @@ class _Walk:
     def _storage(self, t: torch.Tensor, path: str) -> tuple[tuple | None, int]:
         """(storage key, storage bytes); (None, 0) when it cannot be measured (noted)."""
         try:
+            local = getattr(t, "_local_tensor", None)
+            if _is_tensor(local):  # a DTensor (FSDP2's state): its memory is this rank's shard
+                t = local
             if t.layout != torch.strided:
                 raise TypeError(f"layout {t.layout} is not measured")
             storage = t.untyped_storage()
