@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from verify.checks.consistency import ConsistencyOptions, run_consistency_on_rank
-from verify.checks.layout import layout_problems
+from verify.checks.hints import Situation, hint
+from verify.checks.layout import Problem, layout_problems
 from verify.launching import launch
 from verify.training.sharded import full_parameters
 from verify.training.trainer import Trainer
@@ -67,21 +68,19 @@ def test_shards_are_disjoint_cover_and_hold_their_rows(world_size):
     rows = f"{block}:{min(2 * block, 7)}"
     for impl in ("zero3", "torch-fsdp"):
         differs = f"rank 1's shard of fc1.weight differs from rows {rows} of the full tensor"
-        assert got[f"{impl} probed"] == [("fc1.weight", differs, (1,))], got[f"{impl} probed"]
+        assert got[f"{impl} probed"] == [Problem("differs", "fc1.weight", differs, (1,))]
+    head = "construction: shards of fc1.weight overlap: ranks 0 and 1 both hold rows"
     overlap = got["DeclaresOverlappingRows"]
-    assert (
-        f"construction: shards of fc1.weight overlap: ranks 0 and 1 both hold rows {block}:{block + 1}"
-        in overlap
-    ), overlap
+    assert overlap[0].startswith(f"{head} {block}:{block + 1} (and "), overlap
+    # the parameter of 1 row: floor(1 / N) = 0 rows a block leaves it to no rank
     uncovered = got["DeclaresTooFewRows"]
-    floor = 7 // world_size
-    assert f"construction: rows {floor}:{block} of fc1.weight held by no rank" in uncovered, (
+    assert uncovered[0].startswith("construction: rows 0:1 of gain held by no rank (and "), (
         uncovered
     )
     stale = got["ShardsCutBeforeBroadcast"]
-    assert (
+    differs = (
         f"construction: rank 1's shard of fc1.weight differs from rows {rows} of the full tensor"
-        in stale
-    ), stale
-    assert not any("rank 0's" in m for m in stale), stale
-    assert all(m.startswith("construction:") for m in stale), stale  # the gather mends it
+    )
+    assert len(stale) == 1 and stale[0].startswith(f"{differs} (and "), stale  # gathers mend it
+    for found in (overlap, uncovered, stale):
+        assert hint(found[0], Situation(world_size)).startswith("hint: the shards do not partition")

@@ -162,6 +162,7 @@ class AuditHooks(Hooks):
         self.mismatches: list[Mismatch] = []
         self.findings: list[Finding] = []
         self.notes: list[str] = []
+        self._layouts: set[tuple[str, str]] = set()  # layout problems found (not found again)
 
     def after_build(self, run: Trainer) -> None:
         # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
@@ -221,10 +222,17 @@ class AuditHooks(Hooks):
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
         full = {k[6:]: t for k, t in state if k.startswith("param:") and t is not None}
-        group = self.auditor.process_group
-        for tensor, message, ranks in layout_problems(run.model, run.wrapped, full, group):
-            finding = Finding("consistency", phase, step, f"{label}: {message}", tensor, ranks)
-            self.findings.append(finding)
+        found = layout_problems(run.model, run.wrapped, full, self.auditor.process_group)
+        found = [p for p in found if (p.kind, p.message) not in self._layouts]  # said already
+        self._layouts |= {(p.kind, p.message) for p in found}
+        for kind in dict.fromkeys(p.kind for p in found):  # one finding a kind: the first, and
+            same = [p for p in found if p.kind == kind]  # how many more tensors show it
+            more = f" (and {len(same) - 1} more tensors there)" if len(same) > 1 else ""
+            ranks = tuple(sorted({r for p in same for r in p.ranks}))
+            message = f"{label}: {same[0].message}{more}"
+            self.findings.append(
+                Finding("consistency", phase, step, message, same[0].tensor, ranks)
+            )
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
         checkpoint, found = self.auditor.audit(label, named)

@@ -150,6 +150,14 @@ _freed_parameter = _plain(
     "forward",
 )
 
+_layout = _plain(
+    r"shards of \S+ overlap|held by no rank|shard of \S+ differs from rows|claims rows",
+    "the shards do not partition the parameter: rank r must hold rows r*ceil(n/N) up to "
+    "(r+1)*ceil(n/N) of n (fewer on the last, none past n), as its shard_rows() says, and its "
+    "shard's first rows must be those rows of the full tensor (cut after the broadcast, and "
+    "updated in place by the optimizer)",
+)
+
 
 def _in_flight(text: str, s: Situation) -> str | None:
     if "was in flight" not in text:
@@ -312,6 +320,7 @@ _RULES = (
     _state_on_some,
     _freed_parameter,
     _arrival_order,
+    _layout,
     _not_broadcast,
     _not_sharded,
     _params_not_sharded,

@@ -33,6 +33,7 @@ Rows are written as slices: `16:20` is rows 16 to 19.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,10 +46,20 @@ GUIDE = "docs/verify-your-own-ddp.md"
 _FIELDS = 7  # name digest, declared, dim, start, stop, rows of the full tensor, values match
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One violation of one parameter's layout."""
+
+    kind: str  # "outside", "overlap", "uncovered" or "differs"
+    tensor: str
+    message: str
+    ranks: tuple[int, ...]
+
+
 def layout_problems(
     model: nn.Module, wrapped: nn.Module, full: dict[str, torch.Tensor], group
-) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(tensor, message, ranks) for every layout violation (module docstring). A collective
+) -> list[Problem]:
+    """Every layout violation (module docstring), by parameter. A collective
     of `group`: call on every rank, in the same place. `full` maps parameter names to their
     full tensors (the same on every rank when the audit passes)."""
     declared = _declared(model, wrapped)
@@ -138,7 +149,7 @@ def _gather(records: torch.Tensor, group) -> torch.Tensor | None:
     return every.cpu().view(world, len(records), _FIELDS)
 
 
-def _judge(name: str, ranks: list[list[int]]) -> list[tuple[str, str, tuple[int, ...]]]:
+def _judge(name: str, ranks: list[list[int]]) -> list[Problem]:
     """The violations of one parameter, from every rank's (declared, dim, start, stop, rows,
     same): the first overlap, the first uncovered rows, and every shard whose values differ."""
     held = [(r, start, stop) for r, (on, _, start, stop, _, _) in enumerate(ranks) if on]
@@ -148,7 +159,11 @@ def _judge(name: str, ranks: list[list[int]]) -> list[tuple[str, str, tuple[int,
     out = []
     outside = [(r, a, b) for r, a, b in held if a < 0 or b < a or b > rows]
     for r, a, b in outside[:1]:
-        out.append((name, f"rank {r} claims rows {a}:{b} of {name}, which has {rows}", (r,)))
+        out.append(
+            Problem(
+                "outside", name, f"rank {r} claims rows {a}:{b} of {name}, which has {rows}", (r,)
+            )
+        )
     spans = sorted((a, b, r) for r, a, b in held if b > a)
     for (_, b1, r1), (a2, b2, r2) in zip(spans, spans[1:]):
         if a2 < b1:
@@ -156,7 +171,7 @@ def _judge(name: str, ranks: list[list[int]]) -> list[tuple[str, str, tuple[int,
             text = (
                 f"shards of {name} overlap: ranks {lo} and {hi} both hold rows {a2}:{min(b1, b2)}"
             )
-            out.append((name, text, (lo, hi)))
+            out.append(Problem("overlap", name, text, (lo, hi)))
             break
     covered = 0
     for a, b, _ in spans:
@@ -165,11 +180,13 @@ def _judge(name: str, ranks: list[list[int]]) -> list[tuple[str, str, tuple[int,
         covered = max(covered, b)
     if covered < rows:
         gap_end = min([a for a, _, _ in spans if a > covered], default=rows)
-        out.append((name, f"rows {covered}:{gap_end} of {name} held by no rank", ()))
+        out.append(
+            Problem("uncovered", name, f"rows {covered}:{gap_end} of {name} held by no rank", ())
+        )
     for r, a, b in held:
         if not ranks[r][5] and (r, a, b) not in outside:
             text = f"rank {r}'s shard of {name} differs from rows {a}:{b} of the full tensor"
-            out.append((name, text, (r,)))
+            out.append(Problem("differs", name, text, (r,)))
     return out
 
 
