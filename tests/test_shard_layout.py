@@ -40,9 +40,9 @@ def _spec(ctx, impl):
 def rank_layouts(ctx) -> dict:
     out = {}
     for impl in (*IMPLS, *(f"{FIXTURE}:{cls}" for cls in BUGS)):
-        out[impl.rsplit(":", 1)[-1]] = [
-            f.message for f in run_consistency_on_rank(ctx, _spec(ctx, impl)).findings
-        ]
+        report = run_consistency_on_rank(ctx, _spec(ctx, impl))
+        out[impl.rsplit(":", 1)[-1]] = [f.message for f in report.findings]
+        out[f"{impl} notes"] = report.notes
     for impl in IMPLS[:2]:  # one element of the full tensor changed: its holder is named
         trainer = Trainer(ctx, _spec(ctx, impl))
         full = {
@@ -61,14 +61,17 @@ def test_shards_are_disjoint_cover_and_hold_their_rows(world_size):
     run = launch(rank_layouts, world_size=world_size, timeout_s=240)
     assert run.ok, run.summary()
     got = run.values[0]
-    for impl in ("zero3", "torch-fsdp", "StudentFSDP"):
-        assert got[impl] == [], (impl, got[impl])
+    checked = "shard layout: 7 parameters sharded by rows, checked at construction"
+    for impl in IMPLS:
+        name = impl.rsplit(":", 1)[-1]
+        assert got[name] == [], (impl, got[name])
+        assert any(n.startswith(checked) for n in got[f"{impl} notes"]), got[f"{impl} notes"]
     # fc1.weight has 7 rows: blocks of 4 at 2 ranks, 3 at 3 ranks; row 5 is rank 1's
     block = 4 if world_size == 2 else 3
     rows = f"{block}:{min(2 * block, 7)}"
     for impl in ("zero3", "torch-fsdp"):
         differs = f"rank 1's shard of fc1.weight differs from rows {rows} of the full tensor"
-        assert got[f"{impl} probed"] == [Problem("differs", "fc1.weight", differs, (1,))]
+        assert got[f"{impl} probed"] == (7, [Problem("differs", "fc1.weight", differs, (1,))])
     head = "construction: shards of fc1.weight overlap: ranks 0 and 1 both hold rows"
     overlap = got["DeclaresOverlappingRows"]
     assert overlap[0].startswith(f"{head} {block}:{block + 1} (and "), overlap

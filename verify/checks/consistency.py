@@ -222,7 +222,12 @@ class AuditHooks(Hooks):
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
         full = {k[6:]: t for k, t in state if k.startswith("param:") and t is not None}
-        found = layout_problems(run.model, run.wrapped, full, self.auditor.process_group)
+        checked, found = layout_problems(run.model, run.wrapped, full, self.auditor.process_group)
+        if checked and step == 0:
+            self.notes.append(
+                f"shard layout: {checked} parameters sharded by rows, checked at construction "
+                "and after step 1 (disjoint, covering, each shard its rows of the full tensor)"
+            )
         found = [p for p in found if (p.kind, p.message) not in self._layouts]  # said already
         self._layouts |= {(p.kind, p.message) for p in found}
         for kind in dict.fromkeys(p.kind for p in found):  # one finding a kind: the first, and

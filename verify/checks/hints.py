@@ -152,10 +152,10 @@ _freed_parameter = _plain(
 
 _layout = _plain(
     r"shards of \S+ overlap|held by no rank|shard of \S+ differs from rows|claims rows",
-    "the shards do not partition the parameter: rank r must hold rows r*ceil(n/N) up to "
-    "(r+1)*ceil(n/N) of n (fewer on the last, none past n), as its shard_rows() says, and its "
-    "shard's first rows must be those rows of the full tensor (cut after the broadcast, and "
-    "updated in place by the optimizer)",
+    "the shards do not partition the parameter: every row must be held by exactly one rank, "
+    "where shard_rows() (or the DTensor placement) says it is (torch.chunk's blocks: ceil(n/N) "
+    "rows a rank, fewer on the last), and a shard's first rows must be those rows of the full "
+    "tensor (cut after the broadcast, stepped in place by the optimizer)",
 )
 
 

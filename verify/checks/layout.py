@@ -58,10 +58,11 @@ class Problem:
 
 def layout_problems(
     model: nn.Module, wrapped: nn.Module, full: dict[str, torch.Tensor], group
-) -> list[Problem]:
-    """Every layout violation (module docstring), by parameter. A collective
-    of `group`: call on every rank, in the same place. `full` maps parameter names to their
-    full tensors (the same on every rank when the audit passes)."""
+) -> tuple[int, list[Problem]]:
+    """How many parameters some rank declared sharded, and every layout violation (module
+    docstring), by parameter. A collective of `group`: call on every rank, in the same place.
+    `full` maps parameter names to their full tensors (the same on every rank when the audit
+    passes)."""
     declared = _declared(model, wrapped)
     names = [n for n, _ in model.named_parameters()]
     records = torch.zeros(len(names), _FIELDS, dtype=torch.int64)
@@ -76,12 +77,12 @@ def layout_problems(
             records[i, 1:] = torch.tensor([1, dim, start, stop, rows, int(same)])
     every = _gather(records, group)
     if every is None:  # the ranks hold different parameters: the audit says which
-        return []
+        return 0, []
     problems = []
     for i, name in enumerate(names):
         if bool((every[:, i, 0] == every[0, i, 0]).all()):
             problems += _judge(name, every[:, i, 1:].tolist())
-    return problems
+    return int(every[:, :, 1].any(dim=0).sum()), problems
 
 
 def _declared(model: nn.Module, wrapped: nn.Module) -> dict:
