@@ -283,6 +283,18 @@ class Zero3DDP(DataParallel):
                 unit.free()
         return full
 
+    def shard_rows(self) -> dict[str, tuple[int, int]]:
+        """The rows of each sharded parameter this rank holds, by name: `(start, stop)`, held
+        as the first `stop - start` rows of its shard (the rest is padding; empty on a rank
+        past the last row). Frozen parameters are whole, so not named. Local: no collective."""
+        rows = {}
+        for unit, names in zip(self.units, self.unit_names):
+            for name, shape in zip(names, unit.shapes):
+                block = shard_rows(shape[0], self.world_size)
+                start = min(self.rank * block, shape[0])
+                rows[name] = (start, min(start + block, shape[0]))
+        return rows
+
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every trainable parameter's averaged gradient, whole (a collective); None where no

@@ -8,7 +8,10 @@ after an optimizer state_dict round trip:
 - gradients: after `finish_gradient_synchronization()` (or the backward of wrappers that
   synchronize inside backward), where every rank must hold the same averaged gradient;
 - optimizer state: for replicated optimizers only (a sharded one keeps different state per
-  rank by design).
+  rank by design);
+- the shard layout (`layout.py`), right after construction and after step 1, where it is
+  declared (DTensor placements, or the wrapper's `shard_rows()`): the shards of each
+  parameter disjoint, covering it exactly, each holding its rows of the full tensor.
 
 Replicas that apply the same ops to the same averaged gradients are bitwise equal, so any
 difference at all is a fault. Each rank is seeded differently before the model is built
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verify.checks.audit import Auditor, Checkpoint, Mismatch, comm_device
+from verify.checks.layout import layout_problems
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import (
@@ -158,6 +162,7 @@ class AuditHooks(Hooks):
         self.mismatches: list[Mismatch] = []
         self.findings: list[Finding] = []
         self.notes: list[str] = []
+        self._layouts: set[tuple[str, str]] = set()  # layout problems found (not found again)
 
     def after_build(self, run: Trainer) -> None:
         # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
@@ -170,12 +175,9 @@ class AuditHooks(Hooks):
             )
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
-        found = self._audit(
-            "construction",
-            0,
-            "construction",
-            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
-        )
+        state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
+        self._layout(run, "construction", 0, "construction", state)
+        found = self._audit("construction", 0, "construction", state)
         hint = (
             NO_BROADCAST if any(m.tensor.startswith("param:") for m in found)
             else NO_BUFFER_BROADCAST if any(m.tensor.startswith("buffer:") for m in found)
@@ -194,12 +196,10 @@ class AuditHooks(Hooks):
     def after_step(self, run: Trainer, step: int) -> None:
         if self.auditor.optimizer is not None:
             self.auditor.optimizer = run.optimizer
-        self._audit(
-            f"step {step}",
-            step,
-            "step",
-            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
-        )
+        state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
+        if step == 1:  # once trained: the layout a step leaves (construction's is checked too)
+            self._layout(run, f"step {step}", step, "step", state)
+        self._audit(f"step {step}", step, "step", state)
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is not None:
@@ -217,6 +217,26 @@ class AuditHooks(Hooks):
             "checkpoint",
             full_state(self.auditor.state_tensors(), run.model, run.wrapped),
         )
+
+    def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
+        """The shard layout check (layout.py) on the full parameters in `state`."""
+        full = {k[6:]: t for k, t in state if k.startswith("param:") and t is not None}
+        checked, found = layout_problems(run.model, run.wrapped, full, self.auditor.process_group)
+        if checked and step == 0:
+            self.notes.append(
+                f"shard layout: {checked} parameters sharded by rows, checked at construction "
+                "and after step 1 (disjoint, covering, each shard its rows of the full tensor)"
+            )
+        found = [p for p in found if (p.kind, p.message) not in self._layouts]  # said already
+        self._layouts |= {(p.kind, p.message) for p in found}
+        for kind in dict.fromkeys(p.kind for p in found):  # one finding a kind: the first, and
+            same = [p for p in found if p.kind == kind]  # how many more tensors show it
+            more = f" (and {len(same) - 1} more tensors there)" if len(same) > 1 else ""
+            ranks = tuple(sorted({r for p in same for r in p.ranks}))
+            message = f"{label}: {same[0].message}{more}"
+            self.findings.append(
+                Finding("consistency", phase, step, message, same[0].tensor, ranks)
+            )
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
         checkpoint, found = self.auditor.audit(label, named)

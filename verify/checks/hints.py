@@ -152,6 +152,14 @@ _freed_parameter = _plain(
     "forward",
 )
 
+_layout = _plain(
+    r"shards of \S+ overlap|held by no rank|shard of \S+ differs from rows|claims rows",
+    "the shards do not partition the parameter: every row must be held by exactly one rank, "
+    "where shard_rows() (or the DTensor placement) says it is (torch.chunk's blocks: ceil(n/N) "
+    "rows a rank, fewer on the last), and a shard's first rows must be those rows of the full "
+    "tensor (cut after the broadcast, stepped in place by the optimizer)",
+)
+
 
 def _in_flight(text: str, s: Situation) -> str | None:
     if "was in flight" not in text:
@@ -330,6 +338,7 @@ _RULES = (
     _state_on_some,
     _freed_parameter,
     _arrival_order,
+    _layout,
     _not_broadcast,
     _not_sharded,
     _params_not_sharded,
