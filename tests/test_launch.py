@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tests.processes import alive
 from verify.launching import LaunchResult, RankContext, launch, thread_budget
+from verify.launching.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -362,6 +363,33 @@ def test_the_zygote_outlives_the_thread_that_started_it_and_is_replaced_when_kil
         time.sleep(0.05)
     (replacement,) = forked_by()
     assert replacement not in (zygote, os.getpid())
+
+
+def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch):
+    """A zygote still importing torch when the launch stops waiting (a crowded machine: here a
+    wait of 1 s): the launch starts those ranks as fresh interpreters, and the zygote, once up,
+    must not fork them too (a second rank 0 on the same report pipe and rendezvous: the launch
+    fails, or worse). A variable of its own gives this test a fresh zygote."""
+    monkeypatch.setattr(Zygote, "REPLY_S", 1.0)
+    monkeypatch.setattr(Zygote, "MARGIN_S", 0.5)
+    env = {"TORCH_DDP_VERIFY_TEST": f"late-{os.getpid()}-{time.monotonic_ns()}"}
+    result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
+    assert result.ok, result.summary()
+    assert set(result.values) == {os.getpid()}  # fresh interpreters, started by this process
+    zygote = Zygote._instances[frozenset(env.items())]
+    deadline = time.monotonic() + 60
+    while zygote.abandoned and time.monotonic() < deadline:  # until it answered both, late
+        time.sleep(0.1)
+    assert not zygote.abandoned and not zygote.forked
+    children = [d for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == zygote.pid]
+    assert not children, children
+
+
+def _ppid(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_a_launch_in_a_thread_runs_to_its_end_after_the_main_thread_returned(tmp_path):

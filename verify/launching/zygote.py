@@ -21,6 +21,13 @@ cannot be set after the fork, so each set of them gets a zygote of its own, star
 Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
 launch's environment and working directory, and dies with the zygote, which dies with the
 tool (PR_SET_PDEATHSIG). The zygote reaps its children and tells the tool their exit status.
+
+A request the tool stopped waiting for must never become a rank: the tool has started that
+rank as a fresh interpreter meanwhile, on the same report pipe, and a second copy would join
+the rendezvous in its place. On a crowded machine a zygote still importing torch can take
+longer than the tool waits. So each request carries a deadline (`CLOCK_MONOTONIC`, the same
+clock in every process), earlier than the tool's own by a margin, past which the zygote
+refuses it; and a rank whose "started" arrives after the tool gave up is killed at once.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = (
@@ -90,6 +98,8 @@ class Zygote:
 
     _instances: dict[frozenset, Zygote | None] = {}  # None: it never worked, do not retry
     _failed = False
+    REPLY_S = 30.0  # how long `spawn` waits for the zygote's answer
+    MARGIN_S = 5.0  # the zygote refuses a request this long before the tool stops waiting
     _class_lock = threading.Lock()
 
     @classmethod
@@ -136,6 +146,7 @@ class Zygote:
         self.replies: dict[int, int | None] = {}
         self.alive = True
         self.forked = False  # it has forked a rank: it worked here once
+        self.abandoned: set[int] = set()  # requests `spawn` stopped waiting for
         self._next = 0
         threading.Thread(target=self._read, name="ddp-verify-zygote", daemon=True).start()
 
@@ -154,16 +165,19 @@ class Zygote:
     def spawn(self, job_path: str, env: dict, log_path: str, report_fd: int) -> int | None:
         """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
         zygote refused or is gone (the caller then starts a fresh interpreter)."""
+        deadline = time.monotonic() + self.REPLY_S - self.MARGIN_S
         with self.lock:
             self._next += 1
             ident = self._next
-            request = pickle.dumps((ident, job_path, env, log_path, os.getcwd()))
+            request = pickle.dumps((ident, deadline, job_path, env, log_path, os.getcwd()))
             try:
                 socket.send_fds(self.sock, [request], [report_fd])
             except OSError:
                 return None
         with self.changed:
-            self.changed.wait_for(lambda: ident in self.replies or not self.alive, timeout=30)
+            answered = lambda: ident in self.replies or not self.alive  # noqa: E731
+            if not self.changed.wait_for(answered, timeout=self.REPLY_S):
+                self.abandoned.add(ident)  # a late rank is killed on arrival (`_read`)
             return self.replies.pop(ident, None)
 
     def exitcode(self, pid: int) -> int | None:
@@ -189,7 +203,12 @@ class Zygote:
                     self.changed.notify_all()
                     return
                 kind, a, b = pickle.loads(data)
-                if kind == "started":
+                if kind == "started" and a in self.abandoned:
+                    self.abandoned.discard(a)
+                    if b is not None:  # its place is taken by a fresh interpreter
+                        with contextlib.suppress(OSError):
+                            os.killpg(b, signal.SIGKILL)
+                elif kind == "started":
                     self.replies[a] = b
                     self.forked = self.forked or b is not None
                 else:
@@ -224,8 +243,11 @@ def serve(fd: int) -> None:
             os._exit(0)
         if not data:
             os._exit(0)  # the tool is gone
-        ident, job_path, env, log_path, cwd = pickle.loads(data)
-        pid = _fork(sock, job_path, env, log_path, cwd, fds[0]) if _one_thread() else None
+        ident, deadline, job_path, env, log_path, cwd = pickle.loads(data)
+        late = time.monotonic() > deadline  # the tool may have given up: never a second rank
+        pid = (
+            None if late or not _one_thread() else _fork(sock, job_path, env, log_path, cwd, fds[0])
+        )
         for f in fds:
             os.close(f)
         if pid is not None:
