@@ -197,13 +197,13 @@ class Auditor:
         on the names (a tensor some ranks hold and others do not, such as optimizer state
         for a parameter that got a gradient on one rank only, is a mismatch of its own),
         then compare the fingerprints of the names every rank holds."""
-        if self.world_size == 1:
-            return Checkpoint(label, len(named), 0, 0.0), []
-        named, absent = self._common(label, named)
-        # The names' reduction is where the ranks meet (no rank leaves it before the last one
-        # arrived): timed from here, the audit does not count waiting for the slowest rank,
-        # without a barrier of its own (a collective per audit, ~5 ms on a crowded machine).
+        if self.world_size > 1:
+            # Ranks arrive at different times; the timer must not count waiting for the slowest.
+            dist.barrier(group=self.process_group)
         start = time.perf_counter()
+        if self.world_size == 1:
+            return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
+        named, absent = self._common(label, named)
         device = comm_device(self.process_group)
         # Stacked on the device and copied to the host once: a copy per tensor is a GPU sync each.
         mine = [fingerprint(t).to(device) for _, t in named]
