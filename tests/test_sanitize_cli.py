@@ -77,5 +77,8 @@ def test_the_checks_catch_a_never_waited_collective_by_default():
         assert found.findings[0].phase == "race", found.headline
         assert "hook_ddp.py" in found.findings[0].message, found.findings[0].message
         assert check(options(impl=correct, steps=2)).verdict == "pass"
+    # What --no-sanitize gives up: the race is never named. (Its values are right almost every
+    # run on a CPU, so the check mostly passes; when a gradient is read mid-flight, the audit
+    # may still see replicas differ, which is the bug showing, not a false alarm.)
     blind = check_consistency(ConsistencyOptions(impl=buggy, steps=2, sanitize=False))
-    assert blind.verdict == "pass"  # what --no-sanitize gives up
+    assert not [f for f in blind.findings if f.phase == "race"], blind.headline
