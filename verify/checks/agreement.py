@@ -40,6 +40,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from verify.checks.audit import min_max
 from verify.checks.cells import CellResult
 from verify.checks.verdict import Refusal, only_some_text
 
@@ -87,9 +88,8 @@ class CellAgreement:
         if self.group is None:
             return _as_result(outcome)
         digest = zlib.crc32(pickle.dumps(_key(outcome)))
-        both = torch.tensor([digest, ~digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if int(both[0]) == ~int(both[1]):  # max == min: every rank holds this outcome
+        low, high = min_max(torch.tensor([digest]), self.group)
+        if bool((low == high).all()):  # every rank holds this outcome
             return _as_result(outcome)
         outcomes: list = [None] * self.world_size
         dist.all_gather_object(outcomes, outcome, group=self.group)

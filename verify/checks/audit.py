@@ -208,7 +208,7 @@ class Auditor:
         # Stacked on the device and copied to the host once: a copy per tensor is a GPU sync each.
         mine = [fingerprint(t).to(device) for _, t in named]
         local = torch.stack(mine) if named else torch.zeros(0, 3, device=device)
-        low, high = _min_max(local.to(torch.int64), self.process_group)
+        low, high = min_max(local.to(torch.int64), self.process_group)
         bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
         prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
         mismatches = absent + [
@@ -224,7 +224,7 @@ class Auditor:
         case); the names themselves are gathered only when they do not."""
         names = [n for n, _ in named]
         digest = zlib.crc32("\0".join(names).encode())
-        low, high = _min_max(torch.tensor([[len(names), digest]]), self.process_group)
+        low, high = min_max(torch.tensor([[len(names), digest]]), self.process_group)
         if bool((low == high).all()):
             return named, []
         every: list = [None] * self.world_size
@@ -339,7 +339,7 @@ def _element_bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(_BITS[flat.element_size()])
 
 
-def _min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Tensor]:
+def min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Tensor]:
     """The element-wise min and max of an int64 tensor over the group, in one MAX all-reduce
     of `[x, ~x]` (max(~x) is ~min(x), and `~` cannot overflow): its size does not grow with
     the world size, and equal min and max mean every rank holds the same value."""

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.checks.audit import comm_device
+from verify.checks.audit import comm_device, min_max
 from verify.training.interface import InterfaceError
 
 GUIDE = "docs/verify-your-own-ddp.md"
@@ -140,9 +140,8 @@ def _gather(records: torch.Tensor, group) -> torch.Tensor | None:
     numbers of parameters (then no records are exchanged: their size would differ)."""
     world = dist.get_world_size(group)
     device = comm_device(group)
-    count = torch.tensor([len(records), ~len(records)], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if int(count[0]) != ~int(count[1]):  # max != min
+    low, high = min_max(torch.tensor([len(records)]), group)
+    if not bool((low == high).all()):  # the ranks hold different numbers of parameters
         return None
     mine = records.to(device)
     every = torch.empty((world * len(records), _FIELDS), dtype=torch.int64, device=device)
