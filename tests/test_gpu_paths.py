@@ -6,7 +6,8 @@ made "on the CPU" by mistake shows as a CPU tensor beside meta ones), the GPU co
 `torch.cuda.is_available()` are patched where only the count matters (the only mocks: CUDA),
 torchrun's variables are set for the multi-node refusal, and NCCL's error phrases are the
 real strings (c10d's own, raised here by a real group whose only backend is for CUDA
-tensors, as NCCL's is, handed a CPU tensor). tests/test_gpu.py and tests/test_gpu_checks.py run the same paths on GPUs.
+tensors, as NCCL's is, handed a CPU tensor). tests/test_gpu.py and tests/test_gpu_checks.py
+run the same paths on GPUs.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one ra
 (tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
 zero1 (tests/fixtures/sharded_styles.py), the shard layout check on zero3, FSDP2 and students'
-sharded classes, right and wrong (tests/test_shard_layout.py), and the replica audit of the buggy training scripts
-(tests/test_script_audit.py) give exactly the verdicts they give on an idle machine, and
+sharded classes, right and wrong (tests/test_shard_layout.py), and the replica audit of the
+buggy training scripts (tests/test_script_audit.py) give exactly the verdicts they give on an idle machine, and
 nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
 `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
 computes for twice the stall timeout on node 1 while node 0 waits is no finding. The CPU

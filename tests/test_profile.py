@@ -2,8 +2,8 @@
 real TensorBoard serving them.
 
 One profile of every variant (the tiny GPT, 2 ranks, 2 active steps) is written once per
-test run and shared by every xdist worker; the tests read it. Interval arithmetic and the trace analysis are also
-checked on synthetic traces whose answers are known exactly. Nothing here asserts a time: the
+test run and shared by every xdist worker; the tests read it. Interval arithmetic and the
+trace analysis are also checked on synthetic traces whose answers are known exactly. Nothing here asserts a time: the
 machine is shared, so only relations that hold by construction are checked (exposed <=
 communication <= step, compute <= step), plus counts and bytes, which are exact.
 """

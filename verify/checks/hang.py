@@ -12,8 +12,8 @@ Three ways in:
 
 Every run writes a report folder, never over an earlier one (`runs.new_run_dir`):
 `profiles/hang_<name>_<world>x<device>_<stamp>/` (or under `--out DIR`) with report.json,
-report.txt (what the CLI printed), metadata.json and, per rank, `rank<r>.collectives.jsonl` (every traced
-collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` / `.stdout`
+report.txt (what the CLI printed), metadata.json and, per rank, `rank<r>.collectives.jsonl`
+(every traced collective), `rank<r>.stack` (faulthandler dump at the hang), `rank<r>.stderr` / `.stdout`
 (the rank's output with the backend's debug log) and `rank<r>.flight_recorder.json`.
 """
 

@@ -1,7 +1,7 @@
 """`--sanitize` for the checks: the race sanitizer (`verify/sanitize/`) attached to the trainer.
 
-`training(ctx, spec, hooks, sanitize=True)` builds the trainer with a `Sanitizer` installed before the class
-under test is constructed (a sharded optimizer may issue async broadcasts in its constructor),
+`training(ctx, spec, hooks, sanitize=True)` builds the trainer with a `Sanitizer` installed
+before the class under test is constructed (a sharded optimizer may issue async broadcasts in its constructor),
 names the model's parameters and gradients for the reports, marks each step, reports at the
 end of each step every work never waited on, and runs the checks' own hooks quietly (what the
 audit and the reference read is the tool's, not the code under test's). Its race findings

@@ -4,9 +4,10 @@ In one launch the one trainer (`training/trainer.py`) trains the transformer wor
 the bucketed implementation; its steps rotate through three arms, one step each per round,
 the order rotating every round (`timing.interleave`): plain; sanitized (access checking and
 adversarial completion, what `--sanitize` runs); and check-only (access checking without the
-copies of adversarial completion); the skeleton is `costs.py`'s. Each arm installs its sanitizer
-just before its step and removes it just after (the plain arm installs and removes one too, before its step, so the
-cost of swapping functions falls on every arm alike). Each sample is the slowest rank's step.
+copies of adversarial completion); the skeleton is `costs.py`'s. Each arm installs its
+sanitizer just before its step and removes it just after (the plain arm installs and removes one
+too, before its step, so the cost of swapping functions falls on every arm alike). Each sample
+is the slowest rank's step.
 
 The costs are sanitized / plain and check-only / plain, paired per round with 95% intervals
 (`timing.paired`). Beside them, where the time went, from the sanitizer's own accounting
