@@ -206,8 +206,10 @@ class Zygote:
                 if kind == "started" and a in self.abandoned:
                     self.abandoned.discard(a)
                     if b is not None:  # its place is taken by a fresh interpreter
-                        with contextlib.suppress(OSError):
-                            os.killpg(b, signal.SIGKILL)
+                        # The process itself first: it may not have made its own group yet.
+                        for kill in (os.kill, os.killpg):
+                            with contextlib.suppress(OSError):
+                                kill(b, signal.SIGKILL)
                 elif kind == "started":
                     self.replies[a] = b
                     self.forked = self.forked or b is not None
