@@ -149,6 +149,28 @@ def test_analysis_of_a_synthetic_gpu_trace():
     assert (m.collectives, m.bytes) == (1, 40)
 
 
+def test_a_gpu_trace_counts_each_step_and_collective_once():
+    """The profiler draws the host's ranges a second time on the GPU's streams
+    (`gpu_user_annotation`, at GPU time, here lagging into the next step): a world-size-1
+    NCCL profile of flat read 0.5 all-reduces a step (four steps, two of them the copies,
+    empty), and gloo carrying CUDA tensors 2 (each range and its copy). One step, one each;
+    gloo's worker-thread range is its communication."""
+    events = [
+        _x("ProfilerStep#0", 0, 100, 1, cat="user_annotation"),
+        _x("ProfilerStep#0", 2, 90, 7, cat="gpu_user_annotation"),
+        _x("c10d::allreduce_", 30, 2, 1, cat="cpu_op"),
+        _x("gloo:all_reduce", 31, 20, 3, cat="user_annotation",
+           **{"Input Dims": [[10]], "Input type": ["float"]}),
+        _x("gloo:all_reduce", 101, 1, 8, cat="gpu_user_annotation",
+           **{"Input Dims": [[10]], "Input type": ["float"]}),
+        _x("sm80_gemm", 10, 30, 7, cat="kernel"),
+    ]  # fmt: skip
+    (m,) = traces.analyze({"traceEvents": events})
+    assert (m.collectives, m.bytes) == (1, 40)
+    assert (m.compute_ms, m.comm_ms, m.exposed_ms) == pytest.approx((0.030, 0.020, 0.011))
+    assert m.issued == {"all_reduce": {"other": 1}}
+
+
 def test_run_folders_are_never_reused(tmp_path):
     first = runs.new_run_dir(tmp_path, "bucketed", 2, "cpu")
     second = runs.new_run_dir(tmp_path, "bucketed", 2, "cpu")

@@ -12,7 +12,11 @@ thread that trains):
     flight on different gloo threads count once. Queueing before a worker picks the work up
     is not communication; waiting inside the range for a slower peer is (a real collective
     cannot finish before its slowest participant arrives).
-  - GPU / NCCL: the union of NCCL kernels (`nccl*` kernel events) on the GPU streams.
+  - GPU / NCCL: the union of NCCL kernels (`nccl*` kernel events) on the GPU streams; gloo
+    carrying CUDA tensors (`--device cuda --backend gloo`): its worker threads' ranges, as on
+    CPU. The profiler draws every host range a second time on the GPU's streams
+    (`gpu_user_annotation`): those copies are left out, or each step and each collective
+    would count twice (a world-size-1 NCCL profile read 0.5 all-reduces a step).
 - **compute** B: when the device computed.
   - CPU: the union of operator ranges (`cpu_op` events) on the training thread, minus the
     `c10d::` operators that only hand a collective to the backend. Gaps between operators
@@ -167,19 +171,38 @@ def payload_bytes(event: dict) -> int:
     return numel * _DTYPE_BYTES.get(dtype, 4)
 
 
+def host_events(trace: dict) -> list[dict]:
+    """The trace's complete events, without the copies of host ranges the profiler draws on
+    the GPU's streams (`gpu_user_annotation`: each `ProfilerStep#N` and each backend range a
+    second time, at GPU time), which would count each step and each collective twice."""
+    return [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") != "gpu_user_annotation"
+    ]
+
+
+def profiler_steps(events: list[dict]) -> list[dict]:
+    """The `ProfilerStep#N` ranges of the thread that trains, in time order."""
+    return sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=_start)
+
+
+def _start(event: dict) -> float:
+    return float(event["ts"])
+
+
 def analyze(trace: dict, *, rank: int = 0) -> list[StepMetrics]:
     """Metrics of every `ProfilerStep#N` in one rank's trace (see the module docstring)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = sorted(
-        (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
-    )
+    events = host_events(trace)
+    steps = profiler_steps(events)
     if not steps:
         return []
     main_tid = steps[0]["tid"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     collectives = [e for e in events if _COLLECTIVE.match(e["name"])]
-    if kernels:  # GPU: the device's own timeline
-        comm = union(_span(e) for e in kernels if "nccl" in e["name"].lower())
+    if kernels:  # GPU: the device's own timeline; gloo carrying CUDA tensors: its threads
+        gloo = [_span(e) for e in collectives if e["tid"] != main_tid]
+        comm = union([_span(e) for e in kernels if "nccl" in e["name"].lower()] + gloo)
         busy = union(_span(e) for e in kernels if "nccl" not in e["name"].lower())
     else:  # CPU: gloo worker threads vs. the training thread's operators
         comm = union(_span(e) for e in collectives if e["tid"] != main_tid)
@@ -292,10 +315,8 @@ def timeline(trace: dict, step_index: int = 0) -> list[tuple[str, list[tuple[flo
     collectives issued, named by kind (`issued.py`: a reduce-scatter that gloo runs as an
     all-reduce is a reduce-scatter here), and each communication thread's collectives (times
     from the step's start)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = sorted(
-        (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
-    )
+    events = host_events(trace)
+    steps = profiler_steps(events)
     if len(steps) <= step_index:
         return []
     step = steps[step_index]
