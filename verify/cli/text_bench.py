@@ -48,9 +48,7 @@ def bench(result: BenchResult) -> str:
         f"machine: {result.machine}",
         "",
         _steps_table(result),
-        "(exposed comm = (step - local step) / step, median over rounds of the same round's "
-        "steps: the step's share spent in communication not hidden by compute; <0: below "
-        "this machine's noise)",
+        _share_legend(o.world_size),
         "",
     ]
     if result.sweep:
@@ -99,8 +97,25 @@ def _steps_table(result: BenchResult) -> str:
                 "-" if name == LOCAL else _share(result.exposed_share(name)),
             ]
         )
-    headers = ["variant", "median ms", "min ms", "/ torch-ddp", "min / min", "exposed comm"]
+    share = "exposed comm" if result.options.world_size > 1 else "overhead"
+    headers = ["variant", "median ms", "min ms", "/ torch-ddp", "min / min", share]
     return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+def _share_legend(world_size: int) -> str:
+    """What the last column of the steps table is: at one rank nothing is communicated, so
+    (step - local step) / step is what the wrapper adds (hooks, copies, its bookkeeping)."""
+    if world_size == 1:
+        return (
+            "(overhead = (step - local step) / step, median over rounds of the same round's "
+            "steps: at world size 1 nothing is communicated, so this is what the wrapper adds "
+            "to a step (hooks, copies, bookkeeping); <0: below this machine's noise)"
+        )
+    return (
+        "(exposed comm = (step - local step) / step, median over rounds of the same round's "
+        "steps: the step's share spent in communication not hidden by compute; <0: below "
+        "this machine's noise)"
+    )
 
 
 _BELOW_NOISE = (
