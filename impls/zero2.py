@@ -55,7 +55,8 @@ class ShardedBucket:
         buffer = torch.zeros(segment * self.world_size, dtype=p0.dtype, device=p0.device)
         for grad, param, offset in zip(grads, self.params, self.plan.offsets):
             if grad is not None:  # divide on the way in, as `bucketed` does: same rounding
-                torch.div(grad, self.world_size, out=buffer[offset : offset + param.numel()])
+                segment_of = buffer[offset : offset + param.numel()].view_as(grad)
+                torch.div(grad, self.world_size, out=segment_of)
         if self.world_size == 1:
             self.shard = buffer
             return

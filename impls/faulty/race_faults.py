@@ -165,7 +165,9 @@ class SharesReduceScatterInput(Zero2DDP):
         for index, param, offset in zip(members, bucket.params, bucket.plan.offsets):
             grad = param.grad if self._locally_used[index] else None
             if grad is not None:
-                torch.div(grad, self.world_size, out=buffer[offset : offset + param.numel()])
+                torch.div(
+                    grad, self.world_size, out=buffer[offset : offset + param.numel()].view_as(grad)
+                )
         bucket.shard, bucket._input = buffer.new_empty(bucket.plan.segment), buffer
         bucket.handle = dist.reduce_scatter_tensor(
             bucket.shard, buffer, group=self.process_group, async_op=True
