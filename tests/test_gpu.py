@@ -9,21 +9,52 @@ import json
 import pytest
 import torch
 
-from impls.registry import names
-from verify.checks.consistency import ConsistencyOptions, check_consistency
+from tests.test_gpu_checks import on_gpus
+from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.cli import main
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", names({"builtin", "reference"}))
-@pytest.mark.parametrize("workload", ["unused", "mixed", "transformer"])
-def test_every_impl_is_consistent_on_nccl(impl, workload):
-    world = min(2, torch.cuda.device_count())
-    if impl == "torch-zero" and workload == "mixed":
-        pytest.skip("ZeroRedundancyOptimizer rejects models with several dtypes")
-    options = ConsistencyOptions(impl=impl, workload=workload, world_size=world, backend="nccl")
-    result = check_consistency(options)
-    assert result.passed, result.verdict
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_impl_is_consistent_on_gpus(world):
+    """Every built-in and reference, on NCCL at one rank and at two on the GPUs there are
+    (`on_gpus`), following the registry's claims as on CPU ranks: a model an implementation
+    refuses (ZeRO-3 and FSDP2: parameters unused on some ranks; ZeroRedundancyOptimizer:
+    several dtypes) is "not claimed", never a failure, and everything else passes."""
+    rows = ("world-1",) if world == 1 else ("world-2", "unused-everywhere", "mixed")
+    options = MatrixOptions(impls=("all",), rows=rows, checks=("consistency",), **on_gpus(world))
+    result = run_matrix(options)
+    assert result.passed, {c: r.detail for c, r in result.results.items() if r.failed}
+    statuses = {c: r.status for c, r in result.results.items()}
+    assert set(statuses.values()) <= {"pass", "not claimed"}, statuses
+    if world == 2:
+        for impl in ("zero3", "torch-fsdp"):
+            assert statuses[(impl, "unused-everywhere", "consistency")] == "not claimed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
+def test_cuda_over_gloo_without_a_gpu_is_a_usage_error(tmp_path, capsys):
+    """`--device cuda --backend gloo` needs one GPU, whatever the world size: without one it
+    is refused in one line before any rank starts, by every command that takes a device."""
+    out = ["--out", str(tmp_path)]
+    for argv in (
+        ["consistency", "--impl", "bucketed"],
+        ["equivalence", "--impl", "bucketed"],
+        ["matrix", "--impl", "zero1", "--rows", "world-2"],
+        ["hang", "--impl", "bucketed", *out],
+        ["bench", "--world-size", "2", *out],
+        ["profile", "--impl", "flat", *out],
+    ):
+        assert main([*argv, "--device", "cuda", "--backend", "gloo"]) == 2, argv
+        err = capsys.readouterr().err
+        assert "--device cuda --backend gloo needs a GPU" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
+def test_nccl_on_cpu_ranks_is_a_usage_error(capsys):
+    assert main(["consistency", "--impl", "bucketed", "--device", "cpu", "--backend", "nccl"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend nccl carries CUDA tensors only" in err and err.count("\n") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
@@ -61,16 +92,11 @@ _PERF_RUNS = {
 }
 
 
-def _gpu_worlds() -> list[int]:
-    return [1, 2] if torch.cuda.device_count() >= 2 else [1]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("command", [*_PERF_RUNS, "comm"])
-def test_every_measurement_runs_on_nccl(command, world, tmp_path, capsys):
-    if world not in _gpu_worlds():
-        pytest.skip(f"needs {world} GPUs")
+def test_every_measurement_runs_on_gpus(command, world, tmp_path, capsys):
+    """At one rank on NCCL; at two on the GPUs there are (`on_gpus`: gloo on one GPU)."""
     if command in ("bench-audit", "bench-tracer") and world < 2:
         pytest.skip(f"{command} compares ranks: needs two")
     if command == "comm":
@@ -79,7 +105,8 @@ def test_every_measurement_runs_on_nccl(command, world, tmp_path, capsys):
         args = [*_PERF_RUNS[command], "--world-size", str(world)]
     if command not in ("bench-audit", "bench-tracer"):
         args += ["--out", str(tmp_path)]
-    code = main([command, *args, "--device", "cuda", "--json"])
+    backend = on_gpus(world)["backend"]
+    code = main([command, *args, "--device", "cuda", "--backend", backend, "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["verdict"] == "pass", doc.get("failure")
 
@@ -122,11 +149,9 @@ def test_the_gpu_timeline_shows_the_bucket_launches(tmp_path):
     from verify.perf import traces
     from verify.perf.profiling import ProfileOptions, run_profile
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     options = ProfileOptions(
-        impl="bucketed", world_size=2, device="cuda", wait=0, warmup=1, active=1,
-        model_size_m=0.5, out=str(tmp_path),
+        impl="bucketed", world_size=2, wait=0, warmup=1, active=1, model_size_m=0.5,
+        out=str(tmp_path), device="cuda", backend=on_gpus(2)["backend"],
     )  # fmt: skip
     result = run_profile(options)
     assert result.ok, result.failure

@@ -1,5 +1,6 @@
-"""The checks on GPUs: every check command on `--backend nccl`, at world size 1 on
-one GPU and at 2 where there are two. Skipped without CUDA and NCCL (gpu-marked).
+"""The checks on GPUs: every check command at world size 1 on NCCL, and at world size 2 on
+two GPUs with NCCL or, where there is one GPU, on that GPU with gloo carrying the CUDA tensors
+(`--device cuda --backend gloo`, `verify/launching/gpus.py`). Skipped without CUDA (gpu-marked).
 
 Every collective the tool itself issues (the audit's all-gathers, the reference's and the
 shard check's object exchanges, the checkpoint round trip's broadcast, the usage maps) must
@@ -17,54 +18,55 @@ import torch
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.detection import run_detection
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
-from verify.checks.hang import HangOptions, check_hang
+from verify.checks.hang import HangOptions, as_expected, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = [1, 2]
 
 
-def _world(n: int) -> int:
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs")
-    return n
+def on_gpus(n: int) -> dict:
+    """The placement keywords for `n` ranks on the GPUs there are: NCCL, one GPU each, where
+    there are `n`; else gloo with every rank's tensors on the GPU(s) there are."""
+    if torch.cuda.device_count() >= n:
+        return {"backend": "nccl"}
+    return {"backend": "gloo", "device": "cuda"}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", WORLDS)
-def test_consistency_and_equivalence_on_nccl(world):
-    ws = _world(world)
+def test_consistency_and_equivalence_on_gpus(world):
+    where = on_gpus(world)
     for impl in ("bucketed", "zero1", "torch-ddp", "torch-zero"):
-        c = check_consistency(ConsistencyOptions(impl=impl, world_size=ws, backend="nccl"))
+        c = check_consistency(ConsistencyOptions(impl=impl, world_size=world, **where))
         assert c.passed, c.headline + (c.failure or "")
         e = check_equivalence(
-            EquivalenceOptions(impl=impl, world_size=ws, backend="nccl", workload="transformer")
+            EquivalenceOptions(impl=impl, world_size=world, workload="transformer", **where)
         )
         assert e.passed, e.headline + (e.failure or "")
     s = check_equivalence(
-        EquivalenceOptions(impl="overlap", world_size=ws, backend="nccl", sanitize=True)
+        EquivalenceOptions(impl="overlap", world_size=world, sanitize=True, **where)
     )
     assert s.passed, s.headline + (s.failure or "")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", WORLDS)
-def test_matrix_and_faults_on_nccl(world):
-    ws = _world(world)
+def test_matrix_and_faults_on_gpus(world):
     rows = ("world-1", "world-2", "round-trip", "no-sync")
-    result = run_matrix(MatrixOptions(impls=("zero1", "torch-zero"), rows=rows, backend="nccl"))
+    options = MatrixOptions(impls=("zero1", "torch-zero"), rows=rows, **on_gpus(world))
+    result = run_matrix(options)
     assert result.passed, [c for c, r in result.results.items() if r.failed]
-    if ws >= 2:
-        faults = run_detection(("faulty:no-divide",), backend="nccl")
+    if world >= 2:
+        faults = run_detection(("faulty:no-divide",), **on_gpus(world))
         assert faults.passed
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", WORLDS)
-def test_hang_on_nccl(world, tmp_path):
-    ws = _world(world)
+def test_hang_on_gpus(world, tmp_path):
     result = check_hang(
-        HangOptions(impl="bucketed", world_size=ws, backend="nccl", out=str(tmp_path))
+        HangOptions(impl="bucketed", world_size=world, out=str(tmp_path), **on_gpus(world))
     )
     assert result.verdict == "pass", result.diagnosis.text()
 
@@ -85,7 +87,8 @@ def test_every_hang_scenario_on_nccl(tmp_path):
     trace, not from a backend error."""
     from impls.faulty.hang_scenarios import SCENARIOS
 
-    _world(2)
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL across GPUs: needs 2 (test_every_hang_scenario_on_one_gpu covers one)")
     undefined = ("hang:shape-mismatch", "hang:bucket-order", "hang:broadcast-source")
     for name, (_, _, expected) in SCENARIOS.items():
         options = HangOptions(
@@ -99,6 +102,24 @@ def test_every_hang_scenario_on_nccl(tmp_path):
         else:
             assert d.verdict == expected and d.culprit == 1, (name, d.text())
         if name == "hang:skip-collective":
+            assert d.detection_s is not None and d.detection_s <= STALL_S + 2, d.text()
+
+
+@pytest.mark.gpu
+def test_every_hang_scenario_on_one_gpu(tmp_path):
+    """Two gloo ranks on one GPU with CUDA work in flight: every `hang:*` scenario gets the
+    verdict it gets on CPU ranks (`as_expected`), a skipped collective within the stall
+    timeout + 2 s."""
+    from verify.checks.hang import run_scenarios
+
+    options = HangOptions(
+        scenarios=True, world_size=2, backend="gloo", device="cuda", stall_timeout_s=STALL_S,
+        out=str(tmp_path),
+    )  # fmt: skip
+    for result in run_scenarios(options).results:
+        d = result.diagnosis
+        assert as_expected(result), (result.options.impl, d.text())
+        if result.options.impl == "hang:skip-collective":
             assert d.detection_s is not None and d.detection_s <= STALL_S + 2, d.text()
 
 
@@ -123,32 +144,33 @@ def test_the_sanitizer_tracks_the_all_reduces_gradient_hooks_launch_on_cuda():
     passes it starts on the caller's (item 3): every per-gradient all-reduce is tracked."""
     from verify.launching import launch
 
-    run = launch(_sanitized_overlap, world_size=_world(2), backend="nccl")
+    run = launch(_sanitized_overlap, world_size=2, **on_gpus(2))
     assert run.ok, run.summary()
     for tracked, params in run.values:
         assert tracked >= 2 * params, (tracked, params)
 
 
 @pytest.mark.gpu
-def test_device_bugs_are_faults_and_faults_resync_on_nccl():
-    """A staging buffer made on the CPU (item 2) no longer crashes: the race is caught. A
-    wrapper that all-reduces a CPU tensor is a fault with its line (item 6), not a usage
-    error. The resync after a mismatch broadcasts AdamW's CPU `step` through the GPU (item
-    12)."""
-    ws = _world(2)
-    caught = run_detection(("faulty:shared-staging-buffer",), backend="nccl")
+def test_device_bugs_are_faults_and_faults_resync_on_gpus():
+    """A staging buffer made on the CPU (item 2) no longer crashes: the race is caught. The
+    resync after a mismatch broadcasts AdamW's CPU `step` through the GPU (item 12). On NCCL,
+    a wrapper that all-reduces a CPU tensor is a fault with its line (item 6), not a usage
+    error (gloo carries CPU tensors: nothing to find there)."""
+    where = on_gpus(2)
+    caught = run_detection(("faulty:shared-staging-buffer",), **where)
     assert caught.passed
-    cpu_flag = check_consistency(
-        ConsistencyOptions(
-            impl="tests/fixtures/user_classes.py:CpuFlagDDP", world_size=ws, backend="nccl"
-        )
-    )
-    assert cpu_flag.verdict == "fault" and "user_classes.py" in (cpu_flag.failure or ""), cpu_flag
     from verify.launching import launch
 
-    run = launch(_resync_of_cpu_state, world_size=ws, backend="nccl")
+    run = launch(_resync_of_cpu_state, world_size=2, **where)
     assert run.ok, run.summary()
-    assert run.values == [(0.0, 0.0)] * ws, run.values
+    assert run.values == [(0.0, 0.0)] * 2, run.values
+    if where["backend"] == "nccl":
+        cpu_flag = check_consistency(
+            ConsistencyOptions(
+                impl="tests/fixtures/user_classes.py:CpuFlagDDP", world_size=2, backend="nccl"
+            )
+        )
+        assert cpu_flag.verdict == "fault" and "user_classes.py" in (cpu_flag.failure or "")
 
 
 def _resync_of_cpu_state(ctx):
@@ -179,7 +201,8 @@ def test_launches_side_by_side_use_different_gpus():
 
     from verify.launching import launch
 
-    _world(2)
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL across GPUs: needs 2")
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda _: launch(_device_of, world_size=1, backend="nccl"), [0, 1]))
     devices = {run.values[0] for run in runs if run.ok}

@@ -252,17 +252,25 @@ def test_ranks_that_audit_different_tensors_get_a_finding_not_a_crash():
 
 
 @pytest.mark.gpu
-def test_the_audit_of_a_cuda_script(tmp_path):
-    """NCCL, a GradScaler, fingerprints on the GPU: clean at world size 1 on one GPU and at 2
-    where there are two (at 1 there is nothing to compare: no audit point is reached)."""
-    nproc = min(2, torch.cuda.device_count())
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_the_audit_of_a_cuda_script(backend, tmp_path):
+    """A GradScaler, fingerprints on the GPU, two ranks: on NCCL where there are two GPUs,
+    over gloo on the one there is (the script asks for gloo). Clean, the audit passes at every
+    step; with one rank's weight nudged after step 2, the replicas part there."""
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL across GPUs: needs 2 (the gloo case covers one)")
     script = str(ROOT / "tests" / "fixtures" / "audit_cuda.py")
-    result = check_audit(
-        AuditOptions(
-            script=(script,), nproc=nproc, backend="nccl", out=str(tmp_path), console="none"
+
+    def audit(*args):
+        options = AuditOptions(
+            script=(script, backend, *args), nproc=2, backend=backend, out=str(tmp_path),
+            console="none",
         )  # fmt: skip
-    )
-    assert result.verdict == "pass", audit_text(result)
-    assert result.audit is not None and result.audit.finished, audit_text(result)
-    if nproc > 1:
-        assert result.audit.audits >= 2 and not result.findings, audit_text(result)
+        return check_audit(options)
+
+    clean = audit()
+    assert clean.verdict == "pass", audit_text(clean)
+    assert clean.audit is not None and clean.audit.finished, audit_text(clean)
+    assert clean.audit.audits >= 2 and not clean.findings, audit_text(clean)
+    skewed = audit("skew")
+    assert skewed.verdict == "fault" and skewed.findings, audit_text(skewed)

@@ -138,15 +138,43 @@ class ThreadOptions(Options):
     )  # fmt: skip
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlacementOptions(Options):
+    """Where the ranks' tensors live (`--device`) and what carries their collectives
+    (`--backend`); `launching/gpus.py` has the placements. A check runs gloo on CPU ranks
+    unless told otherwise; `--device cuda --backend gloo` puts the ranks on the GPUs there
+    are, several to a GPU where there are fewer GPUs than ranks."""
+
+    backend: str = knob("gloo", "gloo, or nccl (one GPU per rank)", choices=("gloo", "nccl"))
+    device: str | None = knob(
+        None, "where the ranks' tensors live (default: cuda with nccl, else cpu); cuda with "
+        "--backend gloo runs every rank on the GPUs there are, one GPU enough",
+        choices=("cpu", "cuda"),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from verify.launching import gpus
+
+        gpus.check(self.device_type, self.backend)
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda: `--device`, or the one the backend implies."""
+        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
+
+
 def launch_knobs(options: Any) -> dict[str, Any]:
-    """The launcher's keywords every command's options set alike: the time limit, the backend,
-    the thread budget, whether NCCL waits block (not for measurements: `MeasureOptions`) and,
-    where a command takes one (`--stall-timeout`), the stall timeout, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
-    `options`: any command's options that start ranks (a `ThreadOptions` with `timeout_s` and
-    `backend`: `RunOptions` and the checks', `MeasureOptions` and the measurements')."""
+    """The launcher's keywords every command's options set alike: the time limit, the backend
+    and the device (`PlacementOptions`), the thread budget, whether NCCL waits block (not for
+    measurements: `MeasureOptions`) and, where a command takes one (`--stall-timeout`), the
+    stall timeout, as `launch(fn, world_size=..., args=..., **launch_knobs(options))`.
+    `options`: any command's options that start ranks (a `ThreadOptions` and a
+    `PlacementOptions` with `timeout_s`: the checks', `MeasureOptions` and the measurements')."""
     knobs = {
         "timeout_s": options.timeout_s,
         "backend": options.backend,
+        "device": options.device_type,
         "threads_per_rank": options.threads_per_rank,
         "nccl_blocking_wait": getattr(options, "nccl_blocking_wait", True),
     }

@@ -16,11 +16,11 @@ from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS, CellResult
 from verify.checks.matrix import CERTIFIED, Cell, MatrixOptions, MatrixResult, run_plan
 from verify.checks.verdict import Verdicted
-from verify.options import ThreadOptions, knob
+from verify.options import PlacementOptions, ThreadOptions, knob
 
 
 @dataclass(frozen=True, kw_only=True)
-class DetectionOptions(ThreadOptions):
+class DetectionOptions(ThreadOptions, PlacementOptions):
     """Which faulty implementations, and whether the controls run beside them."""
 
     faults: tuple[str, ...] = knob(
@@ -121,6 +121,7 @@ def detect(options: DetectionOptions) -> DetectionResult:
         timeout_s=options.timeout_s,
         threads_per_rank=options.threads_per_rank,
         backend=options.backend,
+        device=options.device,
     )
 
 
@@ -133,6 +134,7 @@ def run_detection(
     timeout_s: float = 600.0,
     threads_per_rank: int | None = None,
     backend: str = "gloo",
+    device: str | None = None,
 ) -> DetectionResult:
     """Run each faulty implementation (all, or `names`) on the behaviours where it shows, and
     the `controls` (correct implementations) on `control_rows` (default: all of those
@@ -156,6 +158,7 @@ def run_detection(
         timeout_s=timeout_s,
         threads_per_rank=threads_per_rank,
         backend=backend,
+        device=device,
         command="faults",
     )
     plan = [(c, BEHAVIOUR[k], CHECKS) for c in controls for k in control_rows]

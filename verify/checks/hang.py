@@ -32,7 +32,7 @@ from verify.checks.script import WatchedRun, finish_report, run_watched_script
 from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
 from verify.launching.torchrun import joining
-from verify.options import OutputOptions, RunOptions, knob, launch_knobs
+from verify.options import OutputOptions, PlacementOptions, RunOptions, knob, launch_knobs
 from verify.training.interface import InterfaceError
 from verify.training.trainer import Progress, Trainer, TrainSpec
 from verify.training.workloads import get_workload
@@ -45,7 +45,7 @@ HANG_KINDS = frozenset({"builtin", "reference", "hang"})
 
 
 @dataclass(frozen=True, kw_only=True)
-class HangOptions(RunOptions, OutputOptions):
+class HangOptions(RunOptions, OutputOptions, PlacementOptions):
     """What to run under the watchdog: `impl`, a `script` (with `nproc`), or `scenarios`."""
 
     impl: str | None = knob(
@@ -64,7 +64,6 @@ class HangOptions(RunOptions, OutputOptions):
     timeout_s: float = knob(
         600.0, "how long the run may take", flag="--timeout", unit="s", positive=True
     )
-    backend: str = knob("gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"))
     sanitize: bool = knob(
         False, "with --nproc: run the script under the race sanitizer (docs/races.md)"
     )
@@ -144,7 +143,7 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
         result = HangResult(options, **run.watched())
         runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
         return result
-    device = "gpu" if options.backend == "nccl" else "cpu"
+    device = "gpu" if options.device_type == "cuda" else "cpu"
     report_dir = str(runs.new_run_dir(options.out, f"hang_{options.impl}", options.ranks, device))
     runs.write_metadata(Path(report_dir), asdict(options))
     start = time.monotonic()

@@ -25,8 +25,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-import torch
-
 from impls.registry import names, resolve
 from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
@@ -34,7 +32,8 @@ from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_
 from verify.checks.options import CHECK_KINDS
 from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch, rank
-from verify.options import ThreadOptions, knob, launch_knobs
+from verify.launching.gpus import visible as gpus_visible
+from verify.options import PlacementOptions, ThreadOptions, knob, launch_knobs
 
 #: what `--impl all` certifies: the built-ins and PyTorch's references
 CERTIFIED = tuple(names({"builtin", "reference"}))
@@ -45,7 +44,7 @@ _AGREEMENT_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class MatrixOptions(ThreadOptions):
+class MatrixOptions(ThreadOptions, PlacementOptions):
     """Which implementations, behaviours and checks; see the module docstring."""
 
     impls: tuple[str, ...] = knob(
@@ -162,7 +161,7 @@ def run_plan(
     start = time.perf_counter()
     results: dict[Cell, CellResult] = {}
     pending: list[Cell] = []
-    gpus = torch.cuda.device_count() if options.backend == "nccl" else 0
+    gpus = gpus_visible() if options.backend == "nccl" else 0
     for impl, b, checks in plan:
         for check in checks:
             why = not_applicable(resolve(impl), b, check)  # decided here: no launch needed

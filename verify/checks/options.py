@@ -9,7 +9,7 @@ import torch
 
 from impls.registry import resolve
 from verify.launching import torchrun
-from verify.options import RunOptions, knob
+from verify.options import PlacementOptions, RunOptions, knob
 from verify.training.trainer import TRAIN_DEFAULTS, TrainSpec, spec_from
 from verify.training.workloads import WORKLOADS
 
@@ -18,7 +18,7 @@ CHECK_KINDS = frozenset({"builtin", "reference", "faulty"})
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckOptions(RunOptions):
+class CheckOptions(RunOptions, PlacementOptions):
     """What a check trains and how (see `TrainSpec` for the training knobs)."""
 
     impl: str = knob(
@@ -37,7 +37,6 @@ class CheckOptions(RunOptions):
         TRAIN_DEFAULTS.bucket_mb, "bucket size given to wrappers that take one", unit="MB",
         positive=True,
     )  # fmt: skip
-    backend: str = knob("gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"))
     same_init: bool = knob(
         False, "every rank builds the model from the same seed (for designs that rely on "
         "identical seeding instead of a broadcast from rank 0)",

@@ -90,7 +90,7 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             sys.modules["__main__"] = sys.modules["__mp_main__"] = module
         fn, args = pickle.loads(job.payload)
         device = torch.device("cpu")
-        if job.backend == "nccl":
+        if job.device == "cuda":
             gpu = job.local_rank if job.device_index is None else job.device_index
             device = torch.device("cuda", gpu)
             torch.cuda.set_device(device)

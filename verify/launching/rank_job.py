@@ -32,6 +32,7 @@ class RankJob:
     trace_path: str | None = None  # None: collectives are not traced
     helper_dir: str | None = None  # where the parent's requests and the answers go
     backend: str = "gloo"
+    device: str = "cpu"  # kind "fn": where its tensors live (`ctx.device`): cpu or cuda
     # kind "fn"
     payload: bytes = b""  # pickle of (fn, args)
     sys_path: tuple[str, ...] = ()
@@ -41,7 +42,7 @@ class RankJob:
     # A traced rank on NCCL waits for its collectives to complete (`block_nccl_waits`); the
     # measurement commands turn this off, as it would change what they measure.
     nccl_blocking_wait: bool = True
-    device_index: int | None = None  # NCCL: the rank's GPU (`gpus.py`); None: local_rank
+    device_index: int | None = None  # cuda: the rank's GPU (`gpus.py`); None: local_rank
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
     races_path: str | None = None  # run the script under the race sanitizer; findings here

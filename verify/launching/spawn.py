@@ -5,7 +5,7 @@
 
 - Each rank is a process of its own, world size 1 included (`process.py`): forked from a
   zygote that has imported torch and nothing else (`zygote.py`: milliseconds instead of the
-  seconds an import costs), or a fresh interpreter where a zygote cannot serve (NCCL).
+  seconds an import costs), or a fresh interpreter where a zygote cannot serve (CUDA).
   They meet at a `file://` store in a fresh temp dir, so any number of launches
   (`pytest -n auto`, threads) can run at once: there is no port to collide on.
 - Each rank takes its thread budget (`threads.py`): the machine's cores shared among the
@@ -38,8 +38,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from verify.launching import gpus, runner, torchrun
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, NO_ZYGOTE_ENV, SPAWNED_ENV, STALL_ENV
 from verify.launching.outcome import LaunchResult
@@ -62,6 +60,7 @@ def launch(
     args: tuple = (),
     timeout_s: float = 120.0,
     backend: str = "gloo",
+    device: str | None = None,
     env: dict[str, str] | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     report_dir: str | None = None,
@@ -76,7 +75,9 @@ def launch(
         world_size: number of ranks (must equal WORLD_SIZE when joining torchrun).
         args: extra positional arguments for fn, pickled to every rank.
         timeout_s: how long fn may run once every rank is up (starting comes on top).
-        backend: "gloo" (CPU) or "nccl" (one GPU per rank, the least used ones: `gpus.py`).
+        backend: "gloo" or "nccl" (one GPU per rank, the least used ones: `gpus.py`).
+        device: where the ranks' tensors live (`ctx.device`): "cpu", or "cuda" (with gloo,
+            ranks share the GPUs: `gpus.py`); None: cuda for nccl, else cpu.
         env: extra environment variables for the ranks, set before their interpreter starts.
         stall_timeout_s: seconds without collective progress (while a rank waits and none
             works) that make a hang; None turns tracing and the watchdog off.
@@ -93,14 +94,18 @@ def launch(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    device = gpus.device_for(device, backend)
+    gpus.check(device, backend)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if stall_timeout_s is not None and not stall_timeout_s > 0:
         raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s}")
     if torchrun.joining():
-        return torchrun.join(fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank)
+        return torchrun.join(
+            fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank, device
+        )
     budget = thread_budget(ranks_at_once or world_size, threads_per_rank)
-    visible = torch.cuda.device_count() if backend == "nccl" and torch.cuda.is_available() else 0
+    visible = gpus.visible() if device == "cuda" else 0
     if backend == "nccl" and world_size > visible:
         raise ValueError(f"backend 'nccl' needs a CUDA device per rank: {world_size} > {visible}")
     try:
@@ -113,7 +118,7 @@ def launch(
     tmpdir = tempfile.mkdtemp(prefix="ddp-verify-")
     keep = report_dir or tmpdir
     pg_timeout = STARTUP_CAP_S + timeout_s + _PG_TIMEOUT_SLACK_S
-    devices = gpus.take(world_size, visible) if backend == "nccl" else []
+    devices = gpus.take(world_size, visible, shared=backend != "nccl") if device == "cuda" else []
     jobs = [
         RankJob(
             kind="fn",
@@ -126,6 +131,7 @@ def launch(
             trace_path=os.path.join(keep, f"rank{r}.trace") if stall_timeout_s else None,
             helper_dir=keep if stall_timeout_s or report_dir else None,
             backend=backend,
+            device=device,
             payload=payload,
             sys_path=tuple(sys.path),
             main_file=main_file,
@@ -138,7 +144,9 @@ def launch(
     ]
     child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
     zygote = None
-    if backend == "gloo" and os.environ.get(NO_ZYGOTE_ENV) != "1":
+    # CUDA ranks start as fresh interpreters: a process forked from one is CUDA-safe only
+    # while nothing initialized CUDA before the fork, which the zygote cannot promise.
+    if device == "cpu" and os.environ.get(NO_ZYGOTE_ENV) != "1":
         import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
         zygote = Zygote.get(import_env)
     if stall_timeout_s is not None:

@@ -56,8 +56,11 @@ def local_ranks(world_size: int) -> int:
     return world_size
 
 
-def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -> LaunchResult:
-    """Run fn as this torchrun rank; every rank returns every rank's outcome."""
+def join(
+    fn, args, world_size, timeout_s, backend, env, threads_per_rank=None, device="cpu"
+) -> LaunchResult:
+    """Run fn as this torchrun rank; every rank returns every rank's outcome. `device`: cpu,
+    or cuda (nccl: the LOCAL_RANK-th GPU; gloo: the node's GPUs shared among its ranks)."""
     if world_size != int(os.environ["WORLD_SIZE"]):
         raise ValueError(
             f"world_size={world_size} but torchrun has WORLD_SIZE={os.environ['WORLD_SIZE']}"
@@ -65,12 +68,15 @@ def join(fn, args, world_size, timeout_s, backend, env, threads_per_rank=None) -
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     budget = thread_budget(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), threads_per_rank)
     apply(budget.per_rank)
-    device = torch.device("cpu")
     if backend == "nccl":
         if not (torch.cuda.is_available() and local_rank < torch.cuda.device_count()):
             raise ValueError(f"backend 'nccl' needs a CUDA device for LOCAL_RANK={local_rank}")
-        device = torch.device("cuda", local_rank)
+    if device == "cuda":
+        gpu = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     os.environ.update(env)  # best effort: this interpreter started long ago
     start = time.monotonic()
     created = not dist.is_initialized()

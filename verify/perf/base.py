@@ -1,7 +1,7 @@
 """What every measurement command shares: its options, its run folder, its verdict, its voice.
 
 - `MeasureOptions`: where the ranks run (`--device`: cuda with NCCL when every rank can have a
-  GPU, else cpu with gloo), how long they may run (`--timeout`) and their thread budget
+  GPU, else cpu with gloo; `--device cuda --backend gloo`: every rank on the GPUs there are), how long they may run (`--timeout`) and their thread budget
   (`--threads-per-rank`). A command's options add their own knobs, say how many ranks run at
   once (`ranks`), and add `OutputOptions` (`--out`) when the command keeps a run folder. What
   the ranks train comes from the options by name (`spec_from`): a knob named as in `TrainSpec`
@@ -36,7 +36,7 @@ from verify import progress, runs
 from verify.checks.verdict import Verdicted, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
 from verify.launching import rank as rank_side
-from verify.options import ThreadOptions, knob
+from verify.options import PlacementOptions, ThreadOptions, knob
 
 if TYPE_CHECKING:
     from verify.training.trainer import Trainer
@@ -60,7 +60,7 @@ def resolve_all(names: tuple[str, ...], command: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MeasureOptions(ThreadOptions):
+class MeasureOptions(ThreadOptions, PlacementOptions):
     """The knobs of every measurement command (module docstring)."""
 
     device: str | None = knob(
@@ -69,6 +69,11 @@ class MeasureOptions(ThreadOptions):
         "else cpu, with gloo)",
         choices=("cpu", "cuda"),
     )
+    backend: str | None = knob(
+        None, "what carries the collectives (default: nccl on cuda, gloo on cpu); gloo with "
+        "--device cuda runs every rank on the GPUs there are, one GPU enough",
+        choices=("gloo", "nccl"),
+    )  # fmt: skip
     timeout_s: float = knob(
         1800.0,
         "how long the ranks may run once all have started",
@@ -87,9 +92,12 @@ class MeasureOptions(ThreadOptions):
     nccl_blocking_wait: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        if self.backend is None:  # the one the device implies (the default device: its help)
+            device = self.device or runs.default_device(self.ranks_here)
+            set_field(self, "backend", runs.backend_for(device))
         super().__post_init__()
         gpus = torch.cuda.device_count()
-        if self.device == "cuda" and gpus < self.ranks_here:
+        if self.backend == "nccl" and gpus < self.ranks_here:
             where = "" if self.ranks_here == self.ranks else " here"
             raise ValueError(
                 f"--device cuda needs one GPU per rank: {self.ranks_here} ranks{where}, "
@@ -106,15 +114,6 @@ class MeasureOptions(ThreadOptions):
     def ranks_here(self) -> int:
         """Of those, the ones on this machine: under torchrun its LOCAL_WORLD_SIZE."""
         return torchrun.local_ranks(self.ranks)
-
-    @property
-    def device_type(self) -> str:
-        """The device kind the ranks use, cuda or cpu: `--device`, or the default (its help)."""
-        return self.device or runs.default_device(self.ranks_here)
-
-    @property
-    def backend(self) -> str:
-        return runs.backend_for(self.device_type)
 
 
 def set_field(options: Any, name: str, value: Any) -> None:
