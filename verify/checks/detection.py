@@ -156,6 +156,7 @@ def run_detection(
         timeout_s=timeout_s,
         threads_per_rank=threads_per_rank,
         backend=backend,
+        sanitize=False,  # which cells run sanitized is the catalogue's choice, below
         command="faults",
     )
     plan = [(c, BEHAVIOUR[k], CHECKS) for c in controls for k in control_rows]
