@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from impls.registry import resolve
-from verify.checks.audit import Auditor, fingerprint
+from verify.checks.audit import MOVED, Auditor, _compare_gathered, fingerprint
 from verify.launching import launch
 from verify.training.workloads import get_workload
 
@@ -73,19 +74,25 @@ def rank_several_ranks_differ(ctx):
         c[4] += 1
     auditor = Auditor(torch.nn.Linear(1, 1))
     _, found = auditor.audit("x", [("a", a), ("b", b), ("c", c)])
+    # Tensor `d` differed by its fingerprints, but its values moved before the detail gathered
+    # them (a collective still in flight): equal on every rank by then.
+    moved = _compare_gathered("x", "d", torch.ones(3), (1,), 0, dist.group.WORLD)
     return [
         (m.tensor, m.ranks, m.reference_rank, m.num_different, m.first_index, m.max_abs_diff)
         for m in found
-    ]
+    ] + [(moved.moved, moved.num_different, moved.describe())]
 
 
 def test_mismatch_reports_with_rank_0_odd_and_several_ranks_differing():
     run = launch(rank_several_ranks_differ, world_size=4, timeout_s=240)
     assert run.ok, run.summary()
-    a, b, c = run.values[0]
+    a, b, c, d = run.values[0]
     assert a == ("a", (0,), 1, 1, (7,), 1.0)
     assert b == ("b", (1, 2), 0, 2, (1, 3), 2.0)
     assert c == ("c", (2,), 0, 1, (4,), 1.0)
+    # Not "0/3 elements differ": the values moved, a collective was in flight; --sanitize.
+    assert d == (True, None, f"x: d differs on rank 1 (vs rank 0): {MOVED}"), d
+    assert "--sanitize" in MOVED and "in flight" in MOVED
 
 
 def next_ulp(t: torch.Tensor, index: int) -> None:

@@ -10,6 +10,7 @@ read their results. Sums are compared bitwise: with two ranks an all-reduce adds
 and a + b == b + a exactly.
 """
 
+import contextlib
 import pathlib
 
 import pytest
@@ -24,6 +25,7 @@ from impls.flat import FlatDDP
 from impls.naive import NaiveDDP
 from impls.overlap import OverlapDDP
 from impls.zero import ShardedOptimizer
+from tests.fixtures import overlap_scaled
 from tests.fixtures import race_classes as rc
 from verify.launching import launch
 from verify.sanitize import (
@@ -111,6 +113,12 @@ def _racy_scenarios(ctx):
     )
     out["forgetful before"] = before
     out["other ops"] = _other_ops(ctx)
+    for cls in (
+        overlap_scaled.ScaleInHookDDP,
+        overlap_scaled.ScaleAfterWaitDDP,
+        rc.WaitThenDivideDDP,
+    ):
+        out[f"accumulated {cls.__name__}"] = _accumulated(ctx, cls)
     # Composition with the collective tracer, which the launcher installed at rank start.
     out["tracer under us"] = tracer.installed() and _chains_to_tracer()
     return out
@@ -118,6 +126,30 @@ def _racy_scenarios(ctx):
 
 def _staging(wrapped):
     return [("staging", getattr(wrapped, "staging", getattr(wrapped, "arena", None)))]
+
+
+def _accumulated(ctx, wrap, steps=2):
+    """Two micro-batches a step, the first under `no_sync()` when the class has one, as a
+    script runs them: no `end_step()`, the optimizer's step is where a step ends. (findings,
+    stats)"""
+    workload = get_workload("mlp")
+    torch.manual_seed(0)
+    model = workload.build()
+    with Sanitizer(rank=ctx.rank) as san:
+        wrapped = wrap(model)
+        san.name_tensors(model.named_parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            san.set_step(step)
+            opt.zero_grad()
+            for micro in range(2):
+                batch = workload.batch(2 * step + micro, ctx.world_size)
+                skip = getattr(wrapped, "no_sync", contextlib.nullcontext)
+                with skip() if micro == 0 else contextlib.nullcontext():
+                    workload.loss(wrapped, batch.shard(ctx.rank, ctx.world_size)).backward()
+            wrapped.finish_gradient_synchronization()
+            opt.step()
+    return san.findings, san.stats
 
 
 def _other_ops(ctx):
@@ -295,6 +327,27 @@ def test_race_inside_backward_is_found_from_the_first_step(racy):
         assert hook and hook[0].step == 0 and hook[0].op == "copy_", [f.message for f in findings]
         assert hook[0].tensor == "part of staging"
         assert stats.armed_backwards == 2  # the first, and every one after that issues inside
+
+
+def test_a_race_after_a_no_sync_micro_batch_is_found_in_the_first_step(racy):
+    """A micro-batch under `no_sync()` issues nothing: every backward of the first step is
+    checked from its start, so the synchronizing one, whose hook scales the gradient right
+    after launching its all-reduce, is seen at step 0 (it used to be left unarmed for good).
+    A class that issues nothing inside backward is checked through the first step only."""
+    fixture = pathlib.Path(overlap_scaled.__file__)
+    for values in racy:
+        findings, stats = values["accumulated ScaleInHookDDP"]
+        scaled = [f for f in findings if f.kind == WRITE_WHILE_IN_FLIGHT and f.op == "mul_"]
+        assert {f.tensor for f in scaled} == GRADS, [f.message for f in findings]
+        assert all(
+            f.step == 0 and _at(f.accessed_at, fixture, "# BUG: the all-reduce still owns the grad")
+            for f in scaled
+        )
+        assert stats.armed_backwards == 4, stats
+        findings, stats = values["accumulated ScaleAfterWaitDDP"]
+        assert findings == () and stats.armed_backwards == 4, [f.message for f in findings]
+        findings, stats = values["accumulated WaitThenDivideDDP"]
+        assert findings == () and stats.armed_backwards == 2, stats
 
 
 def test_other_collectives_are_tracked(racy):

@@ -60,6 +60,24 @@ def test_the_cost_benchmark_runs_every_arm(capsys):
     assert doc["stats"]["sanitized"]["tracked"] > 0 and doc["stats"]["plain"]["tracked"] == 0
 
 
+def test_the_matrix_cost_report_gives_the_ratio_and_each_arms_verdicts():
+    """`bench-sanitize --matrix` times whole matrices (the runs are the matrix's own, tested
+    in test_matrix.py); its report, from a result (no launch): the ratio with its interval,
+    and the verdicts of every round, so a verdict that varies shows."""
+    from verify.cli.text_costs import sanitize as text
+    from verify.perf.bench_sanitize import SanitizeBenchOptions, SanitizeBenchResult
+
+    options = SanitizeBenchOptions(matrix=True, repeats=2, device="cpu")
+    result = SanitizeBenchResult(
+        options, "pass", steps_s={"plain": (2.0, 4.0), "sanitized": (3.0, 6.0)},
+        machine="here", matrix_verdicts={"plain": ("pass", "fault"), "sanitized": ("fault",) * 2},
+    )  # fmt: skip
+    out = text(result)
+    assert "the certification matrix of bucketed (every row), 2 interleaved rounds" in out
+    assert "1.500 [1.500, 1.500]" in out and "pass x1, fault x1" in out and "fault x2" in out
+    assert result.to_dict()["slowdown"]["sanitized"]["value"] == pytest.approx(1.5)
+
+
 def test_the_checks_catch_a_never_waited_collective_by_default():
     """A student's hook DDP that never waits on its all-reduces gives the right numbers on a
     CPU almost every run, so without the race check consistency passes it (the opt-out,

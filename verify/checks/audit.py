@@ -23,7 +23,9 @@ max of every fingerprint over the ranks (one all-reduce, whose size does not gro
 world size): equal means every rank holds the same bits. Only for the tensors that mismatch
 do they gather every rank's fingerprint (to find the majority value), and for at most
 `max_detail` of those the tensor itself, to say which ranks differ, by how much, in how many
-elements, and where first.
+elements, and where first. A tensor whose gathered copies show no difference changed between
+the fingerprint and the gather: a collective was still writing it. That mismatch says so
+(`Mismatch.moved`) instead of reporting a difference of zero.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Mismatch:
     numel: int | None
     first_index: tuple[int, ...] | None
     detail: str = ""  # e.g. "grad is None on ranks [1]", "shape (4,) vs (2, 2)"
+    # The fingerprints differed but the tensors gathered right after are equal on every rank:
+    # the values moved between the two reads, so something (a collective) still wrote them.
+    moved: bool = False
 
     def describe(self) -> str:
         ranks = ", ".join(map(str, self.ranks))
@@ -317,7 +322,13 @@ def _compare_gathered(label, name, tensor, differ, reference, process_group) -> 
         diff = (ref.to(wide) - other.to(wide)).abs()
         if diff.numel():
             worst = max(worst, float(diff.double().nan_to_num(nan=float("inf")).max()))
-    first = int(unequal.nonzero()[0]) if unequal.any() else 0
+    if not unequal.any():
+        # What differed a moment ago is equal now: a collective on it was still in flight when
+        # the fingerprint was taken (a race), and has landed since. No number to report.
+        return Mismatch(
+            label, name, differ, reference, None, None, None, None, detail=MOVED, moved=True
+        )  # fmt: skip
+    first = int(unequal.nonzero()[0])
     shape = tuple(copies[reference].shape)
     if copies[reference].is_complex():
         shape = (*shape, 2)
@@ -325,6 +336,12 @@ def _compare_gathered(label, name, tensor, differ, reference, process_group) -> 
     # Elements that differ on at least one of the differing ranks.
     return Mismatch(label, name, differ, reference, worst, int(unequal.sum()), ref.numel(), index)
 
+
+MOVED = (
+    "the fingerprints differed, but the values gathered right after are equal on every rank: "
+    "they changed between the two reads, so a collective on this tensor was still in flight "
+    "(a race: run with --sanitize, the default unless --no-sanitize, to name it)"
+)
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

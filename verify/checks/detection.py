@@ -159,6 +159,7 @@ def run_detection(
         threads_per_rank=threads_per_rank,
         backend=backend,
         device=device,
+        sanitize=False,  # which cells run sanitized is the catalogue's choice, below
         command="faults",
     )
     plan = [(c, BEHAVIOUR[k], CHECKS) for c in controls for k in control_rows]

@@ -3,7 +3,9 @@
 `run_matrix(MatrixOptions(impls=...))` judges implementations on every behaviour of
 `behaviours.BEHAVIOURS` (rows) with every check (columns: consistency, equivalence, and the
 shard check for sharded optimizers; see `cells.py`). A behaviour an implementation does not
-offer is "not claimed"; one that does not apply is "n/a". Neither is a pass.
+offer is "not claimed"; one that does not apply is "n/a". Neither is a pass. Every cell runs
+under the race sanitizer unless `sanitize=False` (`--no-sanitize`): a race must not make a
+verdict depend on timing (`sanitizing.py`).
 
 How it stays fast: one launch per world size runs every cell of that size, one after the other
 in the same ranks (spawning costs seconds; a cell costs tens of milliseconds), and the world
@@ -69,7 +71,15 @@ class MatrixOptions(ThreadOptions, PlacementOptions):
         "gloo", "gloo (CPU) or nccl (one GPU per rank; rows wanting more ranks than GPUs are "
         "n/a)", choices=("gloo", "nccl"),
     )  # fmt: skip
-    sanitize: bool = knob(False, "check async collectives for races in every cell (docs/races.md)")
+    # On by default, as in consistency and equivalence: without it a race makes the verdicts
+    # vary from run to run (cells pass or fail by timing, with hints that point elsewhere);
+    # under it every race is named and changes the numbers the same way on every run.
+    sanitize: bool = knob(
+        True, "skip the race check on async collectives in every cell (docs/races.md): a racy "
+        "class's cells then pass or fail by timing, and the race is never named",
+        negate="--no-sanitize",
+        affirm="check async collectives for races in every cell (the default; docs/races.md)",
+    )  # fmt: skip
     command: str = knob("matrix", cli=False)
 
     def __post_init__(self) -> None:

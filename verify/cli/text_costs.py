@@ -125,6 +125,8 @@ def sanitize(result) -> str:
     o = result.options
     if not result.ok:
         return failed("bench-sanitize", result)
+    if o.matrix:
+        return _sanitize_matrix(result)
     rows = []
     for arm, steps in result.steps_s.items():
         row = [arm, f"{statistics.median(steps) * 1e3:.1f}", f"{min(steps) * 1e3:.1f}"]
@@ -156,5 +158,30 @@ def sanitize(result) -> str:
             "operators compared against memory in flight, and seconds spent comparing and "
             "copying (adversarial completion); the rest of the slowdown is every operator's "
             "detour through the dispatch mode while the check is on",
+        ]
+    )
+
+
+def _sanitize_matrix(result) -> str:
+    """`bench-sanitize --matrix`: whole matrices without and with the sanitizer."""
+    o = result.options
+    rows = []
+    for arm, times in result.steps_s.items():
+        r = result.ratio(arm)
+        ratio = "-" if arm == "plain" else f"{r.value:.3f} {interval(r.low, r.high)}"
+        verdicts = result.matrix_verdicts[arm]
+        said = ", ".join(f"{v} x{verdicts.count(v)}" for v in dict.fromkeys(verdicts))
+        rows.append([arm, f"{statistics.median(times):.1f}", f"{min(times):.1f}", ratio, said])
+    headers = ["arm", "median s", "min s", "/ plain (95% interval)", "matrix verdicts"]
+    return "\n".join(
+        [
+            f"sanitizer benchmark: the certification matrix of {o.impl} (every row), "
+            f"{o.repeats} interleaved rounds (one matrix of each arm per round), wall time",
+            f"machine: {result.machine}",
+            "",
+            tabulate(rows, headers=headers, disable_numparse=True),
+            "",
+            "plain is `matrix --no-sanitize`, sanitized is `matrix` (the default); verdicts "
+            "that differ between the arms, or between rounds, are a race",
         ]
     )

@@ -78,16 +78,20 @@ def matrix(result: MatrixResult) -> str:
                 f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in skipped
             ]
     counts = _counts(result)
-    if o.sanitize:
-        lines += ["", _SANITIZED]
+    lines += ["", _SANITIZED if o.sanitize else _UNSANITIZED]
     verdict = result.verdict.upper()
     lines += ["", f"{verdict}: {counts}  ({result.elapsed_s:.0f}s, {_launches(result.launches)})"]
     return "\n".join(lines)
 
 
 _SANITIZED = (
-    "note: every cell ran under --sanitize; it cannot see the collectives PyTorch DDP's C++ "
-    "reducer issues (torch-ddp, torch-zero and the sharded optimizers that run over them)"
+    "note: every cell ran under the race sanitizer (--no-sanitize to skip it); it cannot see the "
+    "collectives PyTorch DDP's C++ reducer issues (torch-ddp, torch-zero and the sharded "
+    "optimizers that run over them)"
+)
+_UNSANITIZED = (
+    "note: --no-sanitize: races on async collectives were not checked; a racy class's cells pass "
+    "or fail by timing, so its verdicts may differ from run to run"
 )
 
 

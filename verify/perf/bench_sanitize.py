@@ -1,4 +1,5 @@
-"""`python -m verify bench-sanitize`: what `--sanitize` costs a training step, and where.
+"""`python -m verify bench-sanitize`: what `--sanitize` costs a training step, and where
+(with `--matrix`, a whole certification matrix: `bench_sanitize_matrix.py`).
 
 In one launch the one trainer (`training/trainer.py`) trains the transformer workload with
 the bucketed implementation; its steps rotate through three arms, one step each per round,
@@ -25,6 +26,7 @@ from typing import ClassVar
 from verify.launching import RankContext
 from verify.options import knob
 from verify.perf.base import Measured, next_step, parameters
+from verify.perf.bench_sanitize_matrix import run_sanitize_matrix_bench
 from verify.perf.costs import CostOptions, run_cost, take_turns
 from verify.perf.timing import Ratio, paired, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
@@ -41,6 +43,11 @@ class SanitizeBenchOptions(CostOptions):
     )
     bucket_mb: float = knob(4.0, "bucket size (several buckets a step)", unit="MB", positive=True)
     repeats: int = knob(15, "interleaved rounds (one step of each arm per round)", minimum=2)
+    matrix: bool = knob(
+        False, "time whole certification matrices of --impl instead of steps: `matrix "
+        "--no-sanitize` against `matrix` (sanitized, the default), one of each per round "
+        "(--model-size, --bucket-mb and --world-size do not apply)",
+    )  # fmt: skip
 
     command: ClassVar[str] = "bench-sanitize"
 
@@ -60,6 +67,7 @@ class SanitizeBenchResult(Measured):
     load_avg: tuple[float, float] = (0.0, 0.0)
     machine: str = ""
     failure: str | None = None
+    matrix_verdicts: dict | None = None  # --matrix: arm -> each round's matrix verdict
 
     def ratio(self, arm: str) -> Ratio:
         return paired(list(self.steps_s[arm]), list(self.steps_s["plain"]))
@@ -70,12 +78,16 @@ class SanitizeBenchResult(Measured):
     def to_dict(self) -> dict:
         d = {**asdict(self), "ok": self.ok}
         if self.ok:
-            d["slowdown"] = {arm: self.ratio(arm).to_dict() for arm in ARMS[1:]}
+            d["slowdown"] = {
+                arm: self.ratio(arm).to_dict() for arm in self.steps_s if arm != "plain"
+            }
             d["median_step_s"] = {arm: statistics.median(v) for arm, v in self.steps_s.items()}
         return d
 
 
 def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
+    if options.matrix:
+        return run_sanitize_matrix_bench(options)
     return run_cost(options, sanitize_bench_on_rank, SanitizeBenchResult)
 
 

@@ -38,16 +38,18 @@ What it cannot see:
   stream sanitizer covers streams), and operators run on threads other than the one that
   installed the sanitizer (collectives issued from other threads are not tracked at all).
 - Operators whose schema does not declare their writes (some custom ops), and races inside
-  the first backward pass after install that issues a collective from a gradient hook, when
-  earlier backward passes issued none (see "Cost" for why backward is armed only then).
+  the first backward pass that issues a collective from a gradient hook when a whole
+  optimizer step before it issued none from backward (see "Cost" for why backward is armed
+  only then).
 - `Work.is_completed()` is not completion: reading a result after polling it, without
   `wait()`, is reported (and under adversarial completion the result is not there yet).
 
 Cost. Outside the windows where a tracked work is in flight nothing runs, except a backward
-pass, which is checked from its start (armed) when it is the first since install or when any
-backward so far issued an async collective: autograd runs each node with the thread-local
-state captured when backward began, so a check switched on inside a gradient hook would not
-outlive that hook. While the check is on, every operator makes a detour through Python (the
+pass, which is checked from its start (armed) until an optimizer step has ended after a
+backward (every micro-batch of the first step: one under `no_sync()` issues nothing, the
+step's last one does), and afterwards when any backward so far issued an async collective:
+autograd runs each node with the thread-local state captured when backward began, so a check
+switched on inside a gradient hook would not outlive that hook. While the check is on, every operator makes a detour through Python (the
 dispatcher's cost, several microseconds) plus a dictionary lookup per tensor argument; each
 async collective costs a frame walk, one clone of its tensors at issue and one copy back at
 completion (adversarial), i.e. twice its bytes of memory traffic and its bytes in memory

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.autograd.graph
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from verify.sanitize import collectives
 from verify.sanitize.access import AccessMode, Held, HeldMemory
@@ -65,6 +66,7 @@ class Sanitizer:
         self._log = FindingLog()
         self._names = TensorNames()
         self._patches = Patches()
+        self._step_hook = None  # the global optimizer-step hook that tells the switch
         self._flights: dict[int, Flight] = {}  # id(work) -> what it holds
         self._lock = threading.Lock()  # _flights and completion, across threads
         self._numbering = Numbering()
@@ -77,7 +79,8 @@ class Sanitizer:
 
     def install(self) -> None:
         """Wrap the collectives of `torch.distributed`, `Work.wait`, `Work.get_future` and
-        autograd's entry point. Idempotent."""
+        autograd's entry point, and hook every optimizer's step (where a step ends, for the
+        switch: a script has no `end_step`). Idempotent."""
         if self._patches:
             return
         self._switch.start()
@@ -93,12 +96,16 @@ class Sanitizer:
             patch(torch.autograd.graph, "_engine_run_backward", wrapper)
             if getattr(torch.autograd, "_engine_run_backward", None) is run:
                 patch(torch.autograd, "_engine_run_backward", wrapper)
+        self._step_hook = register_optimizer_step_post_hook(lambda *_: self._switch.step_ended())
 
     def uninstall(self) -> None:
         """Put back what `install` found, where our wrapper is still the one installed (a
         tracer installed after us keeps its own). Works still in flight are forgotten: their
         results are not written back. Idempotent."""
         self._patches.restore()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         with self._lock:
             for flight in {id(f): f for f in self._flights.values()}.values():
                 self._held.release(flight)
@@ -154,6 +161,7 @@ class Sanitizer:
                     tensor, flight.collective, flight.issued_at, None,
                 )
             )  # fmt: skip
+        self._switch.step_ended()
         self._switch.sync()
 
     @property

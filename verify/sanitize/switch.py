@@ -3,11 +3,15 @@
 - A tracked work is issued: on (the `AccessMode` is pushed) unless already on.
 - The last tracked work completes, or `end_step` drops the unwaited ones: off, unless inside
   an armed backward.
-- `backward()` starts: armed (on for the whole pass) if it is the first backward since
-  install, or if any backward so far issued an async collective. Autograd runs every node
+- `backward()` starts: armed (on for the whole pass) while no optimizer step has ended since
+  install after a backward ran (the first step's backward passes, every micro-batch of it),
+  and afterwards if any backward so far issued an async collective. Autograd runs every node
   with the thread-local state captured when backward started, so a mode pushed from a
   gradient hook would vanish at the end of that hook: only a mode already on at the start is
-  seen by the whole pass.
+  seen by the whole pass. Why a whole step and not the first backward: a micro-batch under
+  `no_sync()` issues nothing, and a step is the first unit that must synchronize; and why
+  the decision is taken at every backward, from what every backward did, armed or not: once
+  one unarmed pass issues, the next must be checked.
 
 Every backward started on the owner thread runs single-threaded
 (`torch.autograd.set_multithreading_enabled(False)`): on a GPU autograd otherwise runs the
@@ -50,8 +54,9 @@ class CheckSwitch:
         self.thread: int | None = None  # the owner thread while started
         self.pushed = False
         self.armed = False  # inside an armed backward
-        self.arm_next = True  # arm the next backward
-        self.backward_issues = 0
+        self.backwards = 0  # backward passes started on the owner thread
+        self.settled = False  # a step ended after a backward: arm only on evidence from now
+        self.backward_issues = 0  # async collectives issued inside any backward, armed or not
         self.windows = 0
         self.armed_backwards = 0
 
@@ -66,6 +71,16 @@ class CheckSwitch:
 
     def owner(self) -> bool:
         return self.thread is not None and threading.get_ident() == self.thread
+
+    def step_ended(self) -> None:
+        """An optimizer step ended (any thread): if a backward ran before it, the first step is
+        over, and from now on a backward is armed only if some backward issued."""
+        if self.backwards:
+            self.settled = True
+
+    def arming(self) -> bool:
+        """Whether the backward starting now is checked from its start (the policy above)."""
+        return self.backward_issues > 0 or not self.settled
 
     def issued(self) -> None:
         """An async collective was issued: from inside backward, it arms the next ones."""
@@ -108,7 +123,8 @@ class CheckSwitch:
             if in_backward() or not self.owner():
                 return previous(*args, **kwargs)  # nested, or another thread
             with torch.autograd.set_multithreading_enabled(False):  # hooks on this thread
-                if not self.arm_next:
+                self.backwards += 1
+                if not self.arming():
                     return previous(*args, **kwargs)
                 self.armed = True
                 self.armed_backwards += 1
@@ -117,7 +133,6 @@ class CheckSwitch:
                     return previous(*args, **kwargs)
                 finally:
                     self.armed = False
-                    self.arm_next = self.backward_issues > 0
                     self.sync()
 
         return run_backward
