@@ -8,80 +8,36 @@ Covered, in-process (no ranks; the whole file parses in well under a second):
 - every bad-input example (one line on stderr, exit 2, before any rank starts): run, and its
   message compared;
 - the first line of every `consistency`, `equivalence` and `hang` example (what ran: the
-  implementation, workload, world size, steps, bucket size) against what its options print.
+  implementation, workload, world size, steps, bucket size) against what its options print;
+- every `matrix` example's rows (in order) and its n/a cells, which the options decide.
 
-Run for real (one launch, a few seconds): README's class that forgets its buffers, compared
-on everything that does not depend on the machine (the checkpoint table without its timing
-column, the mismatch table, the hint, the verdict without its time).
+Run for real: the commands of `doc_excerpts.REAL` (a few launches, seconds each; the matrix
+ones as one matrix run), each compared with every excerpt of it, in any doc, on what matters:
+rows, verdict, finding, hint and note lines, without times and what depends on the machine
+(`doc_excerpts.essence`). When an output changes on purpose, `python -m tests.doc_excerpts
+--write` re-runs them and pastes the real output into the docs.
 
-Not covered: the numbers and timings of the other real runs (they depend on the machine and
-its load; their first line and their command are covered), the measurement commands' outputs,
-the torchrun example, a refusal that needs ranks to start, and the examples naming a file the
-guide shows but the repository does not hold (`group_ddp.py`). In a doc's output, a line
-`...` stands for any lines, and `...` inside a line for any text.
+Not covered: the other real runs' tables and findings (their first line and their command
+are), the measurement commands' outputs, the torchrun example, a refusal that needs ranks to
+start, and the examples naming a file the guide shows but the repository does not hold
+(`group_ddp.py`). In a doc's output, a line `...` stands for any lines, and `...` inside a
+line for any text.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from tests.doc_excerpts import REAL, ROOT, drift, examples, matches, matrix_outputs
 from verify.cli import UsageError, main, parse
 from verify.cli.text_checks import header
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_IN_REPO = ("group_ddp.py",)  # shown in the guide as code, not shipped
 # how the guides' ```bash blocks name the reader's own files: not files to run
 PLACEHOLDERS = ("path/to/", "mypkg.", "-- train.py")
-PREFIX = "python -m verify "
-
-
-@dataclass(frozen=True)
-class Example:
-    doc: str
-    line: int
-    argv: tuple[str, ...]
-    output: tuple[str, ...]  # () for a command in a ```bash block
-
-    def __str__(self) -> str:
-        return f"{self.doc}:{self.line}: {' '.join(self.argv)}"
-
-
-def examples() -> list[Example]:
-    found = []
-    for path in DOCS:
-        lines = path.read_text().splitlines()
-        fence, i = None, 0
-        while i < len(lines):
-            line = lines[i]
-            if line.startswith("```"):
-                fence = None if fence else (line[3:].strip() or "plain")
-            elif fence == "text" and line.startswith("$ "):
-                out = []
-                j = i + 1
-                while j < len(lines) and not lines[j].startswith(("$ ", "```")):
-                    out.append(lines[j])
-                    j += 1
-                if line[2:].startswith(PREFIX):
-                    found.append(_example(path, i, line[2 + len(PREFIX) :], tuple(out)))
-                i = j
-                continue
-            elif fence == "bash" and PREFIX in line:
-                command = line[line.index(PREFIX) + len(PREFIX) :]
-                command = re.split(r"\s+#|\s+&&|;", command)[0]
-                found.append(_example(path, i, command, ()))
-            i += 1
-    return found
-
-
-def _example(path: Path, index: int, command: str, output: tuple[str, ...]) -> Example:
-    return Example(str(path.relative_to(ROOT)), index + 1, tuple(shlex.split(command)), output)
-
 
 EXAMPLES = [
     e
@@ -89,16 +45,6 @@ EXAMPLES = [
     if not any(f in " ".join(e.argv) for f in NOT_IN_REPO)
     and (e.output or not any(f in " ".join(e.argv) for f in PLACEHOLDERS))
 ]
-
-
-def matches(doc: list[str], real: list[str]) -> bool:
-    """`real` against `doc`, where a `...` line is any lines and `...` in a line any text."""
-    if not doc:
-        return not real
-    if doc[0].strip() == "...":
-        return any(matches(doc[1:], real[k:]) for k in range(len(real) + 1))
-    pattern = ".*".join(map(re.escape, doc[0].split("...")))
-    return bool(real) and re.fullmatch(pattern, real[0]) is not None and matches(doc[1:], real[1:])
 
 
 @pytest.fixture
@@ -139,25 +85,112 @@ def test_every_example_parses_and_says_what_the_docs_show(example, at_root, caps
     # (a command in a ```bash block, or one whose output has no such line: it parses)
 
 
-def _stable(lines: list[str]) -> list[str]:
-    """Without what depends on the machine: the thread note, times, the audit ms column."""
-    out, in_table = [], False
-    for line in lines:
-        if line.startswith("note: ranks ran with"):
-            continue
-        line = re.sub(r"  \(\d+(\.\d+)?s\)$", "", line)
-        if line.startswith("checkpoint ") and line.rstrip().endswith("audit ms"):
-            in_table = True
-        if in_table and not line.strip():
-            in_table = False
-        if in_table:
-            line = "|".join(re.split(r"\s{2,}", line.strip())[:-1])
-        out.append(line)
-    return out
+def _excerpts(command: str) -> list:
+    found = [e for e in EXAMPLES if e.output and e.command == command]
+    assert found, f"no excerpt of {command} in the docs: take it out of doc_excerpts.REAL"
+    return found
 
 
-def test_a_verdict_example_runs_as_the_readme_shows(at_root, capsys):
-    (example,) = [e for e in EXAMPLES if e.doc == "README.md" and "ForgotBuffersDDP" in str(e)]
-    assert main(list(example.argv)) == 1
-    real = capsys.readouterr().out.splitlines()
-    assert _stable(list(example.output)) == _stable(real), "\n".join(real)
+def _agree(command: str, real: list[str]) -> None:
+    """Every excerpt of `command` against its real output, on what matters (doc_excerpts)."""
+    drifted = {str(e): drift(list(e.output), real) for e in _excerpts(command)}
+    drifted = {where: d for where, d in drifted.items() if d}
+    assert not drifted, "\n".join(
+        [f"{w}: drifted (python -m tests.doc_excerpts --write rewrites it)\n" + "\n".join(d)
+         for w, d in drifted.items()] + ["real output:", *real]
+    )  # fmt: skip
+
+
+SINGLE_RUNS = [c for c in REAL if not c.startswith("matrix ")]
+MATRIX_RUNS = [c for c in REAL if c.startswith("matrix ")]
+
+
+@pytest.mark.parametrize("command", SINGLE_RUNS)
+def test_an_excerpt_says_what_a_real_run_says(command, at_root, capsys):
+    """A verdict's excerpt, run for real (one launch): its table, findings, hints, notes and
+    verdict, as `doc_excerpts.essence` reads them."""
+    main(shlex.split(command))
+    _agree(command, capsys.readouterr().out.splitlines())
+
+
+def test_the_matrix_excerpts_say_what_a_real_matrix_says(at_root):
+    """The guides' matrices of one class each, from one real matrix run of all of them
+    (`doc_excerpts.matrix_outputs`): rows, statuses, failures and their hints, claims, the
+    verdict and its counts."""
+    for command, real in matrix_outputs(MATRIX_RUNS).items():
+        _agree(command, real)
+
+
+def _table(output: tuple[str, ...]) -> list[list[str]]:
+    """A matrix excerpt's rows, split into cells (a `...` row kept as one cell); [] when it
+    shows no table."""
+    lines = list(output)
+    rule = next((i for i, line in enumerate(lines) if line.startswith("---")), len(lines))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+MATRIX_EXCERPTS = [e for e in EXAMPLES if e.argv[0] == "matrix" and e.output
+                   and "--json" not in e.argv]  # fmt: skip
+
+
+@pytest.mark.parametrize("example", MATRIX_EXCERPTS, ids=str)
+def test_a_matrix_excerpt_shows_the_rows_the_tool_prints(example, at_root):
+    """Every matrix excerpt, without ranks: its rows are the command's rows, in order (a `...`
+    row for any), and its n/a cells are the ones decided before any launch. (Drift seen: an
+    excerpt of 22 rows where the tool prints 25.)"""
+    from impls.registry import resolve
+    from verify.checks.cells import not_applicable
+    from verify.cli.text_matrix import COMPACT, SYMBOL
+
+    _, options, _ = parse(list(example.argv))
+    rows = _table(example.output)
+    if not rows:
+        return  # (an excerpt that shows the report's end only)
+    titles = [b.title for b in options.behaviours]
+    shown = [r[0] for r in rows]
+    assert matches(shown, titles), f"{example}\n  docs: {shown}\n  tool: {titles}"
+    by_title = {b.title: b for b in options.behaviours}
+    impls = options.impl_names
+    for row in (r for r in rows if r[0] in by_title):
+        b = by_title[row[0]]
+        for impl, cell in zip(impls, row[1:]) if len(impls) > 1 else [(impls[0], row[1:])]:
+            checks = [c for c in options.checks if c != "shard" or resolve(impl).sharded]
+            said = list(cell) if len(impls) > 1 else cell
+            na = SYMBOL["n/a"] if len(impls) == 1 else COMPACT["n/a"]
+            expected = [bool(not_applicable(resolve(impl), b, c)) for c in checks]
+            assert [s == na for s in said] == expected, f"{example}: {impl} / {b.key}: {said}"
+
+
+def test_the_comparison_skips_the_machine_and_sees_every_finding():
+    """`doc_excerpts.drift` on a report and its variants: times, the thread note, collective
+    numbers and column widths are not drift; a row, a note, a hint or a verdict's clause is."""
+    real = [
+        "consistency: x on buffers, world size 2, 3 steps",
+        "",
+        "checkpoint      tensors    mismatched    audit ms",
+        "------------  ---------  ------------  ----------",
+        "construction          9             1        17.6",
+        "step 1                27             0         4.6",
+        "",
+        "hint: broadcast the buffers",
+        "rank 0 [error]: Read error [127.0.0.1]:28805: Connection reset by peer",
+        "note: --sanitize: 24 async collectives tracked, 0 operators checked while one was in flight",
+        "note: ranks ran with 1 thread per rank (2 cores / 2 ranks)",
+        "FAULT: all_reduce #23 differs: buffers were not broadcast  (2.8s)",
+    ]
+    noisy = [line.replace("17.6", "80.5").replace("#23", "#20") for line in real]
+    noisy[4] = "construction     9    1    3"  # narrower columns, another time
+    noisy[8] = "rank 0 [error]: Read error [127.0.0.1]:939: Connection closed by peer"
+    noisy[10] = "note: ranks ran with 2 threads per rank (4 cores / 2 ranks)"
+    noisy[11] = noisy[11].replace("(2.8s)", "(11.1s)")
+    assert drift(noisy, real) == []
+    for k in (5, 7, 9):  # a row, the hint, the sanitizer note: gone from the docs
+        assert drift(real[:k] + real[k + 1 :], real), k
+    clipped = real[:11] + ["FAULT: all_reduce #23 differs  (2.8s)"]
+    assert drift(clipped, real)
+    assert drift(["...", *real[7:]], real) == []  # a `...` line stands for any lines

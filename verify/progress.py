@@ -6,10 +6,18 @@ unless `--progress` asks for it, so a JSON document on stdout is never mixed wit
 rank says it with `verify.launching.rank.say`, which travels on the rank's report pipe and is
 printed here once, by the parent (never once per rank, never replayed).
 
-On a terminal it is one line, rewritten in place and cleared before the report prints; on
-anything else (a file, a pipe, CI's log) one plain line each. The first `k/n` in a message is
-its count: the text before it names the task, and from the pace since the task's first count
-an estimate of what is left is added ("~40s left"), once there is a pace to go by.
+The first `k/n` in a message is its count: the text before it names the task ("matrix, world
+size 2: cell "), and from the pace since the task's first count an estimate of what is left is
+added ("~40s left"), once there is a pace to go by. A message without a count is a task of its
+own.
+
+On a terminal every message rewrites one line in place, cleared before the report prints. On
+anything else (a file, a pipe, CI's log) lines are kept, so they are thinned: `matrix --impl
+all` says 564 cells. A line is written when it starts a task, restarts its count (a fresh
+launch of the rest of the cells), or ends it (k = n), and otherwise only once `_gap` has passed
+since the last line written: 5 s, growing to a tenth of the time the run has taken, so a run
+of any length writes a few dozen lines. The newest line held back is written when progress
+stops (`disable`), so a log cut short by Ctrl-C or SIGTERM says where the run was.
 """
 
 from __future__ import annotations
@@ -26,25 +34,34 @@ _lock = threading.Lock()
 _start = time.monotonic()
 _tty = False
 _pending = False  # a line is on the terminal, not ended by a newline
-_tasks: dict[str, tuple[float, int]] = {}  # task -> (when its first count was seen, that count)
+_held: str | None = None  # (not a terminal) the newest line not written, if any
+_written_at = 0.0  # (not a terminal) when the last line was written
+# task -> (when its first count was seen, that count, the latest count)
+_tasks: dict[str, tuple[float, int, int]] = {}
 _COUNT = re.compile(r"(\d+)/(\d+)")
+MIN_GAP_S = 5.0  # the least time between two routine lines in a log
+GAP_SHARE = 0.1  # ... or this share of the time the run has taken, if longer
 
 
 def enable(stream: TextIO | None = None) -> None:
-    global _stream, _start, _tty
+    global _stream, _start, _tty, _held, _written_at
     _stream = stream or sys.stderr
-    _start = time.monotonic()
+    _start = _written_at = time.monotonic()
     _tty = _isatty(_stream)
+    _held = None
     _tasks.clear()
 
 
 def disable() -> None:
-    """Stop; on a terminal, clear the progress line so the report starts on a clean line."""
-    global _stream, _pending
+    """Stop. On a terminal, clear the progress line so the report starts on a clean line;
+    elsewhere, write the newest line held back, so a log ends with where the run was."""
+    global _stream, _pending, _held
     with _lock:
         if _stream is not None and _pending:
             _write(_stream, "\r\033[K")
-        _stream, _pending = None, False
+        if _stream is not None and _held is not None:
+            _write(_stream, _held + "\n")
+        _stream, _pending, _held = None, False, None
 
 
 def enabled() -> bool:
@@ -53,20 +70,44 @@ def enabled() -> bool:
 
 def say(text: str) -> None:
     """One progress line (a no-op unless enabled), prefixed with the seconds since the start
-    and followed by an estimate of the time left when `text` holds a count."""
-    global _pending
+    and followed by an estimate of the time left when `text` holds a count; on a stream that
+    is not a terminal it may be held back (module docstring)."""
+    global _pending, _held, _written_at
     stream = _stream
     if stream is None:
         return
     now = time.monotonic()
     with _lock:
+        news = _news(text)  # before _estimate records this count
         line = f"[{now - _start:5.0f}s] {text}{_estimate(text, now)}"
         if _tty:
             width = shutil.get_terminal_size((100, 20)).columns - 1
             _write(stream, "\r\033[K" + line[:width])
             _pending = True
-        else:
+        elif news or now - _written_at >= _gap(now):
             _write(stream, line + "\n")
+            _held, _written_at = None, now
+        else:
+            _held = line
+
+
+def _gap(now: float) -> float:
+    """The least time between two routine lines in a log (module docstring)."""
+    return max(MIN_GAP_S, GAP_SHARE * (now - _start))
+
+
+def _news(text: str) -> bool:
+    """Whether `text` starts its task, restarts its count or ends it: always written."""
+    m = _COUNT.search(text)
+    task = text[: m.start()] if m else text
+    if task not in _tasks:
+        if m is None:
+            _tasks[task] = (0.0, 0, 0)  # (no count: nothing to estimate)
+        return True
+    if m is None:
+        return False
+    done, total = int(m.group(1)), int(m.group(2))
+    return done < _tasks[task][2] or done == total
 
 
 def _estimate(text: str, now: float) -> str:
@@ -75,14 +116,13 @@ def _estimate(text: str, now: float) -> str:
         return ""
     done, total = int(m.group(1)), int(m.group(2))
     task = text[: m.start()]
-    first = _tasks.setdefault(task, (now, done))
-    if done <= first[1] or done > total:  # no pace yet (or a count that restarted)
-        if done < first[1]:
-            _tasks[task] = (now, done)
+    first = _tasks.setdefault(task, (now, done, done))
+    if done < first[2]:  # a count that restarted (a fresh launch): its pace starts again
+        first = _tasks[task] = (now, done, done)
+    _tasks[task] = (*first[:2], done)
+    if done <= first[1] or done >= total:  # no pace yet, or nothing left
         return ""
     left = (now - first[0]) / (done - first[1]) * (total - done)
-    if done == total:
-        return ""
     return "  (under 1s left)" if left < 1 else f"  (~{left:.0f}s left)"
 
 
