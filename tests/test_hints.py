@@ -7,7 +7,9 @@
   a bucket launched too early by measuring that the ranks hold different gradients;
 - a class that clips the averaged gradients on rank 0 only gets a hint naming clipping on one
   rank, from both checks: the ranks' gradients are one factor apart in every tensor;
-- the same clipping on every rank is no finding (the replicas stay identical).
+- the same clipping on every rank is no finding (the replicas stay identical);
+- so for a training script under `verify audit` (tests/fixtures/clip_script.py): clipping on
+  the main process only is named by the audit's hint, clipping everywhere passes.
 
 The catalogue's hints are asserted in tests/test_faulty.py; the load test runs
 `hint_problems` under CPU hogs (tests/test_load.py).
@@ -21,11 +23,13 @@ from pathlib import Path
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.matrix import MatrixOptions, run_matrix
+from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_checks import consistency as consistency_text
 from verify.cli.text_checks import equivalence as equivalence_text
 from verify.cli.text_matrix import cell_hint
 
 FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "hint_students.py")
+SCRIPT = str(Path(__file__).resolve().parent / "fixtures" / "clip_script.py")
 BUCKETS, CLIPS, CLIPS_ALL = (f"{FIXTURE}:{c}" for c in
                              ("BucketsWhenFull", "ClipsOnMaster", "ClipsEverywhere"))  # fmt: skip
 NEVER_SENT = "a bucket never launched (the last, partly filled bucket must be flushed too)"
@@ -92,9 +96,23 @@ def clip_problems() -> list[str]:
     return problems
 
 
-def hint_problems() -> list[str]:
+def script_problems(out: str) -> list[str]:
+    """What is wrong with the audit of a script that clips on rank 0 only, and on all."""
+    problems = []
+    wrong = check_audit(AuditOptions(script=(SCRIPT, "main-only"), out=out, console="none"))
+    faults = wrong.audit.faults if wrong.audit is not None else ()
+    hint = faults[0].hint if faults else ""
+    if wrong.verdict != "fault" or "clip" not in hint or "rank 0 " not in hint:
+        problems.append(f"clipping on rank 0: {wrong.verdict}: {hint!r}")
+    right = check_audit(AuditOptions(script=(SCRIPT, "everywhere"), out=out, console="none"))
+    if right.verdict != "pass":
+        problems.append(f"clipping on every rank: {right.verdict}")
+    return problems
+
+
+def hint_problems(out: str) -> list[str]:
     """Every assertion of this file, as a list (the load test runs it under CPU hogs)."""
-    return bucket_problems() + clip_problems()
+    return bucket_problems() + clip_problems() + script_problems(out)
 
 
 def test_a_last_bucket_never_sent_gets_one_hint_on_every_workload():
@@ -104,4 +122,9 @@ def test_a_last_bucket_never_sent_gets_one_hint_on_every_workload():
 
 def test_clipping_on_one_rank_is_named_and_clipping_everywhere_is_no_finding():
     problems = clip_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_script_that_clips_on_the_main_process_gets_the_clipping_hint(tmp_path):
+    problems = script_problems(str(tmp_path))
     assert not problems, "\n".join(problems)

@@ -89,7 +89,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             audited = pool.submit(run_buggy, out)
             meters = pool.submit(test_procstat.meter_problems)
             layouts = pool.submit(test_shard_layout.launch_and_check, 3)
-            hints = pool.submit(test_hints.hint_problems)
+            hints = pool.submit(test_hints.hint_problems, out)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
