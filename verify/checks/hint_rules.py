@@ -37,6 +37,7 @@ def _ranks(ranks) -> str:
 
 
 def scaled_on_some(scaled, others, factor: float) -> str:
+    """The hint for gradients that are `factor` x the others' on the `scaled` ranks only."""
     return (
         f"the gradients on {_ranks(scaled)} are {factor:.3g} x those on {_ranks(others)}, the "
         "same factor in every tensor: they were scaled on some ranks only, as gradient "
@@ -88,8 +89,8 @@ def gradients_diverge(n: dict, s) -> str | None:
     c, off = n.get("scale"), list(n.get("ranks_off", ()))
     world = n.get("world_size", s.world_size)
     if c is not None and c != 1 and 0 < len(off) < world:
-        right = [r for r in range(world) if r not in off]
-        return scaled_on_some(off, right, c) if c < 1 else scaled_on_some(right, off, 1 / c)
+        right = [r for r in range(world) if r not in off]  # the reference says which are
+        return scaled_on_some(off, right, c)
     if c is not None and n.get("ranks_agree", True):
         line = _scale_causes(c, s.world_size)
         if line:
