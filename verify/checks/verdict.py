@@ -115,7 +115,7 @@ class Refusal:
     rank: int = 0
     reason: str = ""
     exception: str = ""  # the type of what the class raised
-    call: str = ""  # what the tool was constructing or calling ("the optimizer")
+    call: str = ""  # what the tool was constructing when the class raised ("the optimizer")
 
     @classmethod
     def of(cls, exc, rank: int) -> Refusal:
@@ -155,7 +155,7 @@ def run_check(
 def raised_on_some(refusals: list[Refusal], world_size: int) -> Finding:
     """The finding of a class that raised on the `refusals`' ranks and went on on the others."""
     first = min(refusals, key=lambda r: r.rank)
-    phase = "construction" if first.reason.startswith("constructing") else "run"
+    phase = "construction" if first.call else "run"  # a call is named where construction raised
     ranks = tuple(sorted(r.rank for r in refusals))
     message = only_some_text(refusals, world_size)
     numbers = {**first.numbers(), "ranks": list(ranks), "world_size": world_size}
