@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from impls.registry import resolve
-from verify.checks.audit import MOVED, Auditor, _compare_gathered, fingerprint
+from verify.checks.audit import Auditor, fingerprint
+from verify.checks.mismatch import MOVED, compare_gathered
 from verify.launching import launch
 from verify.training.workloads import get_workload
 
@@ -76,7 +77,7 @@ def rank_several_ranks_differ(ctx):
     _, found = auditor.audit("x", [("a", a), ("b", b), ("c", c)])
     # Tensor `d` differed by its fingerprints, but its values moved before the detail gathered
     # them (a collective still in flight): equal on every rank by then.
-    moved = _compare_gathered("x", "d", torch.ones(3), (1,), 0, dist.group.WORLD)
+    moved = compare_gathered("x", "d", torch.ones(3), (1,), 0, dist.group.WORLD)
     return [
         (m.tensor, m.ranks, m.reference_rank, m.num_different, m.first_index, m.max_abs_diff)
         for m in found

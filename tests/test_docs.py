@@ -30,6 +30,7 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from tests.doc_excerpts import REAL, ROOT, drift, examples, matches, matrix_outputs
 from verify.cli import UsageError, main, parse
@@ -76,6 +77,11 @@ def test_every_example_parses_and_says_what_the_docs_show(example, at_root, caps
             assert matches(out[:1], [f"verify: error: {exc}"]), f"verify: error: {exc}"
             return
         pytest.skip("refused only once ranks run: not checked here")  # (none in the docs now)
+    if "cuda" in argv and not torch.cuda.is_available():
+        # A GPU run's example: here its flags are refused for want of a GPU, and only that.
+        with pytest.raises(ValueError, match="needs a GPU|needs one GPU per rank"):
+            parse(argv)
+        pytest.skip("a GPU run: parsed where there is a GPU")
     _, options, _ = parse(argv)  # raises on a flag, name or file that no longer exists
     first = next((line for line in out if line.startswith(("consistency:", "equivalence:",
                                                             "hang check:"))), None)  # fmt: skip

@@ -16,6 +16,7 @@ import inspect
 import io
 
 import pytest
+import torch
 
 from verify import progress
 from verify.checks.behaviours import BEHAVIOUR
@@ -47,7 +48,9 @@ HINTS = {
     "faulty:zero-local-state-dict": "the state_dict() round trip after step 1 lost state",
     "faulty:zero-add-group-unsharded": "add_param_group()",
     "faulty:zero-ignores-scheduler": "the scheduler's lr never reached the inner optimizer",
-    "faulty:step-before-wait": "handle.wait()",
+    # the optimizer's reads of gradients in flight come first (before "never waited on"): the
+    # sharper cause
+    "faulty:step-before-wait": "the optimizer read a gradient whose all-reduce was still running",
     "faulty:divide-before-wait": "divide after handle.wait()",
     "faulty:shared-staging-buffer": "give each bucket its own buffer",
     "faulty:zero-unwaited-broadcast": "never waited on",
@@ -126,7 +129,7 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
     assert all(list(d.checks) == [d.caught_by] for d in result.detections)
     for d in result.detections:  # each finding says its cause, in the situation it showed in
         cell = d.checks[d.caught_by]
-        line = cell_hint(cell.detail, BEHAVIOUR[d.where[d.caught_by]]) or ""
+        line = cell_hint(cell) or ""  # chosen by the findings' kinds and numbers
         assert HINTS[d.name] in line, f"{d.name}: {line!r} for {cell.detail!r}"
         assert "verify/" not in cell.detail, f"the tool's frame as a place: {cell.detail}"
         if "(crashed)" in cell.detail:  # gloo aborted a victim: the first line names the cause
@@ -141,19 +144,35 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_hints_tell_the_wrong_divisions_apart_by_the_world_size(world):
-    """A gradient scaled by c has error |c - 1| x max |reference| on every element: summed and
-    never divided (c = N), divided twice (c = 1/N) and divided by a hard-coded 2 (c = N/2)
-    each get their own hint at each world size (verify/checks/hints.py), on the message the
-    equivalence check really prints."""
-    from verify.checks.hints import Situation, hint
-    from verify.checks.reference import TensorError
+    """A gradient scaled by c is c x the average in every element: summed and never divided
+    (c = N), divided twice (c = 1/N), divided by a hard-coded 2 (c = N/2) and zeroed (c = 0)
+    each get their own hint at each world size (verify/checks/hint_rules.py), chosen from the
+    factor the equivalence check fits (`reference.compare`), not from its message; at two
+    ranks "not divided" (c = 2) and "zeroed" (c = 0) are told apart too."""
+    from verify.checks.hints import Situation, hint_for
+    from verify.checks.kinds import GRADIENTS_DIVERGE
+    from verify.checks.mismatch import fitted_scale
+    from verify.checks.verdict import Finding
+
+    ref = torch.linspace(-1, 1, 64, dtype=torch.float64)
 
     def said(c: float) -> str:
-        e = TensorError("gradients", "fc1.weight", 1, 0, abs(c - 1) * 0.3, abs(c - 1), 1e-8, 1e6)
-        return hint(f"first divergence at {e.describe()}", Situation(world_size=world)) or ""
+        scale = fitted_scale((ref * c).float(), ref)  # measured as the check measures it
+        numbers = {
+            "step": 1,
+            "first_gradient_step": 1,
+            "scale": scale,
+            "ranks_off": list(range(world)),
+            "world_size": world,
+            "ranks_agree": True,
+        }
+        found = Finding("equivalence", "gradients", 1, "x", kind=GRADIENTS_DIVERGE,
+                        numbers=numbers)  # fmt: skip
+        return hint_for(found, Situation(world_size=world)) or ""
 
     assert "never divided by the world size" in said(world)
     assert "divided by the world size twice" in said(1 / world)
     if world != 2:  # at two ranks a hard-coded 2 is right
         assert "divided by a hard-coded 2" in said(world / 2)
+    assert "gradients are zero" in said(0) and "never divided" not in said(0)
     assert said(1.0001) == ""  # an error that is no such factor gets no guess

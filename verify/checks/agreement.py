@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from verify.checks.audit import min_max
 from verify.checks.cells import CellResult
-from verify.checks.verdict import Refusal, only_some_text
+from verify.checks.hints import Situation, with_hints
+from verify.checks.verdict import Refusal, only_some_text, raised_on_some
 
 
 def raised_path(journal: str, index: int, rank: int) -> str:
@@ -63,7 +64,8 @@ def read_raised(journal: str, index: int, world_size: int) -> list[Refusal]:
 
 def only_some_raised(raised: list[Refusal], world_size: int) -> CellResult:
     """The cell's fault when the `raised` ranks refused and the others went on."""
-    return CellResult("fail", only_some_text(raised, world_size))
+    found = with_hints([raised_on_some(raised, world_size)], Situation(world_size))
+    return CellResult("fail", only_some_text(raised, world_size), findings=found)
 
 
 class CellAgreement:
@@ -125,4 +127,6 @@ def merge(outcomes: list[CellResult | Refusal]) -> CellResult:
         return CellResult("fail", f"the ranks reached different outcomes: {detail}")
     lines = list(dict.fromkeys(line for o in failed for line in o.detail.splitlines()))
     where = next((o.where for o in failed if o.where), None)
-    return CellResult("fail", "\n".join(lines), max(o.seconds for o in outcomes), where)
+    found = tuple(dict.fromkeys(f for o in failed for f in o.findings))
+    seconds = max(o.seconds for o in outcomes)
+    return CellResult("fail", "\n".join(lines), seconds, where, found)

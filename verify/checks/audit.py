@@ -23,9 +23,7 @@ max of every fingerprint over the ranks (one all-reduce, whose size does not gro
 world size): equal means every rank holds the same bits. Only for the tensors that mismatch
 do they gather every rank's fingerprint (to find the majority value), and for at most
 `max_detail` of those the tensor itself, to say which ranks differ, by how much, in how many
-elements, and where first. A tensor whose gathered copies show no difference changed between
-the fingerprint and the gather: a collective was still writing it. That mismatch says so
-(`Mismatch.moved`) instead of reporting a difference of zero.
+elements, and where first.
 """
 
 from __future__ import annotations
@@ -38,40 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verify.checks.mismatch import Mismatch, comm_device, compare_gathered
+
+__all__ = ["Auditor", "Checkpoint", "Mismatch", "comm_device", "fingerprint", "min_max"]
+
 _ROW = 256  # words per row of the position-weighted sum (wider rows: one pass at memory speed)
 _FULL_WEIGHT_WORDS = 1 << 16  # up to this many words, every word gets its own weight
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 _MISSING = -1  # metadata code of a tensor that does not exist on this rank (None grad)
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One tensor that is not bitwise identical on every rank, at one checkpoint."""
-
-    checkpoint: str
-    tensor: str
-    ranks: tuple[int, ...]  # ranks whose tensor differs from the reference rank's
-    reference_rank: int  # the rank holding the majority value (rank 0 on a tie)
-    max_abs_diff: float | None  # None when shapes/dtypes differ or the tensor is missing
-    num_different: int | None
-    numel: int | None
-    first_index: tuple[int, ...] | None
-    detail: str = ""  # e.g. "grad is None on ranks [1]", "shape (4,) vs (2, 2)"
-    # The fingerprints differed but the tensors gathered right after are equal on every rank:
-    # the values moved between the two reads, so something (a collective) still wrote them.
-    moved: bool = False
-
-    def describe(self) -> str:
-        ranks = ", ".join(map(str, self.ranks))
-        head = f"{self.checkpoint}: {self.tensor} differs on rank{'s' if len(self.ranks) > 1 else ''} {ranks} (vs rank {self.reference_rank})"
-        if self.detail:
-            return f"{head}: {self.detail}"
-        if self.num_different is None:
-            return head
-        return (
-            f"{head}: max |diff| {self.max_abs_diff:.3g}, {self.num_different}/{self.numel} "
-            f"elements differ, first at index {list(self.first_index)}"
-        )
 
 
 @dataclass(frozen=True)
@@ -251,7 +223,7 @@ class Auditor:
                 f"rank{'s' if len(lack) > 1 else ''} {_list(lack)} (tensors held: {counts})"
             )
             absent.append(
-                Mismatch(label, name, differ, reference, None, None, None, None, detail=detail)
+                Mismatch(label, name, differ, reference, None, None, None, None, detail, "absent")
             )
         return [(n, t) for n, t in named if n in common], absent
 
@@ -284,76 +256,16 @@ class Auditor:
             return Mismatch(
                 label, name, differ, reference, None, None, None, None,
                 detail=f"the tensor is None on rank{'s' if len(missing) > 1 else ''} {missing}",
+                kind="missing",
             )  # fmt: skip
         if len({k[0] for k in keys}) > 1:
             return Mismatch(
                 label, name, differ, reference, None, None, None, None,
-                detail="dtype or shape differs between ranks",
+                detail="dtype or shape differs between ranks", kind="shape",
             )  # fmt: skip
         if not detailed:
             return Mismatch(label, name, differ, reference, None, None, None, None)
-        return _compare_gathered(label, name, tensor, differ, reference, self.process_group)
-
-
-def _compare_gathered(label, name, tensor, differ, reference, process_group) -> Mismatch:
-    """Gather `tensor` from every rank and measure how the differing ranks differ."""
-    device = comm_device(process_group)
-    t = tensor.detach().contiguous().to(device)
-    copies = [torch.empty_like(t) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(copies, t, group=process_group)
-    ref = copies[reference].cpu().reshape(-1)
-    if ref.is_complex():  # compare and index the real and imaginary parts as elements
-        ref = torch.view_as_real(ref).reshape(-1)
-    ref_bits = _element_bits(ref)
-    unequal = torch.zeros(ref.numel(), dtype=torch.bool)
-    worst = 0.0
-    for r in differ:
-        other = copies[r].cpu().reshape(-1)
-        if other.is_complex():
-            other = torch.view_as_real(other).reshape(-1)
-        # Bitwise: NaN-safe, and -0.0 vs 0.0 counts as a difference.
-        unequal |= ref_bits.ne(_element_bits(other))
-        # Integers are subtracted exactly (2**60 + 1 vs 2**60 is a difference of 1, not 0).
-        wide = (
-            torch.int64
-            if not (ref.is_floating_point() or ref.dtype == torch.bool)
-            else torch.float64
-        )
-        diff = (ref.to(wide) - other.to(wide)).abs()
-        if diff.numel():
-            worst = max(worst, float(diff.double().nan_to_num(nan=float("inf")).max()))
-    if not unequal.any():
-        # What differed a moment ago is equal now: a collective on it was still in flight when
-        # the fingerprint was taken (a race), and has landed since. No number to report.
-        return Mismatch(
-            label, name, differ, reference, None, None, None, None, detail=MOVED, moved=True
-        )  # fmt: skip
-    first = int(unequal.nonzero()[0])
-    shape = tuple(copies[reference].shape)
-    if copies[reference].is_complex():
-        shape = (*shape, 2)
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape)) if shape else ()
-    # Elements that differ on at least one of the differing ranks.
-    return Mismatch(label, name, differ, reference, worst, int(unequal.sum()), ref.numel(), index)
-
-
-MOVED = (
-    "the fingerprints differed, but the values gathered right after are equal on every rank: "
-    "they changed between the two reads, so a collective on this tensor was still in flight "
-    "(a race: run with --sanitize, the default unless --no-sanitize, to name it)"
-)
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _element_bits(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's elements as same-width integers (complex and bool handled)."""
-    flat = t.reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.to(torch.uint8)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(_BITS[flat.element_size()])
+        return compare_gathered(label, name, tensor, differ, reference, self.process_group)
 
 
 def min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,10 +282,3 @@ def min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Ten
 
 def _list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
-
-
-def comm_device(process_group) -> torch.device:
-    """Where collectives of this group need their tensors (CUDA for NCCL)."""
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

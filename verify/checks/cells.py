@@ -24,13 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.registry import Implementation, resolve, takes_bucket_size
+from verify.checks import kinds
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import _local, _merge
+from verify.checks.hints import Situation, situation_of, with_hints
 from verify.checks.memory import MemoryHooks
 from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
-from verify.checks.verdict import Refusal
+from verify.checks.verdict import Finding, Refusal, collapse
 from verify.launching import RankContext
 from verify.training.interface import InterfaceError
 from verify.training.optim_state import PlainState, local_state_bytes, unsharded_state
@@ -51,13 +53,15 @@ class CellResult:
     the contract says: a usage error for the whole run), or "timeout" (its launch ran out of
     time before the cell could decide: no verdict). `detail` says why (the finding, the
     launcher's diagnosis of a failed run, or what is not claimed); `headline` is one line;
-    `where` is the user's file:line when an exception was raised.
+    `where` is the user's file:line when an exception was raised; `findings` what a failed
+    cell found, typed, each with its hint (`hints.py`), in report order.
     """
 
     status: str
     detail: str = ""
     seconds: float = 0.0
     where: str | None = None
+    findings: tuple[Finding, ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -145,11 +149,13 @@ def run_cell_on_rank(
         except _NotClaimed as exc:
             return CellResult("not claimed", str(exc))
         except InterfaceError as exc:  # this rank's own decision: the matrix has ranks agree
-            return Refusal(str(exc), ctx.rank, exc.reason)
+            return Refusal.of(exc, ctx.rank)
+        situation = situation_of(behaviour)
         if check == "consistency":
             report = judge.report(guard)
             if report.findings:
-                return CellResult("fail", _findings_text(report.findings))
+                found = with_hints(collapse(list(report.findings)), situation)
+                return CellResult("fail", _findings_text(report.findings), findings=found)
             n = len(report.checkpoints)
             return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints")
         if check == "equivalence":
@@ -163,17 +169,36 @@ def run_cell_on_rank(
             played = [n for n in report.notes if n.startswith(PLAYED)]
             if report.findings:
                 more = [f.describe() for f in report.findings[1:]]
-                return CellResult("fail", "\n".join([report.describe(), *more, *played]))
+                found = with_hints(report.findings, situation)
+                detail = "\n".join([report.describe(), *more, *played])
+                return CellResult("fail", detail, findings=found)
             return CellResult("pass", "\n".join([report.describe(), *played]))
         races = guard.findings if guard is not None else []
         if races:
-            return CellResult("fail", _findings_text(races))
+            return CellResult("fail", _findings_text(races), findings=with_hints(races, situation))
         if hasattr(trainer.wrapped, "full_parameters"):  # parameters sharded too: per rung
             memory = MemoryHooks().snapshot(trainer)
             # A failure names the kinds that are not sharded, the rest only when all pass.
             detail = "; ".join(memory.failures or [k.describe() for k in memory.kinds])
-            return CellResult("fail" if memory.failures else "pass", detail)
+            found = with_hints(_not_sharded(memory), situation)
+            return CellResult("fail" if memory.failures else "pass", detail, findings=found)
         return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
+
+
+def _not_sharded(memory) -> tuple[Finding, ...]:
+    """Each kind of memory the rung promised to shard and did not, as a finding."""
+    return tuple(
+        Finding(
+            "shard",
+            "run",
+            0,
+            f"{k.describe()}: not sharded",
+            kind=kinds.STATE_NOT_SHARDED if k.kind == "state" else kinds.NOT_SHARDED,
+            numbers={"what": k.kind, "ratios": list(k.ratios)},
+        )  # fmt: skip
+        for k in memory.kinds
+        if k.kind in memory.promised and not k.sharded
+    )
 
 
 def _findings_text(findings) -> str:
@@ -255,9 +280,15 @@ def shard_verdict(per_rank: list[tuple[int, int]], plain: list[PlainState]) -> C
         f"(one copy <= {copies}; 1/N bound {bound}, limit {limit:.0f}; "
         f"scalars per rank {scalars} vs {sum(p.scalar_bytes for p in plain)} unsharded)"
     )
+    numbers = {"bytes_per_rank": vector, "unsharded": total, "one_copy": copies,
+               "limit": limit}  # fmt: skip
     if sum(vector) > copies:
-        return CellResult("fail", f"state kept on several ranks: {detail}")
+        message = f"state kept on several ranks: {detail}"
+        found = Finding("shard", "run", 0, message, kind=kinds.STATE_NOT_SHARDED, numbers=numbers)
+        return CellResult("fail", message, findings=with_hints([found], Situation(world_size)))
     if max(vector) > limit:
-        return CellResult("fail", f"unbalanced: {detail}")
+        message = f"unbalanced: {detail}"
+        found = Finding("shard", "run", 0, message, kind=kinds.STATE_UNBALANCED, numbers=numbers)
+        return CellResult("fail", message, findings=(found,))
     share = max(vector) / bound if bound else 0.0
     return CellResult("pass", f"max {share:.2f} x the 1/N bound: {detail}")

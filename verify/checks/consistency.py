@@ -32,8 +32,12 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from verify.checks import kinds
 from verify.checks.audit import Auditor, Checkpoint, Mismatch, comm_device
+from verify.checks.failures import failure_findings
+from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
+from verify.checks.mismatch import measured
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import (
@@ -93,6 +97,8 @@ class ConsistencyResult(Verdicted):
     elapsed_s: float = 0.0
     notes: tuple[str, ...] = field(default=())
     threads: str = ""
+    # a failed run's diagnosis and raise as typed findings, with their hints (`failures.py`)
+    failure_findings: tuple[Finding, ...] = ()
 
     @property
     def headline(self) -> str:
@@ -120,7 +126,8 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     start = time.perf_counter()
     run, reports, raised = run_check(run_consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
-    findings = collapse([*raised, *(f for r in reports for f in r.findings)])
+    situation = situation_of(options)
+    findings = with_hints(collapse([*raised, *(f for r in reports for f in r.findings)]), situation)
     notes = tuple(dict.fromkeys(n for r in reports for n in r.notes)) + run.notes
     return ConsistencyResult(
         options,
@@ -132,6 +139,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
         time.perf_counter() - start,
         notes,
         run.threads,
+        failure_findings(run, situation),
     )
 
 
@@ -147,7 +155,7 @@ def run_consistency_on_rank(
         with training(ctx, spec, hooks, sanitize=sanitize) as (trainer, guard):
             trainer.run()
     except InterfaceError as exc:
-        return Refusal(str(exc), ctx.rank, exc.reason)
+        return Refusal.of(exc, ctx.rank)
     except Exception as exc:  # the launcher reports it; keep what was found before it
         exc.partial = audit.report(guard)
         raise
@@ -186,6 +194,10 @@ class AuditHooks(Hooks):
         if hint:
             last = self.findings[-1]
             self.findings[-1] = replace(last, message=f"{last.message}: {hint}")
+            buffers_only = hint is NO_BUFFER_BROADCAST
+            self.findings[-1] = replace(
+                self.findings[-1], kind=kinds.NOT_BROADCAST, numbers={"buffers_only": buffers_only}
+            )
 
     def after_sync(self, run: Trainer, step: int) -> None:
         # Full gradients: a sharded class's put together from the shards (training/sharded.py).
@@ -204,7 +216,17 @@ class AuditHooks(Hooks):
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is not None:
             message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
-            self.findings.append(Finding("consistency", "checkpoint", step, message))
+            numbers = {"exception": type(error).__name__}
+            self.findings.append(
+                Finding(
+                    "consistency",
+                    "checkpoint",
+                    step,
+                    message,
+                    kind=kinds.ROUND_TRIP_RAISED,
+                    numbers=numbers,
+                )  # fmt: skip
+            )
         elif run.round_trip is not None and run.round_trip.note:
             self.notes.append(
                 f"optimizer state_dict round trip after step {step}: {run.round_trip.note}"
@@ -235,7 +257,16 @@ class AuditHooks(Hooks):
             ranks = tuple(sorted({r for p in same for r in p.ranks}))
             message = f"{label}: {same[0].message}{more}"
             self.findings.append(
-                Finding("consistency", phase, step, message, same[0].tensor, ranks)
+                Finding(
+                    "consistency",
+                    phase,
+                    step,
+                    message,
+                    same[0].tensor,
+                    ranks,
+                    kind=kinds.LAYOUT,
+                    numbers={"problem": kind},
+                )  # fmt: skip
             )
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
@@ -246,8 +277,18 @@ class AuditHooks(Hooks):
             more = f" (and {len(found) - 1} more tensors there)" if len(found) > 1 else ""
             tensor = found[0].tensor.split(":", 1)[-1]
             message = found[0].describe() + more
+            kind, numbers = measured(found, phase, step)
             self.findings.append(
-                Finding("consistency", phase, step, message, tensor, _ranks(found))
+                Finding(
+                    "consistency",
+                    phase,
+                    step,
+                    message,
+                    tensor,
+                    _ranks(found),
+                    kind=kind,
+                    numbers=numbers,
+                )  # fmt: skip
             )
             _resync(dict(named), found, self.auditor.process_group)
         return found

@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
+from verify.checks.divergence import divergences
+from verify.checks.failures import failure_findings
+from verify.checks.hints import situation_of, with_hints
 from verify.checks.options import CheckOptions
 from verify.checks.reference import Reference, TensorError
 from verify.checks.sanitizing import training
@@ -132,6 +135,8 @@ class EquivalenceResult(Verdicted):
     elapsed_s: float = 0.0
     threads: str = ""
     notes: tuple[str, ...] = ()
+    # a failed run's diagnosis and raise as typed findings, with their hints (`failures.py`)
+    failure_findings: tuple[Finding, ...] = ()
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -176,13 +181,16 @@ def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
     if raised:  # a class that raised on some ranks only: the first finding
         report = report or EquivalenceReport()
         report = replace(report, findings=raised + report.findings)
+    situation = situation_of(options)
+    if report is not None:  # each finding with its hint, for the text and for --json
+        report = replace(report, findings=with_hints(report.findings, situation))
     findings = report.findings if report is not None else ()
     verdict = verdict_of(findings, run)
     if report is not None and report.unsupported and run.ok:
         verdict = PASS  # nothing claimed, nothing failed: the CLI says "not claimed"
     return EquivalenceResult(
         options, verdict, report, failure_text(run), time.perf_counter() - start, run.threads,
-        run.notes,
+        run.notes, failure_findings(run, situation),
     )  # fmt: skip
 
 
@@ -208,7 +216,7 @@ def run_equivalence_on_rank(
                     return EquivalenceReport(unsupported=why)
                 trainer.run()
         except InterfaceError as exc:
-            return Refusal(str(exc), ctx.rank, exc.reason)
+            return Refusal.of(exc, ctx.rank)
         except Exception as exc:  # the launcher reports it; keep what was found before it
             exc.partial = _merge([_local(reference, guard, spec)])
             raise
@@ -273,7 +281,7 @@ def _merge(reports: list[EquivalenceReport]) -> EquivalenceReport:
     findings = [f for r in reports for f in r.findings]
     said = {(f.phase, f.step) for f in findings if f.phase == "construction"}
     # The reference already reported construction (with the hint): no second line for it.
-    findings += [d for d in _divergences(failed) if (d.phase, d.step) not in said]
+    findings += [d for d in divergences(failed, len(reports)) if (d.phase, d.step) not in said]
     return EquivalenceReport(
         rows=tuple(rows),
         first_divergence=first,
@@ -282,44 +290,6 @@ def _merge(reports: list[EquivalenceReport]) -> EquivalenceReport:
         notes=reports[0].notes,
         findings=collapse(findings),
     )
-
-
-def _divergences(failed: list[TensorError]) -> list[Finding]:
-    """The distinct divergences among the failed checks (sorted by step): each tensor's
-    first failure of each kind; a parameter that diverges at or after its gradient did is
-    the echo of that gradient, not a finding of its own; the tensors that first failed at
-    the same step and kind are one finding ("... and 5 more tensors there")."""
-    firsts: dict[tuple[str, str], TensorError] = {}
-    steps: dict[tuple[str, str], set[int]] = {}
-    ranks: dict[tuple[str, str], set[int]] = {}
-    for e in failed:
-        key = (e.kind, e.tensor)
-        firsts.setdefault(key, e)
-        steps.setdefault(key, set()).add(e.step)
-        ranks.setdefault(key, set()).add(e.rank)
-    grad_at = {t: e.step for (k, t), e in firsts.items() if k == "gradients"}
-    groups: dict[tuple[str, int], list[tuple[str, str]]] = {}
-    for key, e in firsts.items():
-        if e.kind != "gradients" and grad_at.get(e.tensor, math.inf) <= e.step:
-            continue
-        groups.setdefault((e.kind, e.step), []).append(key)
-    out = []
-    for (kind, step), keys in groups.items():
-        e = firsts[keys[0]]
-        more = f" (and {len(keys) - 1} more tensors there)" if len(keys) > 1 else ""
-        phase = "construction" if step == 0 else "gradients" if kind == "gradients" else "step"
-        out.append(
-            Finding(
-                "equivalence",
-                phase,
-                step,
-                e.describe() + more,
-                e.tensor,
-                tuple(sorted(set().union(*(ranks[k] for k in keys)))),
-                tuple(sorted(set().union(*(steps[k] for k in keys)))),
-            )  # fmt: skip
-        )
-    return out
 
 
 def _when(e: TensorError) -> tuple[int, int]:

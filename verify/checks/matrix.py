@@ -31,6 +31,8 @@ from impls.registry import names, resolve
 from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
+from verify.checks.failures import failure_findings
+from verify.checks.hints import situation_of
 from verify.checks.options import CHECK_KINDS
 from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch, rank
@@ -253,7 +255,8 @@ def _run_cells(cells: list[Cell], world_size: int, options: MatrixOptions, at_on
             root = run.first_failure
             where = root.where() if root is not None else None
             status = "timeout" if run.timed_out else "fail"  # out of time is no verdict
-            results[broken] = CellResult(status, run.summary(), run.elapsed_s, where or None)
+            found = failure_findings(run, situation_of(BEHAVIOUR[broken[1]]))
+            results[broken] = CellResult(status, run.summary(), run.elapsed_s, where or None, found)
         # The same implementation's other cells are the likeliest to break the next launch
         # too: run them last, so a crash there ends a launch with nothing left to rerun.
         cells = [c for c in rest if c[0] != broken[0]] + [c for c in rest if c[0] == broken[0]]

@@ -26,12 +26,14 @@ replica, so the reference keeps the buffers of shard 0's forward, as broadcast b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from verify.checks import tolerances
+from verify.checks import kinds, tolerances
+from verify.checks.audit import fingerprint
+from verify.checks.mismatch import fitted_scale
 from verify.checks.verdict import Finding
 from verify.training.sharded import assign_full, full_gradients, full_parameters
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
@@ -51,7 +53,11 @@ class TensorError:
     `max_rel` is `max_abs` relative to the tensor's scale (max |reference|), not element by
     element: an element whose true value is zero has no meaningful relative error.
     `tolerance` is the one at the element with the worst error/tolerance `ratio`; the tensor
-    passes when `ratio <= 1`.
+    passes when `ratio <= 1`. Measured for a tensor that failed, for the hint: `scale`, the
+    factor c with which it is c x the reference to rounding (`mismatch.fitted_scale`, else
+    None), and `digest`, its bits' fingerprint (equal on two ranks: they hold the same values).
+    `missing`: "here" (no gradient where the reference has one), "reference" (the reverse) or
+    "shape" (dtype or shape differ), when the comparison could not be numeric.
     """
 
     kind: str  # "gradients" | "parameters" | "buffers"
@@ -63,6 +69,9 @@ class TensorError:
     tolerance: float
     ratio: float
     detail: str = ""  # why the comparison could not be numeric (a None gradient, a shape)
+    scale: float | None = None
+    digest: int | None = None
+    missing: str = ""
 
     @property
     def passed(self) -> bool:
@@ -90,11 +99,16 @@ def compare(kind, name, got, ref, tolerance, *, step: int, rank: int, dtype=None
             if got is None
             else "has a gradient, the reference's is None (unused in one process)"
         )
-        return TensorError(kind, name, step, rank, math.inf, math.inf, 0.0, math.inf, detail)
+        missing = "here" if got is None else "reference"
+        return TensorError(
+            kind, name, step, rank, math.inf, math.inf, 0.0, math.inf, detail, missing=missing
+        )
     want = dtype or ref.dtype
     if got.shape != ref.shape or got.dtype != want:
         detail = f"{got.dtype}{tuple(got.shape)} vs reference {want}{tuple(ref.shape)}"
-        return TensorError(kind, name, step, rank, math.inf, math.inf, 0.0, math.inf, detail)
+        return TensorError(
+            kind, name, step, rank, math.inf, math.inf, 0.0, math.inf, detail, missing="shape"
+        )
     if got.numel() == 0:
         return TensorError(kind, name, step, rank, 0.0, 0.0, 0.0, 0.0)
     g, r = got.detach().double().flatten(), ref.detach().double().flatten()
@@ -106,9 +120,13 @@ def compare(kind, name, got, ref, tolerance, *, step: int, rank: int, dtype=None
     max_abs = float(diff.max())
     scale = float(r.abs().max())
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return TensorError(
+    error = TensorError(
         kind, name, step, rank, max_abs, max_rel, float(tol[worst]), float(ratio[worst])
     )
+    if error.passed:
+        return error
+    digest = hash(tuple(fingerprint(got).tolist()))  # ints hash alike in every process
+    return replace(error, scale=fitted_scale(g, r), digest=digest)
 
 
 class Reference(Hooks):
@@ -139,7 +157,16 @@ class Reference(Hooks):
                 more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
                 message = f"{first.describe()}{more}: {NO_BROADCAST}"
                 self.findings.append(
-                    Finding("equivalence", "construction", 0, message, first.tensor, (self.rank,))
+                    Finding(
+                        "equivalence",
+                        "construction",
+                        0,
+                        message,
+                        first.tensor,
+                        (self.rank,),
+                        kind=kinds.NOT_BROADCAST,
+                        numbers={"buffers_only": False},
+                    )  # fmt: skip
                 )
             with torch.no_grad():  # go on from rank 0's initialization: later bugs still show
                 for (_, mine), (_, ref) in zip(_state(run.model), _state(self.model), strict=True):
@@ -249,8 +276,9 @@ class Reference(Hooks):
             f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
         )
         self.findings.append(
-            Finding("equivalence", "checkpoint", step, message, ranks=(self.rank,))
-        )
+            Finding("equivalence", "checkpoint", step, message, ranks=(self.rank,),
+                    kind=kinds.ROUND_TRIP_RAISED, numbers={"exception": type(error).__name__})
+        )  # fmt: skip
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
         self.optimizer, self.scheduler = self._optimizer(run)  # both sides restart
         if sched is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from verify.checks import kinds
 from verify.checks.verdict import Finding
 from verify.launching import RankContext
 from verify.training.trainer import Hooks, Trainer, TrainSpec
@@ -62,6 +63,8 @@ class SanitizeHooks(Hooks):
                 (r.rank,),
                 (r.step,),
                 r.accessed_at or r.issued_at,
+                kind=_RACE[r.kind],
+                numbers=_race_numbers(r),
             )  # fmt: skip
             for r in self.sanitizer.findings
         ]
@@ -89,3 +92,38 @@ def training(
         yield Trainer(ctx, spec, (*hooks, guard), quiet=guard.sanitizer.quiet), guard
     finally:
         guard.close()
+
+
+# the sanitizer's kinds of race (`sanitize/findings.py`) as kinds of finding
+_RACE = {
+    "never waited": kinds.NEVER_WAITED,
+    "read while in flight": kinds.READ_IN_FLIGHT,
+    "write while in flight": kinds.WRITE_IN_FLIGHT,
+}
+
+
+def _race_numbers(r) -> dict:
+    """What the sanitizer measured of a race (`RaceFinding`): the operator, the access, the
+    collective, and whether the tensor touched is a gradient (named `<param>.grad`)."""
+    return race_numbers(r.kind, r.op, r.tensor, r.collective.op, r.rank, r.count)
+
+
+def race_numbers(kind: str, op: str, tensor: str, collective: str, rank: int, count: int):
+    """A race's numbers (`_race_numbers`), from its fields."""
+    access = {kinds.READ_IN_FLIGHT: "read", kinds.WRITE_IN_FLIGHT: "write"}.get(_RACE[kind])
+    return {
+        "op": op, "access": access, "collective": collective, "rank": rank,
+        "gradient": tensor.endswith(".grad"), "count": count,
+    }  # fmt: skip
+
+
+def race_hint(race: dict) -> str | None:
+    """The hint of a race as a watched run's JSON holds it (`RaceFinding.to_dict`)."""
+    from verify.checks.hints import Situation, hint_for
+
+    numbers = race_numbers(
+        race["kind"], race["op"], race["tensor"], race["collective"]["op"], race["rank"],
+        race.get("count", 1),
+    )  # fmt: skip
+    found = Finding("sanitize", "race", race["step"], "", kind=_RACE[race["kind"]], numbers=numbers)
+    return hint_for(found, Situation(world_size=race["rank"] + 1))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from verify import runs
+from verify.checks.failures import hinted_diagnosis
+from verify.checks.sanitizing import race_hint
 from verify.launching import run_script
 from verify.script_audit import AuditReport
 from verify.watching import capture, trace_file
@@ -54,9 +56,9 @@ class WatchedRun:
         """The JSON of the fields of `WatchedRun`."""
         return {
             **self.watched(),
-            "diagnosis": self.diagnosis.to_dict(),
+            "diagnosis": hinted_diagnosis(self.diagnosis),  # each finding with its hint
             "notes": list(self.notes),
-            "races": list(self.races),
+            "races": [{**r, "hint": race_hint(r)} for r in self.races],
         }
 
 

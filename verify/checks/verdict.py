@@ -5,7 +5,9 @@
   decide: not a fault), or "nothing certified" (the matrix: no cell could be judged, every
   one not claimed or n/a: not a pass). The CLI's exit code follows it: 0, 1, 2 and 2.
 - `Finding`: one distinct thing wrong, with the check and phase that saw it, the tensor, the
-  first step, every later step it showed at again, and where in the user's code when known.
+  first step, every later step it showed at again, where in the user's code when known, and
+  what was measured: its `kind` (`kinds.py`) and `numbers`, from which its `hint` is chosen
+  (`hints.py`), never from its message.
   A run goes on past a finding where it can (replicas are resynchronized from rank 0), so one
   bug does not hide the next; the same finding at later steps is folded into one.
 - `run_check`: the launch every check makes, and what becomes of a failed one.
@@ -14,9 +16,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from verify.checks.kinds import RAISED_ON_SOME
 from verify.launching import LaunchResult, launch
 from verify.options import launch_knobs
 
@@ -52,6 +55,9 @@ class Finding:
         ranks: the ranks that differ or failed.
         steps: every step it showed at (the first included).
         where: `path:line (function)` in the user's code, when known.
+        kind: what was measured, a name from `kinds.py` (the hint table's key).
+        numbers: the measured numbers the hint reads (a scale, steps, ranks; JSON values).
+        hint: the usual cause and its fix, chosen by `hints.with_hints` from kind and numbers.
     """
 
     check: str
@@ -62,6 +68,9 @@ class Finding:
     ranks: tuple[int, ...] = ()
     steps: tuple[int, ...] = ()
     where: str | None = None
+    kind: str = ""
+    numbers: dict = field(default_factory=dict, hash=False)
+    hint: str | None = None
 
     def describe(self) -> str:
         later = [s for s in self.steps if s != self.step]
@@ -72,11 +81,11 @@ class Finding:
 
 
 def collapse(findings: list[Finding]) -> tuple[Finding, ...]:
-    """One finding per (check, phase, tensor, kind of message): the first, with every step
-    it showed at. Order: by first step, then phase order."""
+    """One finding per (check, phase, tensor, kind, place): the first, with every step it
+    showed at. Order: by first step, then phase order."""
     merged: dict[tuple, Finding] = {}
     for f in findings:
-        key = (f.check, f.phase, f.tensor, _kind(f.message))
+        key = (f.check, f.phase, f.tensor, f.kind, f.where)
         if key in merged:
             first = merged[key]
             steps = tuple(sorted(set(first.steps or (first.step,)) | set(f.steps or (f.step,))))
@@ -84,13 +93,6 @@ def collapse(findings: list[Finding]) -> tuple[Finding, ...]:
         else:
             merged[key] = replace(f, steps=f.steps or (f.step,))
     return tuple(sorted(merged.values(), key=lambda f: (f.step, PHASES.index(f.phase))))
-
-
-def _kind(message: str) -> str:
-    # "step 3 gradients: grad:x differs on rank 1 (vs rank 0): max |diff| 0.1" and the same at
-    # step 4 are one finding: compare what follows the tensor's name up to the numbers.
-    head = message.split(": ", 1)[-1]
-    return "".join(c for c in head if not c.isdigit() and c != ".")[:60]
 
 
 def verdict_of(findings, run: LaunchResult) -> str:
@@ -112,6 +114,17 @@ class Refusal:
     message: str
     rank: int = 0
     reason: str = ""
+    exception: str = ""  # the type of what the class raised
+    call: str = ""  # what the tool was constructing when the class raised ("the optimizer")
+
+    @classmethod
+    def of(cls, exc, rank: int) -> Refusal:
+        """This rank's refusal, from the `InterfaceError` it raised."""
+        return cls(str(exc), rank, exc.reason, exc.exception, exc.call)
+
+    def numbers(self) -> dict:
+        """What a finding of a raise on some ranks only measured (`raised_on_some`)."""
+        return {"exception": self.exception, "call": self.call}
 
 
 def run_check(
@@ -136,11 +149,17 @@ def run_check(
         raise ValueError(refusals[0].message)
     if not refusals:
         return run, reports, ()
-    reason = min(refusals, key=lambda r: r.rank).reason
-    phase = "construction" if reason.startswith("constructing") else "run"
+    return run, reports, (raised_on_some(refusals, run.world_size),)
+
+
+def raised_on_some(refusals: list[Refusal], world_size: int) -> Finding:
+    """The finding of a class that raised on the `refusals`' ranks and went on on the others."""
+    first = min(refusals, key=lambda r: r.rank)
+    phase = "construction" if first.call else "run"  # a call is named where construction raised
     ranks = tuple(sorted(r.rank for r in refusals))
-    found = Finding("run", phase, 0, only_some_text(refusals, run.world_size), ranks=ranks)
-    return run, reports, (found,)
+    message = only_some_text(refusals, world_size)
+    numbers = {**first.numbers(), "ranks": list(ranks), "world_size": world_size}
+    return Finding("run", phase, 0, message, ranks=ranks, kind=RAISED_ON_SOME, numbers=numbers)
 
 
 def only_some_text(refusals: list[Refusal], world_size: int) -> str:

@@ -9,8 +9,9 @@ from tabulate import tabulate
 
 from verify.checks.consistency import ConsistencyResult
 from verify.checks.equivalence import EquivalenceResult
+from verify.checks.failures import trace_findings
 from verify.checks.hang import HangResult, ScenariosResult, as_expected
-from verify.checks.hints import hint, situation_of
+from verify.checks.hints import first_hint, situation_of, with_hints
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
 
@@ -80,9 +81,8 @@ def _plural(n: int, word: str) -> str:
 def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     """Findings, the launcher's diagnosis, notes, the machine's thread budget, the verdict."""
     lines = []
-    situation = situation_of(result.options)
     findings: tuple[Finding, ...] = result.findings
-    hints = [hint(f.message, situation) for f in findings]
+    hints = [_line(f.hint) for f in findings]  # chosen by kind and numbers (checks/hints.py)
     if len(findings) > 1 or (findings and not result.headline.endswith(findings[0].describe())):
         lines.append("findings (every distinct one, in the order they showed):")
         for i, (f, h) in enumerate(zip(findings, hints, strict=True), 1):
@@ -95,13 +95,18 @@ def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
         lines += [hints[0], ""]
     if result.failure:
         lines += [result.failure]
-        h = hint(result.failure, situation)
+        h = _line(first_hint(result.failure_findings))
         lines += [h, ""] if h and h not in hints else [""]
     lines += [f"note: {n}" for n in (*notes, *result.notes)]
     if result.threads:
         lines.append(f"note: ranks ran with {result.threads}")
     lines.append(f"{result.headline}  ({result.elapsed_s:.1f}s)")
     return lines
+
+
+def _line(hint: str | None) -> str | None:
+    """A finding's hint as its report line."""
+    return f"hint: {hint}" if hint else None
 
 
 def _row(e: TensorError, *, so_far: bool = False) -> list[str]:
@@ -133,7 +138,7 @@ def hang(result: HangResult | ScenariosResult) -> str:
     head = f"{header(o)} ({result.elapsed_s:.1f}s)"
     d = result.diagnosis
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o, result.notes)]
-    h = hint(d.text(), situation_of(o)) if d.faulty else None
+    h = _line(first_hint(with_hints(trace_findings(d), situation_of(o))))
     lines += [h] if h else []
     return "\n".join(lines + watched_tail(result) + [f"report: {result.report_dir}"])
 

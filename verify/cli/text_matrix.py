@@ -8,7 +8,7 @@ from impls.registry import REGISTRY
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
-from verify.checks.hints import hint, situation_of
+from verify.checks.hints import first_hint
 from verify.checks.matrix import MatrixResult
 from verify.checks.verdict import NOTHING
 from verify.training.workloads import WORKLOADS
@@ -58,7 +58,7 @@ def matrix(result: MatrixResult) -> str:
             where = f"{BEHAVIOUR[key].title} / {check}"
             where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
-            hint_lines = _hint_lines(r.detail, BEHAVIOUR[key])
+            hint_lines = _hint_lines(r)
             lines += [h for h in hint_lines if (impl, h) not in said]
             said.update((impl, h) for h in hint_lines)
     claims = sorted(
@@ -118,7 +118,7 @@ def detection(result: DetectionResult) -> str:
     for d in result.detections:
         check = d.caught_by
         lines.append(f"  {d.name} ({check}, {d.where[check]}): {d.checks[check].headline}")
-        lines += _hint_lines(d.checks[check].detail, BEHAVIOUR[d.where[check]])
+        lines += _hint_lines(d.checks[check])
     lines.append("")
     missed = [d.name for d in result.detections if not d.caught]
     if missed:
@@ -144,13 +144,15 @@ def detection(result: DetectionResult) -> str:
     return "\n".join(lines)
 
 
-def cell_hint(detail: str, behaviour) -> str | None:
-    """The hint for a failed cell's detail, in the situation its behaviour sets."""
-    return hint(detail, situation_of(behaviour))
+def cell_hint(cell) -> str | None:
+    """The hint line of a failed cell: its first finding's that has one (chosen by kind and
+    numbers in the situation its behaviour sets, when the cell ran: checks/hints.py)."""
+    h = first_hint(cell.findings)
+    return f"hint: {h}" if h else None
 
 
-def _hint_lines(detail: str, behaviour) -> list[str]:
-    h = cell_hint(detail, behaviour)
+def _hint_lines(cell) -> list[str]:
+    h = cell_hint(cell)
     return [f"    {h}"] if h else []
 
 

@@ -56,6 +56,7 @@ class RankOutcome:
     stack: str | None = None  # faulthandler dump (timeout, killed, or a fatal signal)
     stderr: str | None = None  # the tail of what the rank wrote (failed ranks only)
     pid: int | None = None
+    raised: dict | None = None  # "error": what was measured of the exception (`RankReport`)
 
     @property
     def failed(self) -> bool:
@@ -98,6 +99,9 @@ class RankReport:
     error: str | None = None
     traceback: str | None = None
     failed_at: float | None = None  # wall clock
+    # "error": the exception's type, and what the tool was calling when it rose, as the
+    # rank knew them (`exc.ddp_verify`, set by the trainer): typed, for the failure's hint
+    raised: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,8 +125,9 @@ class RankReport:
             with contextlib.suppress(Exception):
                 partial = pickle.loads(self.value)
         return RankOutcome(
-            rank, self.status, value=partial, error=self.error, traceback=self.traceback, pid=pid
-        )
+            rank, self.status, value=partial, error=self.error, traceback=self.traceback, pid=pid,
+            raised=self.raised,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ def error_report(exc: BaseException) -> RankReport:
     if getattr(exc, "partial", None) is not None:
         with contextlib.suppress(Exception):
             partial = pickle.dumps(exc.partial, protocol=pickle.HIGHEST_PROTOCOL)
-    return RankReport("error", partial, one_line(exc), tb, time.time())
+    raised = {"exception": type(exc).__name__, **getattr(exc, "ddp_verify", {})}
+    return RankReport("error", partial, one_line(exc), tb, time.time(), raised)
 
 
 BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"

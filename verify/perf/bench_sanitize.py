@@ -87,7 +87,7 @@ class SanitizeBenchResult(Measured):
 
 def run_sanitize_bench(options: SanitizeBenchOptions) -> SanitizeBenchResult:
     if options.matrix:
-        return run_sanitize_matrix_bench(options)
+        return run_sanitize_matrix_bench(options, SanitizeBenchResult)
     return run_cost(options, sanitize_bench_on_rank, SanitizeBenchResult)
 
 

@@ -22,12 +22,11 @@ from verify.perf.timing import interleave
 MATRIX_ARMS = ("plain", "sanitized")
 
 
-def run_sanitize_matrix_bench(options):
-    """The interleaved rounds (module docstring), as a `SanitizeBenchResult` whose samples are
-    whole matrices; `options` is `bench-sanitize`'s (`--impl`, `--repeats`, the thread
-    budget)."""
+def run_sanitize_matrix_bench(options, result_type):
+    """The interleaved rounds (module docstring), as a `result_type` (`SanitizeBenchResult`,
+    handed in by its module, which imports this one) whose samples are whole matrices;
+    `options` is `bench-sanitize`'s (`--impl`, `--repeats`, the thread budget)."""
     from verify.checks.matrix import MatrixOptions, run_matrix
-    from verify.perf.bench_sanitize import SanitizeBenchResult
 
     info = runs.machine_info()
     verdicts: dict[str, list[str]] = {arm: [] for arm in MATRIX_ARMS}
@@ -52,7 +51,7 @@ def run_sanitize_matrix_bench(options):
 
     load_before = os.getloadavg()[0]
     samples = interleave({name: arm(name) for name in MATRIX_ARMS}, options.repeats, each_round)
-    return SanitizeBenchResult(
+    return result_type(
         options,
         PASS,  # a measurement: the matrices' own verdicts are data (`matrix_verdicts`)
         steps_s={name: tuple(v) for name, v in samples.items()},

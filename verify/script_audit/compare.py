@@ -19,12 +19,14 @@ of fixed size, per-rank detail gathered only where they do not.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from verify.checks.mismatch import common_scale, fitted_scale
 from verify.script_audit.collect import Entry
 from verify.script_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
 from verify.script_audit.report import TensorDiff
@@ -137,16 +139,20 @@ def _describe(group: SideGroup, entry: Entry, per_rank: list[int]) -> TensorDiff
     stats = torch.tensor(_stats(theirs, mine), dtype=torch.float64)
     rows = [s.tolist() for s in group.gather_tensor(stats)]
     worst = max((r for r in ranks), key=lambda r: (rows[r][0], rows[r][1]), default=ref)
-    max_abs, differing, first = rows[worst]
+    max_abs, differing, first, _ = rows[worst]
     index = None if first < 0 else tuple(torch.unravel_index(torch.tensor(int(first)), t.shape))
+    # the one factor the differing ranks' values are of the reference's, if there is one
+    scale = common_scale(None if math.isnan(rows[r][3]) else rows[r][3] for r in ranks)
     return TensorDiff(
         entry.name, ranks, ref, max_abs_diff=max(r[0] for r in rows), differing=int(differing),
         numel=t.numel(), first_index=None if index is None else tuple(int(i) for i in index),
+        scale=scale,
     )  # fmt: skip
 
 
 def _stats(ref: torch.Tensor, mine: torch.Tensor) -> list[float]:
-    """[largest |mine - ref|, elements that differ, flat index of the first (-1: none)]."""
+    """[largest |mine - ref|, elements that differ, flat index of the first (-1: none), the
+    factor mine is of ref (`mismatch.fitted_scale`; NaN: none)]."""
     a, b = ref.reshape(-1), mine.reshape(-1)
     if a.is_floating_point() or a.is_complex():
         both_nan = torch.isnan(a) & torch.isnan(b)
@@ -158,7 +164,8 @@ def _stats(ref: torch.Tensor, mine: torch.Tensor) -> list[float]:
     count = int(differ.sum())
     first = int(differ.nonzero()[0, 0]) if count else -1
     largest = float(gap[differ].max()) if count else 0.0
-    return [largest, float(count), float(first)]
+    scale = fitted_scale(b, a) if count else None
+    return [largest, float(count), float(first), math.nan if scale is None else scale]
 
 
 def _layout(group: SideGroup, header: list[int], keys: list[str]) -> str:

@@ -16,48 +16,19 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-# Phases, in the order they are audited around one step; each a label with the step in it.
-PARAMS_FIRST = "parameters before step {step} (the first audited)"
-SETTINGS = "optimizer settings before step {step}"
-SCALER = "GradScaler before step {step}"
-BUFFERS_SYNCED = "buffers after DDP's broadcast, before step {step}"
-BUFFERS_LOCAL = "buffers before step {step}"
-GRADS = "gradients before step {step}"
-PARAMS_AFTER = "parameters after step {step}"
-STATE = "optimizer state after step {step}"
-LAYOUT = "the tensors audited at step {step}"
-PHASES = (PARAMS_FIRST, SETTINGS, SCALER, BUFFERS_SYNCED, BUFFERS_LOCAL, GRADS, PARAMS_AFTER,
-          STATE, LAYOUT)  # fmt: skip
-
-HINTS = {
-    PARAMS_FIRST: "the replicas start from different weights: the initial broadcast from rank "
-    "0 is missing (a hand-written DDP must broadcast parameters and buffers when it wraps the "
-    "model), or each rank initializes the model from its own seed",
-    SETTINGS: "an optimizer setting differs across ranks: a learning-rate scheduler (or code "
-    "that sets param_groups values) ran on some ranks only, e.g. under `if master_process:`; "
-    "every rank must step it",
-    SCALER: "the GradScaler's scale differs: scaler.update() ran on some ranks only, or the "
-    "ranks saw different inf/NaN gradients (gradients not synchronized before unscale)",
-    BUFFERS_SYNCED: "buffers differ right after DDP broadcast them from rank 0: the ranks "
-    "modified them between the broadcast and the forward, or wrap different models",
-    BUFFERS_LOCAL: "the script's wrapper does not synchronize these buffers (no DDP wrapper, "
-    "or DDP with broadcast_buffers=False), so running statistics are kept per rank: a "
-    "documented design, not a fault; broadcast them from rank 0 before evaluating or saving "
-    "if you need one model",
-    GRADS: "gradients were not synchronized, or synchronized only on some micro-steps (with "
-    "gradient accumulation, `require_backward_grad_sync` / `no_sync()` must be decided before "
-    "the forward of each micro-step), or averaged differently on some ranks (a sum not divided "
-    "by the world size, or divided on some ranks only)",
-    PARAMS_AFTER: "parameters differ after a step whose gradients and settings agreed: the "
-    "update itself ran differently on some ranks (a rank-local clip, learning rate or "
-    "optimizer setting, optimizer state loaded or reset on some ranks only, or an edit of the "
-    "parameters outside the optimizer)",
-    STATE: "optimizer state differs although the gradients agreed: state changed on some ranks "
-    "only (a rank-local load_state_dict or reset)",
-    LAYOUT: "the ranks audit different sets of tensors here: optimizer state or gradients "
-    "present on some ranks only (a parameter used or frozen on some ranks only), or the "
-    "ranks are at different optimizer steps (a step skipped on some ranks)",
-}
+# The phases (what a finding compared), where the hint table reads them too.
+from verify.script_audit.phases import (  # noqa: E402, F401
+    BUFFERS_LOCAL,
+    BUFFERS_SYNCED,
+    GRADS,
+    LAYOUT,
+    PARAMS_AFTER,
+    PARAMS_FIRST,
+    PHASES,
+    SCALER,
+    SETTINGS,
+    STATE,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,6 +43,7 @@ class TensorDiff:
     numel: int | None = None
     first_index: tuple[int, ...] | None = None  # first differing element, on the worst rank
     values: tuple[str, ...] = ()  # a setting's value on each rank ("rank 0: 0.001")
+    scale: float | None = None  # the differing ranks' values are scale x the reference's
 
     def describe(self) -> str:
         if not self.ranks:  # not described: beyond the detail gathered at its audit point
@@ -107,7 +79,10 @@ class Finding:
 
     @property
     def hint(self) -> str:
-        return HINTS[self.phase]
+        """What it usually means: chosen by its phase and numbers (`checks/script_hints.py`)."""
+        from verify.checks.script_hints import script_hint
+
+        return script_hint(self)
 
     @property
     def fault(self) -> bool:

@@ -24,11 +24,13 @@ class InterfaceError(Exception):
     """The class under test cannot be constructed or driven as the contract says
     (docs/verify-your-own-ddp.md): the check cannot run, a usage error (exit 2), not a fault of
     the class. `reason` is the short form (what raised, where), without the reminder of the
-    contract."""
+    contract; `exception` the type of what the class raised, and `call` what the tool was
+    constructing, when a raise of the class is the cause (typed: a hint reads them)."""
 
-    def __init__(self, message: str, reason: str = "") -> None:
+    def __init__(self, message: str, reason: str = "", *, exception: str = "", call: str = ""):
         super().__init__(message)
         self.reason = reason or message
+        self.exception, self.call = exception, call
 
 
 def distributed(exc: BaseException) -> bool:

@@ -247,7 +247,7 @@ class Trainer:
                 exc.add_note(f"while ddp-verify constructed {what}")
                 raise
             message, reason = constructor_message(self.spec.impl, what, exc)
-            raise InterfaceError(message, reason) from exc
+            raise InterfaceError(message, reason, exception=type(exc).__name__, call=what) from exc
 
     # --- one step -------------------------------------------------------------------------
 
@@ -353,6 +353,10 @@ class Trainer:
             if call_mismatch(exc):
                 raise InterfaceError(call_message(self.spec.impl, what, exc)) from exc
             exc.add_note(f"while ddp-verify ran {self.describe(what)}")
+            # What the failure's hint reads (`RankReport.raised`): the call, and whether the
+            # class shards its parameters (a freed one then is the usual cause of a raise).
+            sharded = hasattr(self.wrapped, "full_parameters")
+            exc.ddp_verify = {"call": what, "parameters_sharded": sharded}
             raise
 
     def describe(self, what: str) -> str:

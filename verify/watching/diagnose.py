@@ -248,14 +248,18 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
             f"{_ranks(others)} issued{' and wait in' if ref.pending else ''} (every earlier "
             f"step issued it there); rank {culprit} issued {bad.describe()} {at(bad.site)} instead"
         )
-        return TraceFinding("skipped collective", culprit, what, ref.describe(), ref.site, bad.site)
+        return TraceFinding(
+            "skipped collective", culprit, what, ref.describe(), ref.site, bad.site, op=ref.op
+        )
     if blame is Blame.EXTRA and hangs:
         what = (
             f"rank {culprit} issued an extra {bad.describe()} {at(bad.site)} that rank(s) "
             f"{_ranks(others)} never issued (they issued {ref.describe()} {at(ref.site)}; rank "
             f"{culprit}'s later collectives line up with theirs from #{k} on)"
         )
-        return TraceFinding("extra collective", culprit, what, ref.describe(), bad.site, bad.site)
+        return TraceFinding(
+            "extra collective", culprit, what, ref.describe(), bad.site, bad.site, op=bad.op
+        )
     what = (
         f"{kind} at collective #{k} on {bad.group}: rank {culprit} issued {bad.describe()} "
         f"{at(bad.site)}; rank(s) {_ranks(others)} issued {ref.describe()} {at(ref.site)}"
@@ -263,7 +267,7 @@ def _mismatch(kind, attr, k, present: dict[int, Record], colls, *, hangs=None) -
     tail = "" if hangs else " (completes, with wrong results: a desync)"
     note = blame.note(min(present))
     return TraceFinding(
-        kind, culprit, what + tail + note, ref.describe(), ref.site, bad.site, hangs
+        kind, culprit, what + tail + note, ref.describe(), ref.site, bad.site, hangs, ref.op
     )
 
 
@@ -281,4 +285,4 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {_ranks(absent)} never issued {ref.describe()}; {who} {at(ref.site)}; "
         f"rank {culprit} {doing[0]}"
     )
-    return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])
+    return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1], op=ref.op)

@@ -19,6 +19,7 @@ class TraceFinding:
     site: str | None = None  # where the collective was issued (the waiting ranks' call site)
     culprit_site: str | None = None  # what the culprit was doing instead, where
     hangs: bool = True  # False: a desync that completes with wrong results
+    op: str | None = None  # the collective's op ("all_reduce"): typed, for the hint
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""Hints follow from what was measured, the same in the text and in `--json`
+(verify/checks/hints.py), on classes the tool has never seen (tests/fixtures/hint_students.py):
+
+- a class that never sends its last, partly filled bucket gets the same hint (a bucket never
+  launched) wherever it shows: the matrix's several-buckets row, under both checks, and
+  `consistency` / `equivalence` on the `unused` workload. The equivalence check tells it from
+  a bucket launched too early by measuring that the ranks hold different gradients;
+- a class that clips the averaged gradients on rank 0 only gets a hint naming clipping on one
+  rank, from both checks: the ranks' gradients are one factor apart in every tensor;
+- the same clipping on every rank is no finding (the replicas stay identical);
+- so for a training script under `verify audit` (tests/fixtures/clip_script.py): clipping on
+  the main process only is named by the audit's hint, clipping everywhere passes.
+
+The catalogue's hints are asserted in tests/test_faulty.py; the load test runs
+`hint_problems` under CPU hogs (tests/test_load.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from verify.checks.consistency import ConsistencyOptions, check_consistency
+from verify.checks.equivalence import EquivalenceOptions, check_equivalence
+from verify.checks.matrix import MatrixOptions, run_matrix
+from verify.checks.script_audit import AuditOptions, check_audit
+from verify.cli.text_checks import consistency as consistency_text
+from verify.cli.text_checks import equivalence as equivalence_text
+from verify.cli.text_matrix import cell_hint
+
+FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "hint_students.py")
+SCRIPT = str(Path(__file__).resolve().parent / "fixtures" / "clip_script.py")
+BUCKETS, CLIPS, CLIPS_ALL = (f"{FIXTURE}:{c}" for c in
+                             ("BucketsWhenFull", "ClipsOnMaster", "ClipsEverywhere"))  # fmt: skip
+NEVER_SENT = "a bucket never launched (the last, partly filled bucket must be flushed too)"
+LAUNCHED_EARLY = "launched before all of its gradients were ready"
+
+
+def _first_hint(result) -> str:
+    return next((f.hint for f in result.findings if f.hint), "") or ""
+
+
+def _json_hints(result) -> list:
+    """Every finding's hint as --json prints it (a "hint" key on each, none left out)."""
+    doc = json.loads(json.dumps(result.to_dict()))
+    findings = doc["findings"] if "findings" in doc else doc["report"]["findings"]
+    assert findings and all("hint" in f and "kind" in f and "numbers" in f for f in findings)
+    return [f["hint"] for f in findings]
+
+
+def bucket_problems() -> list[str]:
+    """What is wrong with the hints of the class that never sends its last bucket."""
+    problems = []
+    matrix = run_matrix(MatrixOptions(impls=(BUCKETS,), rows=("several-buckets",)))
+    said = {}
+    for check in ("consistency", "equivalence"):
+        cell = matrix.result(BUCKETS, "several-buckets", check)
+        if cell.status != "fail":
+            problems.append(f"several-buckets / {check}: {cell.status} ({cell.detail})")
+        said[f"several-buckets / {check}"] = cell_hint(cell) or ""
+    for name, check, options in (
+        ("consistency", check_consistency, ConsistencyOptions),
+        ("equivalence", check_equivalence, EquivalenceOptions),
+    ):
+        result = check(options(impl=BUCKETS, workload="unused", bucket_mb=0.0045))
+        if result.verdict != "fault":
+            problems.append(f"unused / {name}: {result.headline}")
+        said[f"unused / {name}"] = "hint: " + _first_hint(result)
+        if _json_hints(result)[0] != _first_hint(result):
+            problems.append(f"unused / {name}: the JSON's hint is not the text's")
+    for where, line in said.items():
+        if NEVER_SENT not in line or LAUNCHED_EARLY in line:
+            problems.append(f"{where}: {line!r}")
+    if len(set(said.values())) != 1:
+        problems.append(f"not the same hint everywhere: {said}")
+    return problems
+
+
+def clip_problems() -> list[str]:
+    """What is wrong with the verdicts and hints of the two clipping classes."""
+    problems = []
+    for name, result, text in (
+        ("consistency", check_consistency(ConsistencyOptions(impl=CLIPS)), consistency_text),
+        ("equivalence", check_equivalence(EquivalenceOptions(impl=CLIPS)), equivalence_text),
+    ):
+        hint = _first_hint(result)
+        if result.verdict != "fault" or "clip" not in hint or "rank 0 " not in hint:
+            problems.append(f"{name}: {result.verdict}: {hint!r}")
+        if f"hint: {hint}" not in text(result):
+            problems.append(f"{name}: the text does not show the hint: {text(result)}")
+        if _json_hints(result)[0] != hint:
+            problems.append(f"{name}: the JSON's hint is not the text's")
+    right = check_consistency(ConsistencyOptions(impl=CLIPS_ALL))
+    if right.verdict != "pass":
+        problems.append(f"clipping on every rank flagged: {right.headline}")
+    return problems
+
+
+def script_problems(out: str) -> list[str]:
+    """What is wrong with the audit of a script that clips on rank 0 only, and on all."""
+    problems = []
+    wrong = check_audit(AuditOptions(script=(SCRIPT, "main-only"), out=out, console="none"))
+    faults = wrong.audit.faults if wrong.audit is not None else ()
+    hint = faults[0].hint if faults else ""
+    if wrong.verdict != "fault" or "clip" not in hint or "rank 0 " not in hint:
+        problems.append(f"clipping on rank 0: {wrong.verdict}: {hint!r}")
+    right = check_audit(AuditOptions(script=(SCRIPT, "everywhere"), out=out, console="none"))
+    if right.verdict != "pass":
+        problems.append(f"clipping on every rank: {right.verdict}")
+    return problems
+
+
+def hint_problems(out: str) -> list[str]:
+    """Every assertion of this file, as a list (the load test runs it under CPU hogs)."""
+    return bucket_problems() + clip_problems() + script_problems(out)
+
+
+def test_a_last_bucket_never_sent_gets_one_hint_on_every_workload():
+    problems = bucket_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_clipping_on_one_rank_is_named_and_clipping_everywhere_is_no_finding():
+    problems = clip_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_script_that_clips_on_the_main_process_gets_the_clipping_hint(tmp_path):
+    problems = script_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
