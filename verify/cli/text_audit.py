@@ -4,6 +4,7 @@ only, every verdict is decided by the check (`checks/script_audit.py`)."""
 from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
+from verify.checks.verdict import NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
@@ -52,8 +53,9 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
     if report is not None and report.faults:
         first = report.faults[0]
         return f"REPLICAS DIVERGED: first at {first.where}"
-    if verdict == "pass" and (report is None or report.audits == 0):
-        return "NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks"
+    if verdict == NOTHING_AUDITED:
+        return ("NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks, "
+                "so nothing was checked (exit 2, not a pass)")  # fmt: skip
     if verdict == "pass":
         kept = any(not f.fault for f in report.findings)
         return (
