@@ -20,7 +20,8 @@ def audit(result: AuditResult) -> str:
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
     lines += watched_tail(run)
-    lines.append(verdict_line(result.audit, result.verdict))
+    if not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
+        lines.append(verdict_line(result.audit, result.verdict))
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
@@ -102,6 +103,8 @@ def _summary(report: AuditReport) -> str:
             f"each; the optimizer state every {STATE_EVERY}th audited step and wherever the "
             f"parameters differ), up to "
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
+    if steps and not report.finished:  # killed (a hang, the deadline): as of the last audited step
+        text += " before the run was stopped"
     if report.sharded:
         text += f"; {report.sharded} sharded tensors never compared across ranks"
     if report.audited_steps:

@@ -197,6 +197,9 @@ class Auditor:
         # Every rank takes the same branch: the outcome is what the ranks agreed on.
         if (step // self.settings.every) % STATE_EVERY == 0 or params.mismatched:
             self._check(opt, step, STATE, self.collect.state(opt))
+        # Every audited step is on disk (a small JSON, atomically replaced): a run that hangs
+        # or is killed later still reports the steps it took and the audit checked.
+        self.write()
 
     def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
