@@ -44,6 +44,11 @@ def findings(audited: AuditReport | None) -> list[str]:
         if not f.fault:
             names = ", ".join(t.name for t in f.tensors[:6]) + (", ..." if f.count > 6 else "")
             lines.append(f"note: {f.where}: {_count(f)} differ across ranks ({names}): {f.hint}")
+    if audited.sharded_state:
+        held = ", ".join(f"{name} {n}" for name, n in audited.sharded_state.items())
+        lines.append(f"note: optimizer state sharded by design, each rank holding its own part "
+                     f"({held} entries): not compared across ranks; the parameters it updates "
+                     "are, at every audited step")  # fmt: skip
     lines.append(_summary(audited))
     if audited.stopped:
         lines.append(f"note: the audit stopped early: {audited.stopped}")
