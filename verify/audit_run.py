@@ -7,8 +7,9 @@ itself; across machines:
     torchrun --nnodes 2 --nproc-per-node 8 ... -m verify.audit_run train.py ARGS
 
 Every rank reaches the same findings (they are decided by reductions over all ranks); rank 0
-prints them when the script ends, and every rank exits 1 when the replicas diverged, so
-torchrun reports the job as failed. Reports go to `profiles/hang_torchrun_<run id>_<host>/`
+prints them when the script ends, and every rank exits 1 when the replicas diverged, or 2 when
+the script ended well without an optimizer step in a group of 2 or more ranks (nothing was
+audited: not a pass), so torchrun reports the job as failed. Reports go to `profiles/hang_torchrun_<run id>_<host>/`
 (or DDP_VERIFY_HANG_DIR): `rank<r>.audit.json` beside the hang report's files. Exit 2 on bad
 arguments.
 """
@@ -67,11 +68,12 @@ def main(argv: list[str]) -> int:
     report_dir = script_report_dir()
     report = AuditReport.read(os.path.join(report_dir, f"rank{rank}.audit.json"))
     faulty = report is not None and bool(report.faults)
+    nothing = not faulty and code == 0 and (report is None or report.audits == 0)
     if rank == 0:
-        verdict = "fault" if faulty else "pass"
+        verdict = "fault" if faulty else "nothing audited" if nothing else "pass"
         lines = text_audit.findings(report) + [text_audit.verdict_line(report, verdict)]
         print("\n".join(["verify.audit_run:", *lines, f"report: {report_dir}"]), flush=True)
-    return 1 if faulty else code
+    return 1 if faulty else 2 if nothing else code
 
 
 if __name__ == "__main__":

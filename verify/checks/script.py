@@ -4,7 +4,9 @@ take (`launching/script.py` starts the ranks), and the report folder both write.
 `run_watched_script` makes the run's folder, starts the script in N ranks (output streamed
 with a `[rank N]` prefix, the watchdog, `--sanitize` when asked, the replica audit when
 asked), and reads back what the ranks left: the diagnosis, the captured files, the race
-findings and the audit reports. The commands turn a `ScriptRun` into their result.
+findings and the audit reports. The commands turn a `ScriptRun` into their result. A script
+that needs CUDA where there is none is a usage error (ValueError, exit 2:
+`launching/needs_cuda.py`), not a crash.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.launching import run_script
+from verify.launching.needs_cuda import NeedsCuda
 from verify.script_audit import AuditReport
 from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
@@ -91,6 +94,13 @@ def run_watched_script(options, *, command: str, audit_every: int | None = None)
     )  # fmt: skip
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.nproc)
+    needs = [o.value for o in run.outcomes if isinstance(o.value, NeedsCuda)]
+    if needs and not run.ok:  # written for GPUs, run without: a usage error (needs_cuda.py)
+        first = min(needs, key=lambda n: n.where)
+        raise ValueError(
+            f"the script cannot run on this machine: {first.message(options.backend)} "
+            f"(each rank's traceback: {report_dir}/rank<r>.stderr)"
+        )
     return ScriptRun(
         report_dir=report_dir, elapsed_s=elapsed, diagnosis=replace(run.diagnosis, files=files),
         failure=None if run.ok else run.summary(), files=files, pids=pids, notes=run.notes,

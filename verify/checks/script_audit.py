@@ -4,9 +4,11 @@ the report folder, `--sanitize`), and audit at every optimizer step that every t
 to be replicated is bitwise identical on every rank (`verify/script_audit/`).
 
 The verdict: "fault" when the audit found a divergence, or the run hung, desynced or crashed,
-or `--sanitize` found a race; "timeout" when the deadline came first; "pass" when the script
-ran to the end with identical replicas (notes, such as buffers kept per rank by design, do
-not fail a run). The report folder holds each rank's `rank<r>.audit.json` beside the hang
+or `--sanitize` found a race; "timeout" when the deadline came first; "nothing audited"
+(exit 2, not a pass: a CI gate must not pass on nothing checked) when the script ended well
+without an optimizer step in a process group of 2 or more ranks; "pass" when the script ran
+to the end with identical replicas (notes, such as buffers kept per rank by design or
+optimizer state each rank holds its own share of, do not fail a run). The report folder holds each rank's `rank<r>.audit.json` beside the hang
 report's files.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
-from verify.checks.verdict import Verdicted
+from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, ThreadOptions, knob
@@ -87,7 +89,12 @@ class AuditResult(Verdicted):
 
     @property
     def verdict(self) -> str:
-        return "fault" if self.faults else self.run.watched_verdict
+        if self.faults:
+            return FAULT
+        verdict = self.run.watched_verdict
+        if verdict == PASS and (self.audit is None or self.audit.audits == 0):
+            return NOTHING_AUDITED
+        return verdict
 
     def to_dict(self) -> dict:
         return {

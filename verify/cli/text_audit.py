@@ -4,6 +4,7 @@ only, every verdict is decided by the check (`checks/script_audit.py`)."""
 from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
+from verify.checks.verdict import NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
@@ -19,7 +20,8 @@ def audit(result: AuditResult) -> str:
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
     lines += watched_tail(run)
-    lines.append(verdict_line(result.audit, result.verdict))
+    if not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
+        lines.append(verdict_line(result.audit, result.verdict))
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
@@ -42,6 +44,11 @@ def findings(audited: AuditReport | None) -> list[str]:
         if not f.fault:
             names = ", ".join(t.name for t in f.tensors[:6]) + (", ..." if f.count > 6 else "")
             lines.append(f"note: {f.where}: {_count(f)} differ across ranks ({names}): {f.hint}")
+    if audited.sharded_state:
+        held = ", ".join(f"{name} {n}" for name, n in audited.sharded_state.items())
+        lines.append(f"note: optimizer state sharded by design, each rank holding its own part "
+                     f"({held} entries): not compared across ranks; the parameters it updates "
+                     "are, at every audited step")  # fmt: skip
     lines.append(_summary(audited))
     if audited.stopped:
         lines.append(f"note: the audit stopped early: {audited.stopped}")
@@ -52,8 +59,9 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
     if report is not None and report.faults:
         first = report.faults[0]
         return f"REPLICAS DIVERGED: first at {first.where}"
-    if verdict == "pass" and (report is None or report.audits == 0):
-        return "NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks"
+    if verdict == NOTHING_AUDITED:
+        return ("NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks, "
+                "so nothing was checked (exit 2, not a pass)")  # fmt: skip
     if verdict == "pass":
         kept = any(not f.fault for f in report.findings)
         return (
@@ -100,6 +108,8 @@ def _summary(report: AuditReport) -> str:
             f"each; the optimizer state every {STATE_EVERY}th audited step and wherever the "
             f"parameters differ), up to "
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
+    if steps and not report.finished:  # killed (a hang, the deadline): as of the last audited step
+        text += " before the run was stopped"
     if report.sharded:
         text += f"; {report.sharded} sharded tensors never compared across ranks"
     if report.audited_steps:

@@ -205,9 +205,11 @@ def send(fd: int | None, message: object) -> None:
 
 
 def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
-    """Copy a rank's output to its file and, line by line with a rank prefix, to `console`."""
+    """Copy a rank's output to its file and, line by line with a rank prefix, to `console`
+    (without the backend's INFO log: `BackendLog`)."""
 
     def run() -> None:
+        quiet = BackendLog()
         with open(path, "ab") as log:
             pending = b""
             for chunk in iter(lambda: pipe.read1(1 << 16), b""):
@@ -215,9 +217,9 @@ def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
                 log.flush()
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
-                _echo(console, rank, lines)
+                _echo(console, rank, quiet.drop(lines))
             if pending:
-                _echo(console, rank, [pending])
+                _echo(console, rank, quiet.drop([pending]))
 
     thread = threading.Thread(target=run, name=f"rank{rank}-output", daemon=True)
     thread.start()
@@ -227,13 +229,41 @@ def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
 _ECHO_LOCK = threading.Lock()
 
 
-# The backend's INFO log lines (TORCH_CPP_LOG_LEVEL=INFO, which a hang report turns on) go to
-# the rank's file only: the console shows what the script itself says.
-_INFO = re.compile(rb"^\[?I\d{4} \d\d:\d\d:\d\d")
+class BackendLog:
+    """Which lines of one output stream are the backend's INFO log (TORCH_CPP_LOG_LEVEL=INFO,
+    TORCH_DISTRIBUTED_DEBUG=INFO, which a hang report turns on): they go to the rank's file
+    only, and the console shows what the script itself says.
+
+    A record starts `I1126 03:58:26.987 file.cpp:132] ...`, with `[rank0]:` before it when
+    c10d knows the rank. DDP's "DDP Initialized with:" record goes on over lines of its own
+    (`broadcast_buffers: 1`, ..., `device_ids: `), ended by an empty line: after a record
+    whose text ends in a colon, lowercase `key: value` lines and the empty line that ends them
+    are the record's too. Anything else (a traceback, a print) ends it."""
+
+    RECORD = re.compile(rb"^(\[rank\d+\]:)?\[?I\d{4} \d\d:\d\d:\d\d")
+    FIELD = re.compile(rb"^[a-z_][a-z0-9_]*:( .*)?$")
+
+    def __init__(self) -> None:
+        self.fields = False  # inside a record's `key: value` lines
+
+    def drop(self, lines: list[bytes]) -> list[bytes]:
+        """`lines` without the backend's (the stream's state carries over between calls)."""
+        kept = []
+        for line in lines:
+            text = line.rstrip(b"\r")
+            if self.RECORD.match(text):
+                self.fields = text.rstrip().endswith(b":")
+            elif self.fields and self.FIELD.match(text):
+                pass
+            elif self.fields and not text.strip():
+                self.fields = False
+            else:
+                self.fields = False
+                kept.append(line)
+        return kept
 
 
 def _echo(console: TextIO, rank: int, lines: list[bytes]) -> None:
-    lines = [line for line in lines if not _INFO.match(line)]
     if not lines:
         return
     text = "".join(f"[rank {rank}] {line.decode('utf-8', 'replace')}\n" for line in lines)

@@ -18,7 +18,7 @@ import runpy
 import sys
 import traceback
 
-from verify.launching import process
+from verify.launching import needs_cuda, process
 from verify.launching.outcome import RankReport, Up
 from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
 from verify.script_audit.report import AuditSettings
@@ -58,6 +58,7 @@ def script_job(
 
 
 _SCRIPT_OK = RankReport("ok", pickle.dumps(None))  # a script returns nothing
+_ASKED: dict = {}  # what the script passed init_process_group (its "backend")
 
 
 def run_script_job(job: RankJob, fd: int | None) -> None:
@@ -85,18 +86,33 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
             process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
+        needs = needs_cuda.classify(exc, _ASKED.get("backend"))
+        if needs is not None:  # a usage error, said once by the parent (needs_cuda.py)
+            with contextlib.suppress(Exception):
+                exc.partial = needs
         report = error_report(exc)
         process.send(fd, report)
         if job.on_failure is not None:
             job.on_failure(report)
-        traceback.print_exc()  # what `python script.py` would show, on the rank's stderr
-        sys.stderr.flush()
+        _print_traceback(job, quiet=needs is not None)
         _finish_audit(auditor)  # what it found before the crash (os._exit skips `finally`)
         os._exit(1)
     finally:
         _save_races(sanitizer, job)
         _finish_audit(auditor)
     process.send(fd, _SCRIPT_OK)
+
+
+def _print_traceback(job: RankJob, quiet: bool) -> None:
+    """What `python script.py` would show, on the rank's stderr; `quiet`: in its stderr file
+    only (the parent says in one line what every rank would have repeated)."""
+    path = os.path.join(job.helper_dir, f"rank{job.rank}.stderr") if job.helper_dir else None
+    if quiet and path is not None and os.path.exists(path):  # (our own launch pumps to it)
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            traceback.print_exc(file=f)
+            return
+    traceback.print_exc()
+    sys.stderr.flush()
 
 
 def _sanitize(job: RankJob):
@@ -147,8 +163,13 @@ def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
     original = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
+        backend = kwargs.get("backend", args[0] if args else None)
+        _ASKED["backend"] = backend
+        if str(backend).lower() == "nccl" and not dist.is_nccl_available():
+            # torch's own error, without the warning it prints first on every rank
+            raise RuntimeError("Distributed package doesn't have NCCL built in")
         if job.trace_path is not None and job.nccl_blocking_wait:
-            block_nccl_waits(kwargs.get("backend", args[0] if args else None))
+            block_nccl_waits(backend)
         out = original(*args, **kwargs)
         process.send(fd, Up())
         return out

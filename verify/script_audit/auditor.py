@@ -10,7 +10,8 @@ order (a step is a point all ranks reach together in data-parallel training):
                     compared as they are, a note when they differ); the gradients
     after step N    the parameters; the optimizer state, at the first audited step, every
                     STATE_EVERY-th one, and at any step whose parameters differ (to say
-                    whether the state differs too)
+                    whether the state differs too): what every rank holds is compared, what
+                    one rank holds by design is counted (`owners.py`)
 
 The optimizer state is not read at every step because it is the largest thing a step holds
 (AdamW's two moments are twice the parameters) and what it carries shows in the parameters
@@ -43,7 +44,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from verify.script_audit import report
+from verify.script_audit import owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
@@ -77,6 +78,7 @@ class Auditor:
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
         self.seconds = 0.0  # time spent inside the audit, in all
         self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
+        self.sharded_state: dict[str, int] = {}  # label -> state entries held by one rank each
         self.stopped: str | None = None
         self._handles: list = []
         self._scaler_init = None
@@ -196,7 +198,32 @@ class Auditor:
         params = self._check(opt, step, AFTER, self.collect.parameters(opt, report.PARAMS_AFTER))
         # Every rank takes the same branch: the outcome is what the ranks agreed on.
         if (step // self.settings.every) % STATE_EVERY == 0 or params.mismatched:
-            self._check(opt, step, STATE, self.collect.state(opt))
+            if params.layout:  # the ranks step different parameters: match the state as is
+                self._check(opt, step, STATE, self.collect.state(opt))
+            else:
+                self._audit_state(opt, step)
+        # Every audited step is on disk (a small JSON, atomically replaced): a run that hangs
+        # or is killed later still reports the steps it took and the audit checked.
+        self.write()
+
+    def _audit_state(self, opt: torch.optim.Optimizer, step: int) -> None:
+        """The optimizer state: who holds what first (`owners.py`), then what every rank
+        holds, bitwise. State held by one rank by design (an owner-rank optimizer, ZeRO's
+        local optimizer, FSDP2's shards) is counted for the report's note."""
+        dtensors = self.collect.sharded
+        per_param = self.collect.state_by_param(opt)
+        names = [n for n, _ in self.collect.params(opt)]
+        held = owners.split(self.group, names, per_param)
+        zero = self.collect.local_shard(opt)
+        if zero is not None:  # every rank holds its own shard's: the sum is the optimizer's
+            zero = self.group.sum([zero])[0]
+        _, label = self._label(opt)
+        shards = held.sharded + (zero or 0) + self.collect.sharded - dtensors
+        if shards:
+            self.sharded_state[label] = shards
+        if held.problem and self.book.add(label, step, [], Outcome(layout=held.problem)):
+            self.write()
+        self._check(opt, step, STATE, held.replicated)
 
     def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
@@ -236,7 +263,8 @@ class Auditor:
         return AuditReport(
             every=self.settings.every, steps=dict(self.finished_steps), audits=self.audits,
             audited_steps=self.audited_steps, tensors=self.tensors,
-            sharded=self.sharded, seconds=self.seconds, findings=tuple(self.book.findings),
+            sharded=self.sharded, sharded_state=dict(self.sharded_state),
+            seconds=self.seconds, findings=tuple(self.book.findings),
             stopped=self.stopped,
             finished=finished,
         )  # fmt: skip

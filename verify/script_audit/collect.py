@@ -9,11 +9,14 @@ Sharded tensors are never compared across ranks: a `DTensor` (FSDP2, tensor para
 compared only when every placement is `Replicate()` (its local tensor is then the whole
 value); any other placement is counted as sharded and skipped. `ZeroRedundancyOptimizer`
 keeps its state in a local optimizer over this rank's shard: its steps run nested inside the
-outer step and are not audited (`auditor.py`), and the outer optimizer holds no state.
+outer step and are not audited (`auditor.py`), and the outer optimizer holds no state (its
+local state is counted, `local_shard`). State that a plain optimizer keeps on some ranks
+only is sorted out by `owners.py`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -87,15 +90,33 @@ class Collector:
         return self.tensors(phase, self.params(opt))
 
     def state(self, opt: torch.optim.Optimizer) -> list[Entry]:
-        entries = []
+        return [e for entries in self.state_by_param(opt) for e in entries]
+
+    def state_by_param(self, opt: torch.optim.Optimizer) -> list[list[Entry]]:
+        """The optimizer state, one list of entries per parameter (in `params` order)."""
+        out = []
         for name, p in self.params(opt):
+            entries = []
             for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                 label = f"{name} {key}"
                 if isinstance(value, torch.Tensor):
                     entries += self.tensors(report.STATE, [(label, value)])
                 elif isinstance(value, (int, float, bool)):
                     entries.append(Entry(report.STATE, label, setting=float(value)))
-        return entries
+            out.append(entries)
+        return out
+
+    def local_shard(self, opt: torch.optim.Optimizer) -> int | None:
+        """State tensors of this rank's shard that the optimizer keeps in a local optimizer
+        of its own (`ZeroRedundancyOptimizer.optim`, stepped inside the outer step and not
+        audited): sharded by design. None for any other optimizer (the same on every rank:
+        the ranks run the same script)."""
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        if zero is None or not isinstance(opt, zero.ZeroRedundancyOptimizer):
+            return None  # (a script that uses it has imported it)
+        return sum(
+            isinstance(v, torch.Tensor) for st in opt.optim.state.values() for v in st.values()
+        )
 
     def settings(self, opt: torch.optim.Optimizer) -> list[Entry]:
         """Every hyperparameter of every param group (lr, betas, weight_decay, ...)."""

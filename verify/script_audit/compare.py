@@ -187,7 +187,7 @@ def _layout(group: SideGroup, header: list[int], keys: list[str]) -> str:
             f"{label} {len(ks)} ({', '.join(_short(k) for k in ks[:3])})"
             for label, ks in (("lacks", missing), ("has extra", extra)) if ks
         )  # fmt: skip
-    data = mine.encode()[:_TEXT].ljust(_TEXT, b"\0")
+    data = fit(mine, _TEXT).encode().ljust(_TEXT, b"\0")
     texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     for t in texts:
         text = bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
@@ -201,3 +201,13 @@ def _short(key: str) -> str:
     """A key as a user reads it: the name, without the phase and dtype."""
     parts = key.split("|")
     return parts[1] if len(parts) > 1 else key
+
+
+def fit(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8 at a separator (", " or "; "), never
+    mid-name, with ", ..." where it was cut."""
+    if len(text.encode()) <= limit:
+        return text
+    cut = text.encode()[: limit - 5].decode(errors="ignore")
+    at = max(cut.rfind(", "), cut.rfind("; "))
+    return (cut[:at] if at > 0 else cut) + ", ..."

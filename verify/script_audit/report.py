@@ -100,6 +100,9 @@ class AuditReport:
     audited_steps: int = 0  # optimizer steps audited (before and after)
     tensors: int = 0  # the most tensors checked at one audit point
     sharded: int = 0  # sharded tensors seen and never compared (ZeRO, FSDP2), at most at once
+    # optimizer -> its state entries held by one rank each by design (an owner-rank optimizer
+    # such as Muon, ZeRO's local optimizer, FSDP2's shards), never compared across ranks
+    sharded_state: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # time this rank spent inside the audit, in all
     findings: tuple[Finding, ...] = ()
     stopped: str | None = None  # why auditing stopped before the script ended

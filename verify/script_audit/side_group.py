@@ -56,6 +56,14 @@ class SideGroup:
         self._group().allreduce([t], opts).wait()
         return t.tolist()
 
+    def sum(self, values: list[int]) -> list[int]:
+        """The element-wise sum over all ranks of a list of int64 values."""
+        t = torch.tensor(values, dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._group().allreduce([t], opts).wait()
+        return t.tolist()
+
     def agree(self, values: list[int]) -> list[bool]:
         """Per value: is it the same on every rank? One all-reduce of 2 x len(values) words,
         whatever the world size: the maximum of x and of ~x (= -x - 1, which reverses the
