@@ -210,11 +210,13 @@ def test_negative_size():
 
 
 def test_fast_on_10k_parameters():
-    """10k distinct sizes over 8 ranks plans in ~0.1 s on one core; 2 s leaves room for a
-    loaded CI machine under `pytest -n auto` while still catching a quadratic regression."""
+    """10k distinct sizes over 8 ranks plans in ~0.1 s of CPU; 2 s catches a quadratic
+    regression. CPU time, not wall time: on a machine whose cores are shared by other work
+    (load average 34 seen under `pytest -n auto` beside other jobs) the wall clock measured
+    the queue (5.8 s), not the planner."""
     rng = random.Random(0)
     sizes = [rng.randint(1, 10**9) for _ in range(10_000)]
-    start = time.perf_counter()
+    start = time.process_time()
     plan = partition_parameters(sizes, 8)
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     check_consistent(plan, sizes, 8)
