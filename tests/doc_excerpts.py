@@ -208,7 +208,7 @@ def matrix_outputs(commands: list[str]) -> dict[str, list[str]]:
         keys = {b.key for b in o.behaviours}
         cells = {k: r for k, r in result.results.items() if k[0] in o.impls and k[1] in keys}
         alone = MatrixResult(o, cells, result.elapsed_s, result.launches)
-        out[c] = command.text(alone).splitlines()
+        out[c] = command.printer()(alone).splitlines()
     return out
 
 

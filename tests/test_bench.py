@@ -1,4 +1,5 @@
-"""bench, comm, scaling, train, bench-audit and bench-tracer on tiny settings: real ranks,
+"""bench, comm, scaling, train, and the audit's and the tracer's costs (the maintainer's
+scripts benchmarks/audit_cost.py and tracer_cost.py) on tiny settings: real ranks,
 well-formed results and JSON, progress lines printed once, one-line usage errors.
 
 No timed assertion anywhere: the machine is shared, so a test that says "A is faster than B"
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import audit_cost, tracer_cost
 from verify.cli import main, text_bench, text_perf
 from verify.perf import alphabeta, timing
 from verify.perf.bench import BenchOptions, run_bench
@@ -300,23 +302,23 @@ def test_training_follows_the_single_process_curve(tmp_path, capsys):
 
 def test_bench_audit_and_bench_tracer_decide_against_their_goals(capsys):
     """The benchmarks of the tool's own costs (the audit, the script audit's step hooks, the
-    tracer), tiny: every goal gets a value, an interval around it, and one of the three
+    tracer: maintainer's scripts, `benchmarks/`, run through their `main`), tiny: every goal gets a value, an interval around it, and one of the three
     decisions."""
-    assert main(["bench-audit", *CPU, "--model-size", str(TINY_M), "--repeats", "2", "--json"]) == 0
+    assert audit_cost.main([*CPU, "--model-size", str(TINY_M), "--repeats", "2", "--json"]) == 0
     audit = json.loads(capsys.readouterr().out)
     assert audit["verdict"] == "pass" and audit["audited_tensors"] > 0
     for bar in audit["bars"]:
         assert bar["low"] <= bar["value"] <= bar["high"]
         assert bar["decision"] in ("met", "missed", "undecided")
     # --script-audit: `audit --nproc`'s step hooks, audited / plain step side by side.
-    argv = ["bench-audit", *CPU, "--script-audit", "--model-size", str(TINY_M), "--repeats", "2"]
-    assert main([*argv, "--json"]) == 0
+    argv = [*CPU, "--script-audit", "--model-size", str(TINY_M), "--repeats", "2"]
+    assert audit_cost.main([*argv, "--json"]) == 0
     hooks = json.loads(capsys.readouterr().out)
     assert hooks["findings"] == 0 and len(hooks["audited_s"]) == len(hooks["plain_s"]) == 2
     (bar,) = hooks["bars"]
     assert bar["what"] == "audited / plain step" and bar["goal"] == 1.02
     assert bar["low"] <= bar["value"] <= bar["high"], bar
-    assert main(["bench-tracer", *CPU, "--repeats", "1", "--json"]) == 0
+    assert tracer_cost.main([*CPU, "--repeats", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "pass" and len(doc["traced_step_s"]) == 4
     assert doc["collectives_per_step"] >= 1 and doc["traced_call_us"] > 0
@@ -346,9 +348,12 @@ def test_a_bad_out_is_one_line_and_exit_2(command, tmp_path, capsys):
 @pytest.mark.parametrize("command", ["bench", "train", "bench-tracer"])
 def test_faulty_and_hang_implementations_are_refused(command, capsys):
     """Measurements run the built-ins, PyTorch's references and user classes, never the
-    catalogues built to fail."""
+    catalogues built to fail (the tracer's cost too, a script of `benchmarks/`)."""
     flag = "--impls" if command == "bench" else "--impl"
-    assert main([command, flag, "faulty:no-divide"]) == 2
+    if command == "bench-tracer":
+        assert tracer_cost.main([flag, "faulty:no-divide"]) == 2
+    else:
+        assert main([command, flag, "faulty:no-divide"]) == 2
     err = capsys.readouterr().err
     assert (
         err.count("\n") == 1 and f"unknown implementation 'faulty:no-divide' for {command}" in err

@@ -23,46 +23,63 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import audit_cost, sanitize_cost, tracer_cost
 from tests.processes import alive, descendants
 from verify.checks.verdict import EXIT_CODES
-from verify.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, build_parser, main
+from verify.cli import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    build_parser,
+    command_parser,
+    main,
+)
+from verify.cli.command import Command
 from verify.cli.commands import all_commands
 from verify.options import flag_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SURFACE = ROOT / "tests" / "cli_surface.json"
+BENCHMARKS = {
+    m.__name__.split(".")[-1]: m.COMMAND for m in (audit_cost, tracer_cost, sanitize_cost)
+}
 
 
 def surface() -> dict:
-    """Every command's flags with their defaults and choices, and the exit codes."""
-    commands = {}
-    for command in all_commands():
-        flags = {}
-        if command.options is not None:
-            for f in dataclasses.fields(command.options):
-                if not f.metadata.get("cli", True):
-                    continue
-                default = f.default
-                if default is dataclasses.MISSING:
-                    factory = f.default_factory
-                    default = "<required>" if factory is dataclasses.MISSING else factory()
-                offered = [f.metadata.get("negate") or flag_of(f)]
-                if f.metadata.get("affirm"):  # the field's own flag is kept beside its negation
-                    offered.append(flag_of(f))
-                for flag in offered:
-                    flags[flag] = {
-                        "field": f.name,
-                        "default": list(default) if isinstance(default, tuple) else default,
-                        "choices": list(f.metadata["choices"])
-                        if f.metadata.get("choices")
-                        else None,
-                        "repeat": bool(f.metadata.get("repeat")),
-                    }
-            flags["--json"] = flags["--progress"] = {"field": None, "default": False}
-        commands[command.name] = {"flags": flags, "script": command.script}
+    """Every command's flags with their defaults and choices, the benchmark scripts' (the
+    tool's measurements of itself, `benchmarks/`), and the exit codes."""
     codes = {**EXIT_CODES, "usage": EXIT_USAGE, "interrupted": EXIT_INTERRUPTED,
              "terminated": EXIT_TERMINATED}  # fmt: skip
-    return {"commands": commands, "exit_codes": codes}
+    return {
+        "commands": {c.name: _surface(c) for c in all_commands()},
+        "benchmarks": {f"benchmarks/{name}.py": _surface(c) for name, c in BENCHMARKS.items()},
+        "exit_codes": codes,
+    }
+
+
+def _surface(command: Command) -> dict:
+    flags = {}
+    options = command.options_class()
+    if options is not None:
+        for f in dataclasses.fields(options):
+            if not f.metadata.get("cli", True):
+                continue
+            default = f.default
+            if default is dataclasses.MISSING:
+                factory = f.default_factory
+                default = "<required>" if factory is dataclasses.MISSING else factory()
+            offered = [f.metadata.get("negate") or flag_of(f)]
+            if f.metadata.get("affirm"):  # the field's own flag is kept beside its negation
+                offered.append(flag_of(f))
+            for flag in offered:
+                flags[flag] = {
+                    "field": f.name,
+                    "default": list(default) if isinstance(default, tuple) else default,
+                    "choices": list(f.metadata["choices"]) if f.metadata.get("choices") else None,
+                    "repeat": bool(f.metadata.get("repeat")),
+                }
+        flags["--json"] = flags["--progress"] = {"field": None, "default": False}
+    return {"flags": flags, "script": command.script}
 
 
 def test_the_cli_surface_is_frozen(monkeypatch):
@@ -78,7 +95,8 @@ def test_the_cli_surface_is_frozen(monkeypatch):
 def test_every_flag_has_one_line_of_help_with_its_default():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, p in sub.choices.items():
+    scripts = {name: command_parser(c, name) for name, c in BENCHMARKS.items()}
+    for name, p in {**sub.choices, **scripts}.items():
         for action in p._actions:
             if action.dest in ("help",) or not action.option_strings:
                 continue
@@ -132,6 +150,10 @@ def test_every_flag_has_one_line_of_help_with_its_default():
         (["audit", "--", "missing.py"], "script missing.py does not exist"),
         (["audit", "--audit-every", "0", "--", "tests/fixtures/audit_suite.py"],
          "--audit-every must be >= 1, got 0"),
+        # the tool's measurements of itself: a maintainer's scripts now, named
+        (["bench-tracer", "--repeats", "1"],
+         "bench-tracer is not a command any more: it is a maintainer's script of the "
+         "repository, python benchmarks/tracer_cost.py (same flags)"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):

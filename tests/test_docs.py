@@ -9,7 +9,9 @@ Covered, in-process (no ranks; the whole file parses in well under a second):
   message compared;
 - the first line of every `consistency`, `equivalence` and `hang` example (what ran: the
   implementation, workload, world size, steps, bucket size) against what its options print;
-- every `matrix` example's rows (in order) and its n/a cells, which the options decide.
+- every `matrix` example's rows (in order) and its n/a cells, which the options decide;
+- every `python benchmarks/X.py ...` (the tool's measurements of itself, a maintainer's
+  scripts) parses with that script's flags, and no doc runs them as `python -m verify`.
 
 Run for real: the commands of `doc_excerpts.REAL` (a few launches, seconds each; the matrix
 ones as one matrix run), each compared with every excerpt of it, in any doc, on what matters:
@@ -32,7 +34,7 @@ import shlex
 import pytest
 import torch
 
-from tests.doc_excerpts import REAL, ROOT, drift, examples, matches, matrix_outputs
+from tests.doc_excerpts import DOCS, REAL, ROOT, drift, examples, matches, matrix_outputs
 from verify.cli import UsageError, main, parse
 from verify.cli.text_checks import header
 
@@ -170,6 +172,31 @@ def test_a_matrix_excerpt_shows_the_rows_the_tool_prints(example, at_root):
             na = SYMBOL["n/a"] if len(impls) == 1 else COMPACT["n/a"]
             expected = [bool(not_applicable(resolve(impl), b, c)) for c in checks]
             assert [s == na for s in said] == expected, f"{example}: {impl} / {b.key}: {said}"
+
+
+BENCHMARK = re.compile(r"python (benchmarks/(\w+)\.py)((?: [^`#\n]*)?)")
+STALE = re.compile(r"verify bench-(audit|tracer|sanitize)")
+
+
+def test_the_docs_run_the_benchmarks_as_the_scripts_they_are(at_root):
+    """The tool's measurements of itself are a maintainer's scripts (`benchmarks/`): every
+    `python benchmarks/X.py ARGS` the docs show parses with that script's flags, and no doc
+    still runs them as `python -m verify bench-*`."""
+    import importlib
+
+    shown = 0
+    for path in DOCS:
+        text = path.read_text()
+        assert not STALE.search(text), f"{path.name}: {STALE.search(text).group(0)}"
+        for match in BENCHMARK.finditer(text):
+            assert (ROOT / match.group(1)).is_file(), match.group(0)
+            script = importlib.import_module(f"benchmarks.{match.group(2)}")
+            argv = shlex.split(match.group(3))
+            if "cuda" in argv and not torch.cuda.is_available():
+                continue  # a GPU run's flags are refused here for want of a GPU (as above)
+            parse(argv, script.COMMAND)  # raises on a flag or value that no longer exists
+            shown += 1
+    assert shown >= 8, shown
 
 
 def test_the_comparison_skips_the_machine_and_sees_every_finding():

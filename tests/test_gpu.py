@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from benchmarks import audit_cost, tracer_cost
 from tests.test_gpu_checks import on_gpus
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.cli import main
@@ -67,7 +68,8 @@ def test_nccl_without_gpus_is_a_usage_error(capsys):
 # --- the measurement commands on GPUs ----------------------------------------
 # Each runs at world size 1 on one GPU (a lone NCCL rank: every collective must get a CUDA
 # tensor, which is what broke `bench --device cuda --world-size 1`), and at 2 where there are
-# two GPUs. bench-audit and bench-tracer compare ranks, so they need two.
+# two GPUs. bench-audit and bench-tracer (the scripts benchmarks/audit_cost.py and
+# tracer_cost.py) compare ranks, so they need two.
 
 _TINY = ["--model-size", "0.5"]
 _PERF_RUNS = {
@@ -106,7 +108,9 @@ def test_every_measurement_runs_on_gpus(command, world, tmp_path, capsys):
     if command not in ("bench-audit", "bench-tracer"):
         args += ["--out", str(tmp_path)]
     backend = on_gpus(world)["backend"]
-    code = main([command, *args, "--device", "cuda", "--backend", backend, "--json"])
+    args += ["--device", "cuda", "--backend", backend, "--json"]
+    scripts = {"bench-audit": audit_cost.main, "bench-tracer": tracer_cost.main}  # benchmarks/
+    code = scripts[command](args) if command in scripts else main([command, *args])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["verdict"] == "pass", doc.get("failure")
 

@@ -1,18 +1,25 @@
-"""Imports run one way: no module of `verify/` or `impls/` imports, directly or through others,
-a module that imports it back, also from inside a function (a circle there only waits for
-the call that closes it); and `impls/` imports nothing of `verify/`.
+"""Imports run one way: no module of `verify/`, `impls/` or `benchmarks/` imports, directly or
+through others, a module that imports it back, also from inside a function (a circle there
+only waits for the call that closes it); `impls/` imports nothing of `verify/`, and neither
+imports the maintainer's scripts of `benchmarks/`.
 
 Read from the source (`ast`), not by importing: every import that can run counts, wherever it
-sits, except those under `if TYPE_CHECKING:` (annotations only, never executed).
+sits, except those under `if TYPE_CHECKING:` (annotations only, never executed). A string
+`"package.module:name"` counts as an import of that module: it is how the CLI's table names
+what it imports on dispatch (`verify/cli/command.py`).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("verify", "impls")
+PACKAGES = ("verify", "impls", "benchmarks")
+REFERENCE = re.compile(r"([A-Za-z_][\w.]*):\w+")  # "package.module:name"
 
 
 def modules() -> dict[str, Path]:
@@ -44,6 +51,9 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
                 out.add(child if child in known else node.module)
         elif isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if match := REFERENCE.fullmatch(node.value):
+                out.add(match.group(1))
     return {m for m in out if m in known}
 
 
@@ -91,11 +101,34 @@ def test_no_module_imports_one_that_imports_it_back():
     assert circles(graph) == []
 
 
-def test_impls_import_nothing_of_verify():
+@pytest.mark.parametrize("package, above", [("impls", ("verify", "benchmarks")),
+                                            ("verify", ("benchmarks",))])  # fmt: skip
+def test_imports_run_down_the_layers(package, above):
     known = modules()
     leaks = {
-        name: sorted(m for m in imports(path, known) if m.startswith("verify"))
+        name: sorted(m for m in imports(path, known) if m.startswith(above))
         for name, path in known.items()
-        if name.startswith("impls")
+        if name.split(".")[0] == package
     }
     assert {n: m for n, m in leaks.items() if m} == {}
+
+
+def test_the_cli_table_names_modules_that_exist():
+    """A row's strings are its imports: each names a module of ours and a name it holds
+    (read from the source, so a renamed function fails here, not on a user's command)."""
+    known = modules()
+    named = 0
+    for path in [ROOT / "verify/cli/commands.py", *(ROOT / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if REFERENCE.fullmatch(node.value):
+                    module, name = node.value.split(":")
+                    assert module in known, (path.name, node.value)
+                    tree = ast.parse(known[module].read_text())
+                    defined = {
+                        getattr(n, "name", None) for n in tree.body
+                    } | {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                         if isinstance(t, ast.Name)}  # fmt: skip
+                    assert name in defined, (path.name, node.value)
+                    named += 1
+    assert named >= 40, named  # 13 commands' options, runners and printers; 3 scripts' rows

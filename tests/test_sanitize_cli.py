@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import sanitize_cost
 from verify.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +49,11 @@ def test_commands_that_cannot_use_it_refuse_it(argv, message, capsys):
 
 
 def test_the_cost_benchmark_runs_every_arm(capsys):
-    """`bench-sanitize`: every arm timed side by side, the slowdown with its interval, and
-    where the time went (the figures themselves are for docs/races.md, not asserted)."""
-    argv = ["bench-sanitize", "--device", "cpu", "--model-size", "0.5", "--repeats", "3"]
-    assert main([*argv, "--json"]) == 0
+    """`benchmarks/sanitize_cost.py`: every arm timed side by side, the slowdown with its
+    interval, and where the time went (the figures themselves are for docs/races.md, not
+    asserted)."""
+    argv = ["--device", "cpu", "--model-size", "0.5", "--repeats", "3"]
+    assert sanitize_cost.main([*argv, "--json"]) == 0
     import json
 
     doc = json.loads(capsys.readouterr().out)
@@ -61,7 +63,7 @@ def test_the_cost_benchmark_runs_every_arm(capsys):
 
 
 def test_the_matrix_cost_report_gives_the_ratio_and_each_arms_verdicts():
-    """`bench-sanitize --matrix` times whole matrices (the runs are the matrix's own, tested
+    """`benchmarks/sanitize_cost.py --matrix` times whole matrices (the runs are the matrix's own, tested
     in test_matrix.py); its report, from a result (no launch): the ratio with its interval,
     and the verdicts of every round, so a verdict that varies shows."""
     from verify.cli.text_costs import sanitize as text

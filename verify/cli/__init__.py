@@ -9,6 +9,12 @@ Nothing here decides a verdict: commands (`commands.py`) take an options datacla
 a result whose `verdict` is "pass", "fault" or "timeout". Bad input is one line on stderr.
 Progress goes to stderr while a command runs; stdout holds the report, or one JSON document
 with `--json` (progress then stays off unless `--progress`).
+
+Start-up imports what it shows: the table's rows name their modules as strings
+(`command.py`), and only the command typed is imported (its options for its flags and
+`--help`, its runner and printer to run it); `list` imports the registry and the workloads,
+`--help` the table alone. `main(alone=row)` runs one row on its own: the maintainer's
+scripts of `benchmarks/`, with the flags, help and exit codes of a command.
 """
 
 from __future__ import annotations
@@ -21,8 +27,7 @@ import signal
 import sys
 import textwrap
 
-from verify import progress, runs
-from verify.checks.verdict import EXIT_CODES
+from verify import progress
 from verify.cli.command import Command
 from verify.cli.flags import add_flags, given, options_from
 
@@ -52,7 +57,15 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is: every rank ended, one line, exit 143."""
 
 
-def build_parser(commands: tuple[Command, ...] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    commands: tuple[Command, ...] | None = None, flags_for: set[str] | None = None
+) -> argparse.ArgumentParser:
+    """`python -m verify`'s parser: a subcommand per row of `commands` (default: the table).
+
+    `flags_for`: the commands whose flags are added (None: all). A command's flags come from
+    its options dataclass, imported to read them: `parse` adds only the named command's, so
+    `--help` and `list` import no checker.
+    """
     from verify.cli.commands import all_commands
 
     parser = _Parser(
@@ -63,20 +76,37 @@ def build_parser(commands: tuple[Command, ...] | None = None) -> argparse.Argume
         p = sub.add_parser(
             command.name, help=command.help, description=command.help, formatter_class=_Help
         )
-        if command.options is not None:
-            add_flags(p, command.options)
-            p.add_argument("--json", action="store_true", help="print one JSON document")
-            p.add_argument(
-                "--progress", action="store_true",
-                help="progress on stderr also under --json (on by default without it)",
-            )  # fmt: skip
-        if command.script:
-            p.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py ARGS")
+        if flags_for is None or command.name in flags_for:
+            _add_command_flags(p, command)
         p.set_defaults(_command=command)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_parser(command: Command, prog: str) -> argparse.ArgumentParser:
+    """The parser of one command run on its own, as `prog` (a script of `benchmarks/`): the
+    flags, help and bad-input lines of `python -m verify <command>`."""
+    parser = _Parser(prog=prog, description=command.help, formatter_class=_Help)
+    _add_command_flags(parser, command)
+    parser.set_defaults(_command=command)
+    return parser
+
+
+def _add_command_flags(p: argparse.ArgumentParser, command: Command) -> None:
+    options = command.options_class()
+    if options is not None:
+        add_flags(p, options)
+        p.add_argument("--json", action="store_true", help="print one JSON document")
+        p.add_argument(
+            "--progress", action="store_true",
+            help="progress on stderr also under --json (on by default without it)",
+        )  # fmt: skip
+    if command.script:
+        p.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py ARGS")
+
+
+def main(argv: list[str] | None = None, *, alone: Command | None = None, prog: str = "") -> int:
+    """Run `python -m verify ARGV`; with `alone`, run that one command as `prog` (the scripts of
+    `benchmarks/`: `prog ARGV` takes the command's flags). Returns the exit code."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     if _main_thread():
         # At the signal itself, not when the exception reaches main(): runs in other threads
@@ -85,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
     try:
-        return _run(argv)
+        return _run(argv, alone, prog)
     except (UsageError, ValueError) as exc:  # ImplError is a ValueError
         print(f"verify: error: {_message_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -105,12 +135,29 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, handler)
 
 
-def parse(argv: list[str] | None) -> tuple[Command, object, argparse.Namespace]:
+def parse(
+    argv: list[str] | None, alone: Command | None = None, prog: str = ""
+) -> tuple[Command, object, argparse.Namespace]:
     """The command, its options and the parsed flags; raises UsageError or ValueError (one
-    line) for bad input, before anything runs. Options are None for a command without."""
-    args = build_parser().parse_args(argv)
+    line) for bad input, before anything runs. Options are None for a command without.
+    `alone`: parse ARGV as the flags of that one command (`main`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if alone is not None:
+        parser = command_parser(alone, prog or alone.name)
+    else:  # only the named command's flags: its options are all that is imported
+        from verify.cli.commands import MOVED
+
+        named = next((a for a in argv if not a.startswith("-")), None)
+        if named in MOVED:
+            raise UsageError(
+                f"{named} is not a command any more: it is a maintainer's script of the "
+                f"repository, python {MOVED[named]} (same flags)"
+            )
+        parser = build_parser(flags_for={named} if named else set())
+    args = parser.parse_args(argv)
     command: Command = args._command
-    if command.options is None:
+    options_class = command.options_class()
+    if options_class is None:
         return command, None, args
     typed = given(args) - {"command", "json", "progress", "script"}
     for a, b in command.conflicts:
@@ -121,23 +168,25 @@ def parse(argv: list[str] | None) -> tuple[Command, object, argparse.Namespace]:
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
-    return command, options_from(args, command.options, **fixed), args
+    return command, options_from(args, options_class, **fixed), args
 
 
-def _run(argv: list[str] | None) -> int:
+def _run(argv: list[str] | None, alone: Command | None, prog: str) -> int:
+    command, options, args = parse(argv, alone, prog)
+    if options is None:
+        print(command.printer()(None))
+        return EXIT_PASS
+    from verify import runs
+    from verify.checks.verdict import EXIT_CODES
     from verify.launching import reset_interrupt
 
     reset_interrupt()
-    command, options, args = parse(argv)
-    if options is None:
-        print(command.text(None))
-        return EXIT_PASS
     if not args.json or args.progress:
         progress.enable(sys.stderr)
-    result = command.run(options)
+    result = command.runner()(options)
     progress.disable()  # a progress line on a terminal is cleared before the report
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
-        text = command.text(result)
+        text = command.printer()(result)
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)
         folder = getattr(result, "report_dir", None) or getattr(result, "run_dir", None)
         if folder and command.report:  # the run's folder keeps what the run printed
@@ -153,7 +202,7 @@ def _flag(command: Command, field_name: str) -> str:
 
     from verify.options import flag_of
 
-    for f in dataclasses.fields(command.options):
+    for f in dataclasses.fields(command.options_class()):
         if f.name == field_name:
             return f.metadata.get("negate") or flag_of(f)
     return "--" + field_name.replace("_", "-")

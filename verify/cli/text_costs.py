@@ -1,4 +1,5 @@
-"""The reports of the tool's own costs, `bench-audit`, `bench-tracer` and `bench-sanitize`: a
+"""The reports of the tool's own costs, `bench-audit`, `bench-tracer` and `bench-sanitize` (the
+maintainer's scripts `benchmarks/audit_cost.py`, `tracer_cost.py`, `sanitize_cost.py`): a
 result in, text out, nothing run. Goals are printed as in `text_bench.py` (value, 95% interval,
 decision).
 """

@@ -1,17 +1,16 @@
-"""The reports of `matrix`, `faults` and `list`, as text (formatting only)."""
+"""The reports of `matrix`, `faults` and `clean`, as text (formatting only; `list` is
+`text_list.py`, kept apart so that printing it imports no checker)."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
-from impls.registry import REGISTRY
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
 from verify.checks.hints import first_hint
 from verify.checks.matrix import MatrixResult
 from verify.checks.verdict import NOTHING
-from verify.training.workloads import WORKLOADS
 
 SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a",
           "timeout": "TIMEOUT"}  # fmt: skip
@@ -158,21 +157,6 @@ def _hint_lines(cell) -> list[str]:
 
 def _detected(r) -> str:
     return {"fail": "FAULT", "pass": "pass"}.get(r.status, r.status)
-
-
-def listing(_options=None) -> str:
-    """Every implementation the tool knows (and which commands run it), and the workloads."""
-    kinds = {"builtin": "checks, hang, perf", "reference": "checks, hang, perf",
-             "faulty": "checks (faults)", "hang": "hang"}  # fmt: skip
-    rows = [
-        [i.name, i.kind, "yes" if i.sharded else "", kinds.get(i.kind, ""), i.summary]
-        for i in REGISTRY.values()
-    ]
-    headers = ["implementation", "kind", "sharded", "commands", "what it does"]
-    lines = [tabulate(rows, headers=headers), ""]
-    rows = [[name, cls.summary] for name, cls in WORKLOADS.items()]
-    lines.append(tabulate(rows, headers=["workload", "what it exercises"]))
-    return "\n".join(lines)
 
 
 def cleaned(result) -> str:

@@ -1,7 +1,9 @@
 """Measurements: what the variants and the tool itself cost. Every step is trained by the one
 trainer (`verify/training/trainer.py`), every rank started by the one launcher. The commands'
-rows are in the CLI's table (`verify/cli/commands.py`); a run function returns its result and
-writes its run folder's JSON and charts, the CLI prints the report and keeps it as `.txt`
+rows are in the CLI's table (`verify/cli/commands.py`); the tool's own costs (`costs.py`,
+`bench_audit.py`, `bench_tracer.py`, `bench_sanitize*.py`, `bench_script_audit.py`) are run by
+a maintainer's scripts instead (`benchmarks/`). A run function returns its result and writes
+its run folder's JSON and charts, the CLI prints the report and keeps it as `.txt`
 (`verify/cli/text_perf.py`, `text_bench.py`, `text_costs.py`).
 
     base.py          what they share: options base, run folder, verdict, progress from rank 0

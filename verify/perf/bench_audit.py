@@ -1,4 +1,5 @@
-"""`python -m verify bench-audit`: what the per-step audit costs, against the alternatives.
+"""`python benchmarks/audit_cost.py` (a maintainer's script): what the per-step audit costs,
+against the alternatives.
 
 In one launch, on the transformer workload (~50M parameters by default), three arms take
 turns every round, the order rotating (the skeleton of `costs.py`):

@@ -1,5 +1,5 @@
-"""`python -m verify bench-sanitize`: what `--sanitize` costs a training step, and where
-(with `--matrix`, a whole certification matrix: `bench_sanitize_matrix.py`).
+"""`python benchmarks/sanitize_cost.py` (a maintainer's script): what `--sanitize` costs a
+training step, and where (with `--matrix`, a whole certification matrix: `bench_sanitize_matrix.py`).
 
 In one launch the one trainer (`training/trainer.py`) trains the transformer workload with
 the bucketed implementation; its steps rotate through three arms, one step each per round,

@@ -1,4 +1,4 @@
-"""`python -m verify bench-sanitize --matrix`: what the race sanitizer costs the certification
+"""`python benchmarks/sanitize_cost.py --matrix`: what the race sanitizer costs the certification
 matrix, where it is on by default.
 
 The whole matrix of `--impl` (every row and check; its world sizes' launches side by side, as a

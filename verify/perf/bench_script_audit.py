@@ -1,4 +1,4 @@
-"""`python -m verify bench-audit --script-audit`: what `audit --nproc N` costs a training
+"""`python benchmarks/audit_cost.py --script-audit`: what `audit --nproc N` costs a training
 step, measured side by side in one launch.
 
 The audit of a user's script runs in PyTorch's global optimizer step hooks

@@ -1,4 +1,5 @@
-"""`python -m verify bench-tracer`: what the collective tracer adds to a training step.
+"""`python benchmarks/tracer_cost.py` (a maintainer's script): what the collective tracer adds
+to a training step.
 
 In one launch (the launcher's own tracing off: this benchmark switches the tracer itself), the
 one trainer (`training/trainer.py`) trains the transformer workload with the bucketed

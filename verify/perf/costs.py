@@ -1,5 +1,6 @@
 """What the measurements of the tool's own costs share: `bench-audit` (and its
-`--script-audit`), `bench-tracer` and `bench-sanitize`.
+`--script-audit`), `bench-tracer` and `bench-sanitize`, run by a maintainer's scripts
+(`benchmarks/audit_cost.py`, `tracer_cost.py`, `sanitize_cost.py`), not by the CLI.
 
 Each is one launch (`run_cost`) on the transformer workload with one implementation
 (`CostOptions`). In every rank the one trainer (`training/trainer.py`) takes a warm-up step;
@@ -33,7 +34,9 @@ class CostOptions(MeasureOptions):
     impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
     world_size: int = knob(2, "ranks to start (collectives need two)", minimum=2)
 
-    command: ClassVar[str]  # `python -m verify <command>`: how a bad --impl is reported
+    command: ClassVar[
+        str
+    ]  # the measurement's name (its script's row): how a bad --impl is reported
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -19,9 +19,9 @@ hung inside the backend's C++ cannot answer anything, but the pages it wrote are
 cache, and the parent (`read_trace`) sees them even after the rank was SIGKILLed.
 
 Cost: one frame walk (cached per code object), a dict lookup or two and two `pack_into` per
-collective, a few microseconds; `python -m verify bench-tracer` measures it against a training
-step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass through Python
-and are not recorded.
+collective, a few microseconds; `python benchmarks/tracer_cost.py` measures it against a
+training step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass
+through Python and are not recorded.
 
 Process groups are named by their global ranks ("world", or "pg[0,2]"); collectives are
 numbered per group from 1, point-to-point ops per (group, peer) pair, so records of different

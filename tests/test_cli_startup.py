@@ -1,0 +1,77 @@
+"""What the CLI costs before it does anything, and the maintainer's scripts from a shell.
+
+`list` and `--help` import only what they show: the table names each command's modules as
+strings, imported on dispatch (`verify/cli/command.py`). Counted in a fresh interpreter by
+`python -X importtime -m verify ...`, every module of ours it reports (once, in the order
+imported). Before the table was lazy, `list` and `--help` imported 133 of the 147 modules
+(now 34 and 7 of 148).
+
+The scripts of `benchmarks/` (the tool's measurements of itself) keep the commands' contract
+from a real shell: `--help` names the script and its flags, bad input is one line and exit 2
+with no traceback. They are run without PYTHONPATH: a script finds the checkout it sits in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = ("verify", "impls")
+# What neither `list` nor `--help` shows: no checker, launcher, measurement, watchdog.
+UNSHOWN = ("verify.checks", "verify.launching", "verify.perf", "verify.watching",
+           "verify.sanitize", "verify.script_audit", "verify.runs")  # fmt: skip
+
+
+def imported(*argv: str) -> list[str]:
+    """The modules of ours `python -m verify ARGV` imports, from `-X importtime`."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "verify", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = [
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    ]
+    return [n for n in names if n.split(".")[0] in OURS]
+
+
+@pytest.mark.parametrize("argv, most", [(["list"], 45), (["--help"], 10)])
+def test_list_and_help_import_only_what_they_show(argv, most):
+    """`list` needs the registry (every implementation, so all of impls/) and the
+    workloads; `--help` the table's names and help lines."""
+    names = imported(*argv)
+    print(f"\npython -m verify {' '.join(argv)}: {len(names)} modules of ours")
+    assert len(names) <= most, names
+    assert not [n for n in names if n.startswith(UNSHOWN)], names
+    if argv == ["--help"]:
+        assert not [n for n in names if n.startswith("impls")], names
+
+
+@pytest.mark.parametrize(
+    "script, flag", [("audit_cost", "--script-audit"), ("tracer_cost", "--bucket-mb"),
+                     ("sanitize_cost", "--matrix")],
+)  # fmt: skip
+def test_a_benchmark_script_keeps_the_commands_help_and_bad_input(script, flag):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    path = f"benchmarks/{script}.py"
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, path, *argv],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    helped = run("--help")
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    assert helped.stdout.startswith(f"usage: python {path} [-h]"), helped.stdout
+    assert flag in helped.stdout and "--repeats" in helped.stdout and "--json" in helped.stdout
+    bad = run("--repeats", "x")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr == "verify: error: --repeats must be an integer, got 'x'\n", bad.stderr
