@@ -151,6 +151,8 @@ def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
             block_nccl_waits(kwargs.get("backend", args[0] if args else None))
         out = original(*args, **kwargs)
         process.send(fd, Up())
+        if job.on_up is not None:
+            job.on_up()
         return out
 
     dist.init_process_group = init_process_group

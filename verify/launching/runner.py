@@ -93,8 +93,8 @@ def run(
         watchdog = Watchdog(
             trace_paths,
             stall_timeout_s,
-            where=_asker(folder, capture.read_where),
-            in_torch=_asker(folder, capture.read_in_torch),
+            where=capture.asker(folder, capture.read_where),
+            in_torch=capture.asker(folder, capture.read_in_torch),
         )
     traces = None
     try:
@@ -144,18 +144,6 @@ def run(
         threads=threads,
         report_dir=report_dir,
     )
-
-
-def _asker(folder: str, read):
-    """`ask(rank, ask_first)`: `read(folder, rank)` of the rank helper's answer to "where is
-    your main thread", asking the rank first when `ask_first` (`watching/capture.py`)."""
-
-    def ask(rank: int, ask_first: bool):
-        if ask_first:
-            capture.request_where(folder, rank)
-        return read(folder, rank)
-
-    return ask
 
 
 def _tail(path: str) -> str | None:

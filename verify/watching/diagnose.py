@@ -49,6 +49,10 @@ _NONE_SEEN = (
     "no collective was observed on any rank: nothing to check (does the script call "
     "init_process_group and issue collectives?)"
 )
+ONLY_UNTRACED = (
+    "no hang: every collective was issued by torch from C++ (PyTorch DDP's), which the trace "
+    "does not record: the ranks' progress was watched, no collective was compared"
+)
 
 
 def diagnose(
@@ -100,7 +104,11 @@ def diagnose(
     elif timed_out:
         return Diagnosis("timeout", _TIMED_OUT, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
     elif not any(t is not None and t.records for t in traces):
-        return Diagnosis("ok", _NONE_SEEN, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
+        # Events with no record: returns of calls into torch that issue collectives from C++
+        # (watching/untraced.py), such as a DDP backward.
+        untraced = any(t is not None and t.events for t in traces)
+        return Diagnosis("ok", ONLY_UNTRACED if untraced else _NONE_SEEN, ranks=tuple(lines),
+                         stall_timeout_s=stall_timeout_s)  # fmt: skip
     else:
         return Diagnosis("ok", "no hang, no desync: every collective matched on every rank",
                          ranks=tuple(lines), stall_timeout_s=stall_timeout_s)  # fmt: skip

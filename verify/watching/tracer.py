@@ -21,7 +21,7 @@ cache, and the parent (`read_trace`) sees them even after the rank was SIGKILLed
 Cost: one frame walk (cached per code object), a dict lookup or two and two `pack_into` per
 collective, a few microseconds; `python -m verify bench-tracer` measures it against a training
 step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass through Python
-and are not recorded.
+and are not recorded: the returns of the calls that issue them count as events (`untraced.py`).
 
 Process groups are named by their global ranks ("world", or "pg[0,2]"); collectives are
 numbered per group from 1, point-to-point ops per (group, peer) pair, so records of different
@@ -39,6 +39,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from verify.watching import untraced
 from verify.watching.stacks import SiteFinder
 from verify.watching.trace_file import (
     COMPLETED,
@@ -125,6 +126,7 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
             continue
         _originals[name] = original
         _wrappers[name] = _make_wrapper(name, original)
+    untraced.install(_writer)
     resume()
 
 
@@ -149,6 +151,7 @@ def uninstall() -> None:
     """Restore the original functions and close the trace (tests and benchmarks)."""
     global _writer
     pause()
+    untraced.uninstall()
     _originals.clear()
     _wrappers.clear()
     _tensor_kinds.clear()

@@ -7,7 +7,8 @@ headers. The run is hung when, for `stall_timeout_s`:
 2. at least one rank waits inside a collective: a traced one, or, where the trace is blind,
    a call into torch's C++ that blocks waiting for peers (PyTorch DDP's reducer in backward,
    its constructor's broadcasts: the rank's main thread is inside torch's distributed or
-   autograd code, `stacks.main_thread_in_torch`, and its CPU time does not advance), and
+   autograd code, `stacks.main_thread_in_torch`, and every rank has been still, its CPU time
+   not advancing, for the stall timeout: `blind.py`), and
 3. no other rank is working: none used CPU or kept a thread runnable over the last second
    (`procstat.CpuMeter`: a rank starved of cores still waits to run), and
    none is still starting (it has not joined the process group yet, within `startup_s` of
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verify.watching import trace_file
+from verify.watching.blind import Stillness
 from verify.watching.procstat import CpuMeter
 
 SAMPLE_S = 0.25  # CPU sampling period: 4 reads of /proc per rank and second
@@ -76,10 +78,9 @@ class Watchdog:
         self.where = where
         self.in_torch = in_torch
         self.blind = False  # the verdict rests on ranks blocked where the trace cannot see
-        self._asked_blind: set[int] = set()
-        # rank -> (monotonic, wall) when its CPU time last stopped advancing: where the trace
-        # is blind, its silence says nothing, so the stall is timed from the CPU evidence
-        self._idle_since: dict[int, tuple[float, float]] = {}
+        # Where the trace is blind its silence says nothing: the stall is timed from the
+        # ranks' CPU evidence, and the ranks are asked whether they are inside torch.
+        self.still = Stillness(in_torch, stall_timeout_s / 2)
         self.startup_s = startup_s
         self.events: list[int | None] = [None] * len(trace_paths)
         self.meters: dict[int, CpuMeter] = {}
@@ -113,21 +114,19 @@ class Watchdog:
         if progressed:
             self.last_change = now
             self._close_excuses()
-            self._asked_blind.clear()
+            self.still.moved()
         if now - self._last_sample >= SAMPLE_S:
             self._last_sample = now
             for r, pid in enumerate(pids):
                 if pid is None:
                     self.meters.pop(r, None)
+                    self.still.drop(r)
                     continue
                 meter = self.meters.get(r)
                 if meter is None or meter.pid != pid:
                     meter = self.meters[r] = CpuMeter(pid)
                 meter.sample(now)
-                if meter.busy() or not meter.measured:
-                    self._idle_since.pop(r, None)
-                else:
-                    self._idle_since.setdefault(r, (now, time.time()))
+                self.still.sample(r, meter, now)
         waiting = [r for r, h in enumerate(headers) if h is not None and h.pending > 0]
         if now - self.last_change < self.stall_timeout_s:
             return False
@@ -158,16 +157,15 @@ class Watchdog:
         if not live or any(self._working(r, headers[r], now, up) for r in live):
             return False
         # Untraced collectives (a whole DDP step) leave the trace silent while ranks work: the
-        # stall counts from when the last rank's CPU time stopped advancing.
-        idle = [self._idle_since.get(r) for r in live]
-        if None in idle or now - max(i[0] for i in idle) < self.stall_timeout_s:
+        # stall counts from when the last rank went still.
+        still = [self.still.still_s(r, now) for r in live]
+        if None in still or min(still) < self.stall_timeout_s:
             return False
-        answers = [self.in_torch(r, r not in self._asked_blind) for r in live]
-        self._asked_blind.update(live)
-        if None in answers or not any(answers):  # answers pending, or nobody inside torch
+        if not any(self.still.blocked(r) for r in live):  # nobody inside torch (or no answer yet)
             return False
         self.blind = True
-        self.last_event_wall = max(self.last_event_wall, max(i[1] for i in idle))
+        went_still = max(self.still.since_wall(r) for r in live)
+        self.last_event_wall = max(self.last_event_wall, went_still)
         self.stalled_at = time.time()
         return True
 
