@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures import deadline_loops
+from tests.processes import alive
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import thread_budget
 from verify.launching.threads import JOBS_ENV
@@ -108,6 +110,64 @@ def test_ranks_blocked_inside_pytorch_ddp_where_the_trace_is_blind_are_a_hang(tm
     assert "rank 0 at train (tests/fixtures/ddp_sleep_script.py:23)" in d.headline, d.headline
     assert "PyTorch DDP's reducer" in d.headline
     assert result.elapsed_s < 40  # not the 60 s sleep, not the timeout
+
+
+UNEVEN = str(ROOT / "tests" / "fixtures" / "uneven_shards.py")
+
+
+def uneven_problems(out: str) -> list[str]:
+    """tests/fixtures/uneven_shards.py, its three ways at once: rank 1 runs out of batches
+    while rank 0 is in DDP's next all-reduce (inside torch's C++). Returning, it makes rank
+    0's all-reduce fail: a CRASH whose headline names rank 1, not the victim; waiting in a
+    barrier, a HANG naming rank 1, whose lines agree that rank 0 is blocked inside torch's
+    C++; under DDP's join(), no finding. (Before: "CRASH: rank 0 raised RuntimeError ...
+    Connection closed by peer", and "rank 0 is outside any collective" in a headline whose
+    ranks said it was blocked inside torch's C++.)"""
+    cases = {"returns": (), "barrier": ("--barrier",), "join": ("--join", "--barrier")}
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        runs = {
+            name: pool.submit(
+                check_hang,
+                HangOptions(
+                    script=(UNEVEN, *argv),
+                    nproc=2,
+                    stall_timeout_s=STALL_S,
+                    out=out,
+                    console="none",
+                ),
+            )  # fmt: skip
+            for name, argv in cases.items()
+        }
+        results = {name: run.result() for name, run in runs.items()}
+    problems = []
+    lines = Path(UNEVEN).read_text().splitlines()
+    backward = next(i for i, line in enumerate(lines, 1) if "loss.backward()" in line)
+    d = results["returns"].diagnosis
+    if not (d.verdict == "crash" and d.culprit == 1 and d.headline.startswith("rank 1 left early")):
+        problems.append(f"returns: {d.text()}")
+    elif "inside torch's C++" not in d.headline or f"shards.py:{backward} (main)" not in d.headline:
+        problems.append(f"returns: where rank 0 was is not said: {d.headline}")
+    d = results["barrier"].diagnosis
+    if not (
+        d.verdict == "hang" and d.culprit == 1 and d.headline.startswith("rank 1 left the loop")
+    ):
+        problems.append(f"barrier: {d.text()}")
+    elif "rank 0 is blocked inside torch's C++" not in d.headline or "outside" in d.headline:
+        problems.append(f"barrier: the headline and the lines disagree: {d.text()}")
+    elif not d.ranks[0].startswith("rank 0 [timeout]: blocked inside torch's C++"):
+        problems.append(f"barrier: {d.ranks}")
+    ok = results["join"]
+    if ok.verdict != "pass" or ok.diagnosis.verdict != "ok":
+        problems.append(f"join: {ok.diagnosis.text()}")
+    pids = [p for r in results.values() for p in r.pids.values()]
+    if [p for p in pids if alive(p)]:
+        problems.append(f"left running: {pids}")
+    return problems
+
+
+def test_uneven_data_names_the_rank_that_left_early(tmp_path):
+    problems = uneven_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
 
 
 def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):

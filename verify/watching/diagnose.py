@@ -35,8 +35,15 @@ if TYPE_CHECKING:
 from verify.watching import history
 from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.history import Blame, token
-from verify.watching.ranks import failure_finding, instead, stall_finding, where
-from verify.watching.stacks import at
+from verify.watching.ranks import (
+    failure_finding,
+    instead,
+    is_echo,
+    left_early,
+    stall_finding,
+    where,
+)
+from verify.watching.stacks import at, dump_in_torch
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
@@ -88,7 +95,12 @@ def diagnose(
         head = structural[0]
     elif failed:
         root = failed[0]
-        head = failure_finding(root, traces, now)
+        # A failure that echoes a peer leaving, with no rank crashed: the peers that finished
+        # left while it still needed them.
+        crashed = any(not is_echo(r.error) for r in failed)
+        finished = [r for r in ranks if r.status == "ok"]
+        head = None if crashed else left_early(root, finished)
+        head = head or failure_finding(root, traces, now)
         findings.insert(0, head)
     elif stalled:
         head = stall_finding(ranks, traces)
@@ -280,6 +292,9 @@ def _ranks(ranks) -> str:
 
 
 def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
+    moved_on = _moved_on(k, present, absent, ranks, colls)
+    if moved_on is not None:
+        return moved_on
     culprit = absent[0]
     ref = present[min(present)]
     doing = instead(ranks[culprit], traces[culprit], colls[culprit])
@@ -290,3 +305,31 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1])
+
+
+def _moved_on(k, present, absent, ranks, colls) -> TraceFinding | None:
+    """Collective #k is the first its ranks ever issued at its call site (a barrier after the
+    training loop, say) and they wait in it, while every rank that never issued it is blocked
+    inside torch's C++, in a collective the trace cannot see (PyTorch DDP's reducer, still
+    in the loop): those ranks are not missing #k, the others moved on to it early, leaving a
+    pattern the trace cannot show (uneven data: one rank out of batches first). The ranks
+    waiting in #k are the culprits; None when that is not the shape of it."""
+    if not all(ranks[r].status in _CUT_SHORT and dump_in_torch(ranks[r].stack) for r in absent):
+        return None
+    waiting = {r: rec for r, rec in present.items() if rec.pending}
+    if not waiting or len(waiting) != len(present):
+        return None
+    if any(
+        c.site == rec.site for r, rec in waiting.items() for c in colls[r].values() if c.seq < k
+    ):
+        return None  # issued there before: a pattern the trace does show (the rules above)
+    culprit = min(waiting)
+    ref = waiting[culprit]
+    stuck = "; ".join(f"rank {r} {instead(ranks[r], None, {})[0]}" for r in absent)
+    message = (
+        f"rank {_ranks(waiting)} left the loop early: it waits in {ref.describe()} "
+        f"{at(ref.site)} (its first collective there), while {stuck} (the ranks ran different "
+        f"numbers of steps: uneven data, one rank running out of batches first?)"
+    )
+    doing = instead(ranks[absent[0]], None, {})[1]
+    return TraceFinding("left early", culprit, message, ref.describe(), ref.site, doing)
