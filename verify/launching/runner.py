@@ -26,7 +26,7 @@ from verify.launching.supervisor import (
     interrupted,
     supervise,
 )
-from verify.watching import capture, trace_file
+from verify.watching import capture, spawned, trace_file
 from verify.watching.diagnose import diagnose
 from verify.watching.watchdog import Watchdog
 
@@ -95,6 +95,7 @@ def run(
             stall_timeout_s,
             where=capture.asker(folder, capture.read_where),
             in_torch=capture.asker(folder, capture.read_in_torch),
+            own_ranks=lambda r: spawned.read(folder, r) is not None,
         )
     traces = None
     try:
@@ -131,6 +132,7 @@ def run(
             detection_s=watchdog.detection_s() if (sup.failure_order or sup.stalled) else None,
             failure_order=sup.failure_order,
             timed_out=sup.timed_out,
+            own_ranks=tuple(o for r in range(n) if (o := spawned.read(folder, r)) is not None),
         )
     return LaunchResult(
         world_size=n,

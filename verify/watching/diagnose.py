@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from verify.launching.outcome import RankOutcome
+    from verify.watching.spawned import OwnRanks
 
-from verify.watching import history
+from verify.watching import history, spawned
 from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.history import Blame, token
 from verify.watching.ranks import (
@@ -72,11 +73,15 @@ def diagnose(
     now: float | None = None,
     failure_order: tuple[int, ...] = (),
     timed_out: bool = False,
+    own_ranks: tuple[OwnRanks, ...] = (),
 ) -> Diagnosis:
     """Compare the ranks' records; see the module docstring for the rules.
 
     `stalled`: the watchdog called a hang; `timed_out`: the deadline passed with no hang and
-    no failure (the verdict is then "timeout": the run could not be judged, not a fault)."""
+    no failure (the verdict is then "timeout": the run could not be judged, not a fault);
+    `own_ranks`: ranks that started ranks of their own (`spawned.py`), whose processes no
+    one watched: short of a fault among the ranks that were, the verdict is "unwatched" (no
+    verdict, exit 2)."""
     now = time.time() if now is None else now
     world = len(ranks)
     findings: list[TraceFinding] = []
@@ -90,6 +95,10 @@ def diagnose(
         key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
     )
     lines = [where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
+    if own_ranks and not structural and not failed:
+        return Diagnosis("unwatched", spawned.headline(own_ranks[0], stalled=stalled),
+                         culprit=own_ranks[0].rank, site=own_ranks[0].site, ranks=tuple(lines),
+                         stall_timeout_s=stall_timeout_s, detection_s=detection_s)  # fmt: skip
     head: TraceFinding | None = None
     if structural:
         head = structural[0]

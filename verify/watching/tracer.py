@@ -87,15 +87,13 @@ UNEVEN_OPS = frozenset(
 ) | {op for op in _OPS if op.endswith(("_object", "_object_list"))}
 ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
 
-# The user's call site: outside torch, this file, and the race sanitizer that may wrap it.
+# The user's call site: outside torch, this file, the wrappers that count DDP's progress
+# (a collective DDP's join hook issues inside its forward) and the race sanitizer.
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _find_site = SiteFinder(
-    (
-        os.path.dirname(torch.__file__) + os.sep,
-        os.path.abspath(__file__),
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitize")
-        + os.sep,
-    )
-)
+    (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__),
+     os.path.join(_HERE, "untraced.py"), os.path.join(os.path.dirname(_HERE), "sanitize") + os.sep)
+)  # fmt: skip
 
 
 _writer: Writer | None = None

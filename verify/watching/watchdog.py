@@ -62,6 +62,9 @@ class Watchdog:
             turns that part of condition 2 off.
         startup_s: how long after the start a rank that has issued no collective is still
             starting rather than stuck.
+        own_ranks: `own_ranks(rank)` says whether the rank started ranks of its own
+            (`spawned.py`): one that never joined a process group itself, still with every
+            process below it for the stall timeout, ends the run (`unwatched`).
     """
 
     def __init__(
@@ -72,11 +75,14 @@ class Watchdog:
         where: Callable[[int, bool], str | None] | None = None,
         in_torch: Callable[[int, bool], bool | None] | None = None,
         startup_s: float = 60.0,
+        own_ranks: Callable[[int], bool] | None = None,
     ) -> None:
         self.paths = trace_paths
         self.stall_timeout_s = stall_timeout_s
         self.where = where
         self.in_torch = in_torch
+        self.own_ranks = own_ranks
+        self.unwatched: int | None = None  # the rank whose own ranks ended the run
         self.blind = False  # the verdict rests on ranks blocked where the trace cannot see
         # Where the trace is blind its silence says nothing: the stall is timed from the
         # ranks' CPU evidence, and the ranks are asked whether they are inside torch.
@@ -128,6 +134,8 @@ class Watchdog:
                 meter.sample(now)
                 self.still.sample(r, meter, now)
         waiting = [r for r, h in enumerate(headers) if h is not None and h.pending > 0]
+        if self._own_ranks_still(pids, now, up):
+            return True
         if now - self.last_change < self.stall_timeout_s:
             return False
         if not waiting:
@@ -168,6 +176,21 @@ class Watchdog:
         self.last_event_wall = max(self.last_event_wall, went_still)
         self.stalled_at = time.time()
         return True
+
+    def _own_ranks_still(self, pids, now: float, up: set[int] | None) -> bool:
+        """A rank that started ranks of its own, never joined a process group itself, and has
+        been still, with every process below it, for the stall timeout: it is not starting,
+        it waits for processes the tool does not watch."""
+        for r, pid in enumerate(pids):
+            if pid is None or self.own_ranks is None or (up is not None and r in up):
+                continue
+            still = self.still.still_s(r, now)
+            if still is not None and still >= self.stall_timeout_s and self.own_ranks(r):
+                self.unwatched = r
+                self.last_event_wall = max(self.last_event_wall, self.still.since_wall(r))
+                self.stalled_at = time.time()
+                return True
+        return False
 
     def _working(self, rank: int, header, now: float, up: set[int] | None) -> str | None:
         """Why `rank` (not in a collective) is not stuck: "computing", "starting" or None."""
