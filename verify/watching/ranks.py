@@ -136,12 +136,22 @@ def stall_finding(ranks, traces) -> TraceFinding:
     live = [r for r in ranks if r.status != "ok"]
     blocked = [r for r in live if stacks.dump_in_torch(r.stack)]
     parked = [r for r in live if r not in blocked]
+    finished = [r for r in ranks if r.status == "ok"]
 
     def at(state) -> str:
         frames = stacks.innermost_frames(state.stack)
         return f"rank {state.rank}" + (f" at {frames}" if frames else "")
 
     blind = f"blocked inside torch's C++, where the trace is blind ({BLIND})"
+    if blocked and finished and not parked:
+        # Nobody parked: the ranks blocked inside torch wait for ranks that have finished
+        # (their processes not gone yet, or gone without closing the connection).
+        message = (
+            f"rank {_ranks(r.rank for r in finished)} left early: it finished while "
+            f"{'; '.join(at(r) for r in blocked)}: {blind}, still waits for it (the ranks ran "
+            "different numbers of steps: uneven data, one rank running out of batches first?)"
+        )
+        return TraceFinding("left early", finished[0].rank, message)
     if parked and blocked:
         culprit = parked[0].rank
         message = (
