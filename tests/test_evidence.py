@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures import deadline_loops
+from tests.processes import alive, session_members
 from verify.checks.hang import HangOptions, check_hang
+from verify.checks.script_audit import AuditOptions, check_audit
+from verify.checks.verdict import EXIT_CODES
 from verify.launching import thread_budget
 from verify.launching.threads import JOBS_ENV
 
@@ -108,6 +112,122 @@ def test_ranks_blocked_inside_pytorch_ddp_where_the_trace_is_blind_are_a_hang(tm
     assert "rank 0 at train (tests/fixtures/ddp_sleep_script.py:23)" in d.headline, d.headline
     assert "PyTorch DDP's reducer" in d.headline
     assert result.elapsed_s < 40  # not the 60 s sleep, not the timeout
+
+
+UNEVEN = str(ROOT / "tests" / "fixtures" / "uneven_shards.py")
+
+
+def uneven_problems(out: str) -> list[str]:
+    """tests/fixtures/uneven_shards.py, its three ways at once: rank 1 runs out of batches
+    while rank 0 is in DDP's next all-reduce (inside torch's C++). Returning, it makes rank
+    0's all-reduce fail: a CRASH whose headline names rank 1, not the victim (a HANG naming
+    rank 1, when rank 1's process is slow to go and close its connection); waiting in a
+    barrier, a HANG naming rank 1, whose lines agree that rank 0 is blocked inside torch's
+    C++; under DDP's join(), no finding. (Before: "CRASH: rank 0 raised RuntimeError ...
+    Connection closed by peer", and "rank 0 is outside any collective" in a headline whose
+    ranks said it was blocked inside torch's C++.)"""
+    cases = {"returns": (), "barrier": ("--barrier",), "join": ("--join", "--barrier")}
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        runs = {
+            name: pool.submit(
+                check_hang,
+                HangOptions(
+                    script=(UNEVEN, *argv),
+                    nproc=2,
+                    stall_timeout_s=STALL_S,
+                    out=out,
+                    console="none",
+                ),
+            )  # fmt: skip
+            for name, argv in cases.items()
+        }
+        results = {name: run.result() for name, run in runs.items()}
+    problems = []
+    lines = Path(UNEVEN).read_text().splitlines()
+    backward = next(i for i, line in enumerate(lines, 1) if "loss.backward()" in line)
+    d = results["returns"].diagnosis  # a crash once its connection closes; a hang before that
+    if not (
+        d.verdict in ("crash", "hang") and d.culprit == 1 and "rank 1 left early" in d.headline
+    ):
+        problems.append(f"returns: {d.text()}")
+    elif "inside torch's C++" not in d.headline or f"shards.py:{backward}" not in d.headline:
+        problems.append(f"returns: where rank 0 was is not said: {d.headline}")
+    d = results["barrier"].diagnosis
+    if not (
+        d.verdict == "hang" and d.culprit == 1 and d.headline.startswith("rank 1 left the loop")
+    ):
+        problems.append(f"barrier: {d.text()}")
+    elif "rank 0 is blocked inside torch's C++" not in d.headline or "outside" in d.headline:
+        problems.append(f"barrier: the headline and the lines disagree: {d.text()}")
+    elif not d.ranks[0].startswith("rank 0 [timeout]: blocked inside torch's C++"):
+        problems.append(f"barrier: {d.ranks}")
+    ok = results["join"]
+    if ok.verdict != "pass" or ok.diagnosis.verdict != "ok":
+        problems.append(f"join: {ok.diagnosis.text()}")
+    pids = [p for r in results.values() for p in r.pids.values()]
+    if [p for p in pids if alive(p)]:
+        problems.append(f"left running: {pids}")
+    return problems
+
+
+def test_uneven_data_names_the_rank_that_left_early(tmp_path):
+    problems = uneven_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
+
+
+SPAWN = str(ROOT / "tests" / "fixtures" / "spawn_workers.py")
+
+
+def own_ranks_problems(out: str) -> list[str]:
+    """Scripts whose rank starts processes, at once: tests/fixtures/spawn_workers.py
+    (mp.spawn, as pytorch/examples' multigpu.py) under `audit` with the tutorial's port is
+    UNWATCHED (exit 2) once its workers wait, within the stall timeout (before: nothing for
+    600 s, then TIMEOUT "no rank was hung"); with the port from the environment its workers
+    meet at the tool's store and train, untraced: UNWATCHED at the end, never a pass. A DDP
+    script whose ranks load batches in DataLoader workers (processes, not ranks) passes
+    (under `hang`: the audit and DDP's join() do not go together yet, a separate matter)."""
+    audit = lambda *argv: check_audit(AuditOptions(  # noqa: E731
+        script=argv, nproc=1, stall_timeout_s=STALL_S, out=out, console="none", timeout_s=300
+    ))  # fmt: skip
+    workers = HangOptions(
+        script=(UNEVEN, "--join", "--barrier", "--workers", "2"), nproc=2,
+        stall_timeout_s=STALL_S, out=out, console="none", timeout_s=300,
+    )  # fmt: skip
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        spawn = pool.submit(audit, SPAWN, "2")
+        env_port = pool.submit(audit, SPAWN, "1", "--port", "env")
+        ok = check_hang(workers)
+        results = {"spawn": spawn.result(), "spawn-env-port": env_port.result()}
+    problems = []
+    for name, r in results.items():
+        d = r.run.diagnosis
+        if r.verdict != "unwatched" or EXIT_CODES[r.verdict] != 2 or d.culprit != 0:
+            problems.append(f"{name}: {r.verdict}: {d.text()}")
+        elif "torch.multiprocessing.spawn of 2 processes at" not in d.headline:
+            problems.append(f"{name}: {d.headline}")
+        elif "spawn_workers.py:" not in (d.site or ""):
+            problems.append(f"{name}: the call site is not named: {d.site}")
+    d = results["spawn"].run.diagnosis
+    if (
+        "used CPU for the stall timeout" not in d.headline
+        or "store nobody serves" not in d.headline
+    ):
+        problems.append(f"spawn: why they wait is not said: {d.headline}")
+    elif d.detection_s is None or d.detection_s > STALL_S + 8:
+        problems.append(f"spawn: detected {d.detection_s}s after its processes went still")
+    if ok.verdict != "pass":
+        problems.append(f"workers: {ok.verdict}: {ok.diagnosis.text()}")
+    pids = [p for r in results.values() for p in r.run.pids.values()] + list(ok.pids.values())
+    # each rank leads a session of its own: its spawned workers are in it
+    left = [p for p in pids if alive(p)] + [q for p in pids for q in session_members(p)]
+    if left:
+        problems.append(f"left running: {left}")
+    return problems
+
+
+def test_a_script_that_starts_its_own_ranks_is_said_to_be_unwatched(tmp_path):
+    problems = own_ranks_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
 
 
 def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.processes import alive, once_per_session, session_members
+from tests.torchrun_jobs import one_node
 from verify.checks.hang import HangOptions, check_hang
 from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
@@ -414,6 +415,81 @@ def test_torchrun_node_watchdog(tmp_path):
     assert f"hang_script.py:{_all_reduce_line()}" in d["headline"]
     assert "verify.hang_run (node watchdog)" in stderr, stderr[-3000:]
     assert session_members(proc.pid) == []  # torchrun and every rank are gone
+
+
+DDP_WAIT = str(ROOT / "tests" / "fixtures" / "ddp_checkpoint_wait.py")
+
+
+def blind_jobs(folder: Path, nodes) -> dict:
+    """The DDP jobs whose collectives torch issues from C++ (tests/fixtures/
+    ddp_checkpoint_wait.py), under torchrun on `nodes` (`one_node` or `two_nodes`), at once:
+    the deadlock under `verify.hang_run` and `verify.audit_run`, and the correct loop (rank 0
+    evaluates for twice the stall timeout while rank 1 waits inside DDP's backward)."""
+    cases = {
+        "hang_run": ("deadlock", "verify.hang_run"),
+        "audit_run": ("deadlock", "verify.audit_run"),
+        "ok": ("ok", "verify.hang_run", "--eval-seconds", str(2 * STALL_S)),
+    }
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        runs = {
+            name: pool.submit(
+                nodes,
+                folder / name,
+                DDP_WAIT,
+                mode,
+                *more,
+                "--ckpt-dir",
+                str(folder / name / "ckpt"),
+                stall_s=STALL_S,
+                module=module,
+            )  # fmt: skip
+            for name, (mode, module, *more) in cases.items()
+        }
+        return {name: run.result() for name, run in runs.items()}
+
+
+def blind_problems(jobs: dict, slack_s: float = 10.0) -> list[str]:
+    """What the DDP jobs of `blind_jobs` got wrong: the deadlock is a HANG naming rank 1
+    (parked outside any collective, polling for a file) and rank 0 (blocked inside torch's
+    C++), within stall + 2 s by the tool's measure and stall + `slack_s` from the line rank 1
+    printed before it parked; the correct loop is no finding. Nothing is left running."""
+    problems = []
+    for name, job in jobs.items():
+        nodes = job if isinstance(job, list) else [job]
+        said = [line for n in nodes for line in n.ours()]
+        if any(n.leftover for n in nodes):
+            problems.append(f"{name}: left running: {[n.leftover for n in nodes]}")
+        if name == "ok":
+            if [n.returncode for n in nodes] != [0] * len(nodes) or "OK: " not in said[0]:
+                problems.append(f"ok: {said} {nodes[0].stderr[-2000:]}")
+            continue
+        head = next((line for line in said if ": HANG: " in line), None)
+        if head is None or not head.startswith(f"verify.{name} ("):
+            problems.append(f"{name}: no HANG printed: {said} {nodes[0].stderr[-2000:]}")
+            continue
+        if "rank 1 at wait_for (" not in head or "parked outside any collective" not in head:
+            problems.append(f"{name}: the parked rank is not named: {head}")
+        if "rank 0 at main (" not in head or "blocked inside torch's C++" not in head:
+            problems.append(f"{name}: the rank blocked in DDP is not named: {head}")
+        report = json.loads(next(nodes[0].folder.glob("profiles/*/report.json")).read_text())
+        if report["culprit"] != 1 or report["detection_s"] > STALL_S + 2:
+            problems.append(f"{name}: {report['culprit']=} {report['detection_s']=}")
+        parked = nodes[-1].when("rank 1: waiting for step3.pt")
+        called = min(t for t in (n.when(": HANG: ") for n in nodes) if t is not None)
+        print(f"{name}: HANG {called - parked:.1f}s after rank 1 parked (stall {STALL_S:g}s)")
+        if called - parked > STALL_S + slack_s:
+            problems.append(f"{name}: HANG {called - parked:.1f}s after rank 1 parked")
+    return problems
+
+
+def test_torchrun_hang_where_the_trace_is_blind(tmp_path):
+    """Under torchrun on one node, a rank parked outside any collective while its peer waits
+    inside DDP's C++ (which the trace never sees) is a HANG naming both, within the stall
+    timeout, for verify.hang_run and verify.audit_run alike; a rank that computes while its
+    peer waits there is not. (Before: the node watchdog needed a traced collective pending,
+    and read DDP's ranks, which trace none, as still starting: nothing until the deadline.)"""
+    problems = blind_problems(blind_jobs(tmp_path, one_node))
+    assert not problems, "\n".join(problems)
 
 
 JOB = """

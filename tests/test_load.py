@@ -13,7 +13,9 @@ never send their last bucket or clip on one rank (tests/test_hints.py) give exac
 verdicts they give on an idle machine, and
 nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
 `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
-computes for twice the stall timeout on node 1 while node 0 waits is no finding. The CPU
+computes for twice the stall timeout on node 1 while node 0 waits is no finding; so do the
+cases where the trace is blind (PyTorch DDP under torchrun, uneven data, a script that starts
+its own ranks), in a test of their own. The CPU
 meters under them still read a process at `nice 19` that computes as busy and a waiting one as
 idle (tests/test_procstat.py).
 
@@ -35,7 +37,15 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_agreement, test_hints, test_matrix, test_procstat, test_shard_layout
+from tests import (
+    test_agreement,
+    test_evidence,
+    test_hang,
+    test_hints,
+    test_matrix,
+    test_procstat,
+    test_shard_layout,
+)
 from tests.fixtures import deadline_loops, sharded_styles
 from tests.processes import alive
 from tests.test_script_audit import buggy_problems, run_buggy
@@ -143,3 +153,22 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     ]
     pids += audited.run.pids.values()
     assert pids and not [p for p in pids + hog_pids if alive(p)]
+
+
+@pytest.mark.alone
+def test_verdicts_where_the_trace_is_blind_hold_with_every_core_busy(tmp_path):
+    """Under the hogs: PyTorch DDP under torchrun on two nodes (a rank parked polling for a
+    file while its peer waits inside DDP's C++ is a HANG naming both; a rank evaluating for
+    twice the stall timeout while its peer waits there is no finding), uneven data (the rank
+    that left early is named, returning or waiting in a barrier; under join() no finding),
+    and scripts whose rank starts processes (mp.spawn: UNWATCHED; DataLoader workers: pass)
+    give the verdicts they give on an idle machine, and leave nothing running."""
+    with hogs() as hog_pids:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            blind = pool.submit(test_hang.blind_jobs, tmp_path / "blind", two_nodes)
+            uneven = pool.submit(test_evidence.uneven_problems, str(tmp_path / "uneven"))
+            own = pool.submit(test_evidence.own_ranks_problems, str(tmp_path / "own"))
+            problems = test_hang.blind_problems(blind.result(), slack_s=20.0)
+            problems += uneven.result() + own.result()
+    assert not problems, "\n".join(problems)
+    assert not [p for p in hog_pids if alive(p)]

@@ -1,13 +1,17 @@
-"""Two torchrun agents on loopback, as two nodes of one job: what the multi-node tests run.
+"""torchrun jobs for the tests: two agents on loopback as two nodes of one job, or one agent.
 
 `two_nodes(folder, script, *args)` starts `torchrun --nnodes 2 --nproc-per-node 1 --node-rank
 0|1 --master-addr 127.0.0.1 --master-port P -m verify.hang_run script ARGS`, one agent per
 node, each in its own folder (its report folder lands there) and its own session, waits for
 both (bounded), kills whatever is left of either session, and returns what each printed.
+`one_node(folder, script, *args)` does the same for `torchrun --standalone --nproc-per-node
+2`. `module=` runs `verify.audit_run` instead. Every line either printed is kept with the
+time it arrived (`Node.when`), so a test can time a verdict from what the script said.
 
 The port: node 0's agent hosts the job's store on it, so it must be free when the agent binds
 it. The OS picks one (bind to port 0, read it, close); under `pytest -n auto` another test may
 take it in between, so a launch whose agent could not bind is retried with a new port.
+(`--standalone` picks its own.)
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,21 +41,48 @@ class Node:
     stderr: str
     folder: Path  # the node's working directory: its report folder is under profiles/
     leftover: tuple[int, ...]  # processes of its session still alive at the end (none, or a bug)
+    lines: tuple[tuple[float, str], ...] = ()  # (time.monotonic() it arrived, line), both pipes
 
     def report(self) -> Path:
         return next((self.folder / "profiles").glob("hang_torchrun_*"))
 
     def ours(self) -> list[str]:
         """The lines the tool printed (not the script's, not torchrun's, not c10d's)."""
-        return [ln for ln in self.stderr.splitlines() if ln.startswith("verify.hang_run")]
+        prefixes = ("verify.hang_run", "verify.audit_run")
+        return [ln for ln in self.stderr.splitlines() if ln.startswith(prefixes)]
+
+    def when(self, text: str) -> float | None:
+        """When the first line holding `text` arrived (time.monotonic()), None if none did."""
+        return next((t for t, line in self.lines if text in line), None)
 
 
-def two_nodes(folder: Path, script: str, *args: str, stall_s: float = 3.0) -> list[Node]:
+MODULE = "verify.hang_run"
+
+
+def two_nodes(
+    folder: Path, script: str, *args: str, stall_s: float = 3.0, module: str = MODULE
+) -> list[Node]:
     for _ in range(3):
-        nodes = _launch(folder, script, args, stall_s, _free_port())
+        port = _free_port()
+        cmds = [
+            ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+             "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            for node in (0, 1)
+        ]  # fmt: skip
+        nodes = _launch(folder, cmds, [module, script, *args], stall_s)
         if not any(_IN_USE.search(n.stderr) for n in nodes):
             return nodes
     return nodes
+
+
+def one_node(
+    folder: Path, script: str, *args: str, stall_s: float = 3.0, module: str = MODULE
+) -> Node:
+    """`torchrun --standalone --nproc-per-node 2 -m MODULE script ARGS`, in `folder`."""
+    (node,) = _launch(
+        folder, [["--standalone", "--nproc-per-node", "2"]], [module, script, *args], stall_s
+    )
+    return node
 
 
 def _free_port() -> int:
@@ -59,16 +91,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(folder: Path, script: str, args, stall_s: float, port: int) -> list[Node]:
+def _launch(folder: Path, agents: list[list[str]], job: list[str], stall_s: float) -> list[Node]:
+    """One torchrun agent per entry of `agents` (its own flags), each running `-m job`."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), DDP_VERIFY_STALL_TIMEOUT=str(stall_s), OMP_NUM_THREADS="1")
-    procs = []
-    for node in (0, 1):
+    procs, readers = [], []
+    for node, flags in enumerate(agents):
         cwd = folder / f"node{node}"
         cwd.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "-m", "verify.hang_run", script, *args]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", *job]
         procs.append(
             subprocess.Popen(
                 cmd,
@@ -80,23 +111,54 @@ def _launch(folder: Path, script: str, args, stall_s: float, port: int) -> list[
                 start_new_session=True,
             )  # fmt: skip
         )
-    outputs, left = [], []
+        readers.append(_Reader(procs[-1]))
+    left = []
     try:
+        end = time.monotonic() + 150
         for proc in procs:
             try:
-                outputs.append(proc.communicate(timeout=150))
+                proc.wait(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                outputs.append(proc.communicate())
+                proc.wait()
+        for reader in readers:
+            reader.join()
         left = [_left_of(proc.pid) for proc in procs]
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # its ranks too, should any be left
     return [
-        Node(proc.returncode, out, err, folder / f"node{node}", tuple(gone))
-        for node, (proc, (out, err), gone) in enumerate(zip(procs, outputs, left))
-    ]
+        Node(proc.returncode, reader.text("stdout"), reader.text("stderr"),
+             folder / f"node{node}", tuple(gone), tuple(reader.lines))
+        for node, (proc, reader, gone) in enumerate(zip(procs, readers, left))
+    ]  # fmt: skip
+
+
+class _Reader:
+    """Reads a process's stdout and stderr line by line as they come, timing each line."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._by_pipe: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._threads = [
+            threading.Thread(target=self._read, args=(name, getattr(proc, name)), daemon=True)
+            for name in self._by_pipe
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, name: str, pipe) -> None:
+        for line in pipe:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self._by_pipe[name].append(line)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def text(self, name: str) -> str:
+        return "".join(self._by_pipe[name])
 
 
 def _left_of(sid: int, wait_s: float = 5.0) -> list[int]:

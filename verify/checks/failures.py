@@ -17,7 +17,8 @@ def trace_findings(diagnosis) -> tuple[Finding, ...]:
     out = []
     for t in diagnosis.findings:
         numbers = {"trace_kind": t.kind, "op": t.op, "culprit": t.rank, "hangs": t.hangs}
-        kind = kinds.HANG if t.kind in ("stalled", "stuck outside collectives") else None
+        hang = ("stalled", "stuck outside collectives", "left early")
+        kind = kinds.HANG if t.kind in hang else None
         out.append(
             Finding(
                 "run",

@@ -206,6 +206,18 @@ def raised(n: dict, s) -> str | None:
     return None
 
 
+def hang(n: dict, s) -> str | None:
+    """A hang the trace diagnosed (numbers: `trace_kind`): only its measured shape names a
+    cause; a rank parked elsewhere is the user's own code, named by the diagnosis itself."""
+    if n.get("trace_kind") != "left early":
+        return None
+    return (
+        "the ranks ran different numbers of steps (uneven data: one rank out of batches "
+        "first): give every rank as many batches (DistributedSampler pads the last one; "
+        "drop_last=True drops it), or run the loop under DDP's join() context manager"
+    )
+
+
 def collective_mismatch(n: dict, s) -> str | None:
     """The collective trace's diagnosis (numbers: `trace_kind`, `op`)."""
     arrival = ("extra collective", "size mismatch", "shape mismatch")

@@ -169,6 +169,7 @@ HINTS = {
     k.RAISED_ON_SOME: rules.raised_on_some,
     k.RAISED: rules.raised,
     k.COLLECTIVE_MISMATCH: rules.collective_mismatch,
+    k.HANG: rules.hang,
     k.NEVER_WAITED: _say(
         "an async collective was never waited on: keep every handle an async_op=True call "
         "returns and call handle.wait() on each (in finish_gradient_synchronization() for "

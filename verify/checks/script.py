@@ -46,10 +46,14 @@ class WatchedRun:
 
     @property
     def watched_verdict(self) -> str:
-        """The run's verdict on its own: a hang, desync, crash or race is a fault."""
+        """The run's verdict on its own: a hang, desync, crash or race is a fault; a run the
+        tool could not judge ("timeout", "unwatched": ranks the script started itself) is
+        that, not a pass."""
         if self.diagnosis.faulty or self.races:
             return "fault"
-        return "timeout" if self.diagnosis.verdict == "timeout" else "pass"
+        return (
+            self.diagnosis.verdict if self.diagnosis.verdict in ("timeout", "unwatched") else "pass"
+        )
 
     def watched(self) -> dict:
         """The fields of `WatchedRun`, to build another result from this one."""

@@ -3,9 +3,10 @@
 - `verdict`: "pass" (the check ran to the end and found nothing), "fault" (a finding, or a
   rank that raised, crashed or hung), "timeout" (the time ran out before the check could
   decide: not a fault), "nothing certified" (the matrix: no cell could be judged, every
-  one not claimed or n/a: not a pass) or "nothing audited" (a script's audit: no optimizer
-  step ran in a group of 2 or more ranks, so nothing was checked: not a pass). The CLI's exit
-  code follows it: 0, 1, 2, 2 and 2.
+  one not claimed or n/a: not a pass), "nothing audited" (a script's audit: no optimizer
+  step ran in a group of 2 or more ranks, so nothing was checked: not a pass) or "unwatched"
+  (a script started ranks of its own, which the tool neither watched nor audited: not a pass
+  either). The CLI's exit code follows it: 0, 1, 2, 2, 2 and 2.
 - `Finding`: one distinct thing wrong, with the check and phase that saw it, the tensor, the
   first step, every later step it showed at again, where in the user's code when known, and
   what was measured: its `kind` (`kinds.py`) and `numbers`, from which its `hint` is chosen
@@ -27,7 +28,8 @@ from verify.options import launch_knobs
 
 PASS, FAULT, TIMEOUT, NOTHING = "pass", "fault", "timeout", "nothing certified"
 NOTHING_AUDITED = "nothing audited"
-EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2, NOTHING_AUDITED: 2}
+UNWATCHED = "unwatched"
+EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2, NOTHING_AUDITED: 2, UNWATCHED: 2}
 #: the phases a finding can belong to, in the order a report lists a step's findings: a race
 #: first, since it is the likely cause of the step's wrong gradients or parameters
 PHASES = ("construction", "race", "gradients", "step", "checkpoint", "run")

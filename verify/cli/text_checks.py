@@ -14,6 +14,7 @@ from verify.checks.hang import HangResult, ScenariosResult, as_expected
 from verify.checks.hints import first_hint, situation_of, with_hints
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
+from verify.watching.diagnose import ONLY_UNTRACED
 
 
 def header(o) -> str:
@@ -159,6 +160,8 @@ def watched_tail(run) -> list[str]:
 def _ok(d, o, notes=()) -> str:
     if d.headline.startswith("no collective"):
         return f"NO COLLECTIVES: {d.headline}"
+    if d.headline == ONLY_UNTRACED:  # nothing was compared: say so, not "every one matched"
+        return d.headline
     ok = "no hang: every rank finished and every collective matched on every rank"
     if (
         o.impl

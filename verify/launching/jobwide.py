@@ -14,8 +14,12 @@ reaches, under keys of the tool's own (`ddp-verify/job/<run id>/<restart>/`):
    position is a second old may have issued more since), only reported.
 2. Rank 0's node applies the watchdog's rule (`watching/watchdog.py`) to the whole job: no
    event on any node for the stall timeout, a rank waiting in a collective, and no rank of
-   any node working or starting. Progress is timed on that node's clock alone, so the
-   nodes' clocks never have to agree.
+   any node working or starting. Where the trace is blind (PyTorch DDP's reducer issues its
+   collectives from C++, so a DDP job records none), the wait is a rank blocked inside
+   torch's C++ instead, and the stall is every rank of every node having been still for
+   the stall timeout (`watching/blind.py`). Progress is timed on that node's clock alone,
+   and how long a node's ranks have been still on that node's own, so the nodes' clocks
+   never have to agree.
 3. A verdict is claimed once (`compare_set` on one key): by rank 0's node at a hang or when
    every node's ranks have ended, by the first node one of whose ranks raised. The claimant
    asks every node for its `NodeReport` (its ranks' last records, stacks, how each ended:
@@ -61,13 +65,17 @@ class NodeWatch:
     """The node watchdog of a job that spans nodes (module docstring): `run()` in a thread
     of the node's LOCAL_RANK 0 process, `wait(code)` in that process once its script ended."""
 
-    def __init__(self, report_dir: str, stall_timeout_s: float) -> None:
+    def __init__(
+        self, report_dir: str, stall_timeout_s: float, tool: str = "verify.hang_run"
+    ) -> None:
         env = os.environ
+        self.tool = tool  # the module the job runs, which names the lines printed
         self.report_dir, self.stall_timeout_s = report_dir, stall_timeout_s
         self.node, self.nodes = int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
         self.world = int(env["WORLD_SIZE"])
         first = int(env["RANK"]) - int(env.get("LOCAL_RANK", "0"))
-        self.local = NodeRanks(report_dir, list(range(first, first + int(env["LOCAL_WORLD_SIZE"]))))
+        local = list(range(first, first + int(env["LOCAL_WORLD_SIZE"])))
+        self.local = NodeRanks(report_dir, local, stall_timeout_s)
         self.host = socket.gethostname()
         run = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         self.prefix = f"ddp-verify/job/{run}/"
@@ -124,21 +132,31 @@ class NodeWatch:
         if not self.store.check(keys):
             return  # a node not up yet is starting
         statuses: list[NodeStatus] = [pickle.loads(b) for b in self.store.multi_get(keys)]
+        if os.environ.get("I28_DEBUG"):
+            print(f"DBG {time.monotonic():.2f} {statuses}", file=sys.stderr, flush=True)
         events = tuple(s.events for s in statuses)
         if events != self._last_events:
             self._last_events, self._last_change = events, now
         if all(s.ended for s in statuses):
             self._claim("end")
-        elif (
-            now - self._last_change >= self.stall_timeout_s
-            and any(s.waiting for s in statuses)
-            and not any(s.busy for s in statuses)
-        ):
+            return
+        if now - self._last_change < self.stall_timeout_s or any(s.busy for s in statuses):
+            return
+        if any(s.waiting for s in statuses):
             # From the last event on any node, by the nodes' own clocks (exact on one
             # machine; across machines as good as their clock sync), to the verdict.
             last = max(s.last_event for s in statuses)
             self.detection_s = time.time() - last if last else now - self._last_change
             self._claim("hang")
+            return
+        # Where the trace is blind (PyTorch DDP's reducer issues its collectives from C++),
+        # every rank of every node still for the stall timeout, one blocked inside torch:
+        # timed from the last rank to go still, each node by its own clock.
+        still = [s.still_s for s in statuses]
+        if None not in still and min(still) >= self.stall_timeout_s:
+            if any(s.blocked for s in statuses):
+                self.detection_s = min(still)
+                self._claim("hang")
 
     def _claim(self, reason: str) -> None:
         self.store.compare_set(self.prefix + "claim", "", f"{reason}:{self.node}")
@@ -155,7 +173,7 @@ class NodeWatch:
             with contextlib.suppress(Exception):
                 self._set("diagnosis", diag)
             job = f"job of {self.nodes} nodes" if self.nodes > 1 else "node watchdog"
-            text = f"verify.hang_run ({job}): {diag.text()}"
+            text = f"{self.tool} ({job}): {diag.text()}"
             if diag.verdict != "ok":
                 every = " (every node's folder holds the diagnosis)" if self.nodes > 1 else ""
                 text += f"\nreport: {self.report_dir}{every}"
@@ -167,7 +185,7 @@ class NodeWatch:
             self.store.wait([self.prefix + "diagnosis"], datetime.timedelta(seconds=3 * ANSWER_S))
             diag = pickle.loads(self.store.get(self.prefix + "diagnosis"))
             text = (
-                f"verify.hang_run (node {self.node}): the job's diagnosis is printed by node "
+                f"{self.tool} (node {self.node}): the job's diagnosis is printed by node "
                 f"{claimant}: {diag.verdict.upper()}: {diag.headline}\nreport: {self.report_dir}"
             )
             if diag.verdict != "ok":
@@ -232,13 +250,11 @@ class NodeWatch:
             time.sleep(POLL_S)
         why = f"the job's store is gone ({type(exc).__name__}): only this node's ranks were seen"
         if not self.local.failed():
-            print(f"verify.hang_run (node {self.node}): {why}; no verdict", file=sys.stderr)
+            print(f"{self.tool} (node {self.node}): {why}; no verdict", file=sys.stderr)
             return
         own = self.local.report("crash", self.node, self.host)
         diag = self._diagnose("crash", {self.node: own})
-        text = (
-            f"verify.hang_run (node {self.node}; {why}): {diag.text()}\nreport: {self.report_dir}"
-        )
+        text = f"{self.tool} (node {self.node}; {why}): {diag.text()}\nreport: {self.report_dir}"
         print(text, file=sys.stderr, flush=True)
         self._finish("crash", diag, text)
 

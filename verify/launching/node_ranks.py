@@ -3,7 +3,9 @@
 
 The ranks of a node share its report folder, and tell the watchdog (a thread of LOCAL_RANK
 0) how they ended through files there, since a rank's process may be gone by the time the
-watchdog looks: `rank<r>.failed` (the failure, left by `rank_failed` before the traceback is
+watchdog looks: `rank<r>.up` (the script's `init_process_group` returned, `rank_up`: a rank
+whose collectives PyTorch DDP issues from C++ records none, and without it would read as
+starting), `rank<r>.failed` (the failure, left by `rank_failed` before the traceback is
 printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
 `job.diagnosed` once the job's verdict is out, which a failing rank waits for (bounded), so
 that the diagnosis comes before the raw error.
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
 from verify.launching.supervisor import GRACE_S
-from verify.watching import trace_file
+from verify.watching import capture, trace_file
+from verify.watching.blind import Stillness
 from verify.watching.findings import Diagnosis
 from verify.watching.procstat import CpuMeter
 from verify.watching.stacks import at
@@ -46,6 +49,11 @@ class NodeStatus:
     busy: bool  # one of its ranks works (CPU) or starts outside any collective
     ended: bool  # every rank of the node has ended
     last_event: float  # wall clock (this node's) of its ranks' last issue or completion
+    # Where the trace is blind (`watching/blind.py`): how long every live rank of the node
+    # not waiting in a traced collective has been still (None: one is not; inf: none is
+    # left), and whether one of them is blocked inside torch's C++.
+    still_s: float | None = None
+    blocked: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,13 @@ class NodeReport:
 class NodeRanks:
     """The ranks `ranks` of this node, whose files are in `report_dir`."""
 
-    def __init__(self, report_dir: str, ranks: list[int]) -> None:
+    def __init__(self, report_dir: str, ranks: list[int], stall_timeout_s: float) -> None:
         self.report_dir, self.ranks = report_dir, ranks
         self.pids: dict[int, int] = {}
         self._meters: dict[int, CpuMeter] = {}
+        ask = capture.asker(report_dir, capture.read_in_torch)
+        self._still = Stillness(ask, stall_timeout_s / 2)
+        self._events = 0
 
     def _path(self, r: int, what: str) -> str:
         return os.path.join(self.report_dir, f"rank{r}.{what}")
@@ -80,26 +91,37 @@ class NodeRanks:
         return pid is not None and not alive(pid)
 
     def status(self, up_s: float) -> NodeStatus:
-        """The watchdog's three conditions, for this node (`watching/watchdog.py`)."""
+        """The watchdog's three conditions, for this node (`watching/watchdog.py`), and
+        where the trace is blind, how long its ranks have been still (`watching/blind.py`)."""
+        now = time.monotonic()
         headers = {r: trace_file.read_header(self._path(r, "trace")) for r in self.ranks}
         self.pids.update({r: h.pid for r, h in headers.items() if h is not None})
         live = [r for r in self.ranks if not self.ended(r)]
         waiting = any(headers[r] is not None and headers[r].pending for r in live)
-        busy = False
-        for r in live:
+        busy, blocked, still = False, False, []
+        for r in self.ranks:
             h = headers[r]
-            if h is not None and h.pending:
+            if r not in live or (h is not None and h.pending):
+                self._still.drop(r)
                 continue
             meter = self._meters.get(r)
             if h is not None and (meter is None or meter.pid != h.pid):
                 meter = self._meters[r] = CpuMeter(h.pid)
             if meter is not None:
-                meter.sample(time.monotonic())
-            starting = (h is None or h.events == 0) and up_s < STARTUP_S
+                meter.sample(now)
+            self._still.sample(r, meter, now)
+            joined = (h is not None and h.events > 0) or os.path.exists(self._path(r, "up"))
+            starting = not joined and up_s < STARTUP_S
             busy = busy or starting or (meter is not None and meter.busy())
+            still.append(self._still.still_s(r, now))
+            blocked = blocked or bool(self._still.blocked(r))
         events = sum(h.events for h in headers.values() if h is not None)
+        if events != self._events:
+            self._still.moved()  # a collective moved: ask again where the ranks are
+        self._events = events
         last = max((h.last_event for h in headers.values() if h is not None), default=0.0)
-        return NodeStatus(events, waiting, busy, not live, last)
+        still_s = None if None in still else min(still, default=float("inf"))
+        return NodeStatus(events, waiting, busy, not live, last, still_s, blocked)
 
     def positions(self) -> dict[int, str]:
         """Where each rank is, in words: its last collective, and that one's state."""
@@ -147,6 +169,9 @@ class NodeRanks:
         """The report folder: each rank's records as JSON lines, and the job's diagnosis."""
         for r in self.ranks:
             trace_file.export_jsonl(self._path(r, "trace"), self._path(r, "collectives.jsonl"))
+            for leftover in ("where", "where.request"):  # the helper's answers: not a report
+                with contextlib.suppress(OSError):
+                    os.remove(self._path(r, leftover))
         with open(os.path.join(self.report_dir, "report.json"), "w") as f:
             json.dump(diag.to_dict(), f, indent=2, default=str)
         with open(os.path.join(self.report_dir, "report.txt"), "w") as f:
@@ -180,6 +205,16 @@ def rank_failed(report_dir: str, rank: int):
         done = os.path.join(report_dir, "job.diagnosed")
         while not os.path.exists(done) and time.monotonic() < end:
             time.sleep(POLL_S)
+
+    return hook
+
+
+def rank_up(report_dir: str, rank: int):
+    """The hook a rank calls once its script's `init_process_group` returned
+    (`RankJob.on_up`): it has met its peers, and is no longer starting."""
+
+    def hook() -> None:
+        _leave(os.path.join(report_dir, f"rank{rank}.up"), None)
 
     return hook
 

@@ -49,6 +49,9 @@ class RankJob:
     # called with the failure report before the traceback is printed (a torchrun job's node
     # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled
     on_failure: Callable[[RankReport], None] | None = None
+    # called once the script's init_process_group returned (a torchrun job's rank tells its
+    # node watchdog it is up: `node_ranks.rank_up`); never pickled
+    on_up: Callable[[], None] | None = None
     audit: AuditSettings | None = None  # audit the script's replicas at its optimizer steps
 
 

@@ -72,6 +72,10 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         from verify.watching import tracer
 
         tracer.install(job.trace_path, rank=job.rank)
+    if job.helper_dir is not None:  # ranks the script starts itself are not watched: say so
+        from verify.watching import spawned
+
+        spawned.install(job.helper_dir, job.rank)
     _report_up_after_init(dist, fd, job)
     start_helper(job)
     sanitizer = _sanitize(job)
@@ -172,6 +176,8 @@ def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
             block_nccl_waits(backend)
         out = original(*args, **kwargs)
         process.send(fd, Up())
+        if job.on_up is not None:
+            job.on_up()
         return out
 
     dist.init_process_group = init_process_group

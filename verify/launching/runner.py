@@ -26,7 +26,7 @@ from verify.launching.supervisor import (
     interrupted,
     supervise,
 )
-from verify.watching import capture, trace_file
+from verify.watching import capture, spawned, trace_file
 from verify.watching.diagnose import diagnose
 from verify.watching.watchdog import Watchdog
 
@@ -93,8 +93,9 @@ def run(
         watchdog = Watchdog(
             trace_paths,
             stall_timeout_s,
-            where=_asker(folder, capture.read_where),
-            in_torch=_asker(folder, capture.read_in_torch),
+            where=capture.asker(folder, capture.read_where),
+            in_torch=capture.asker(folder, capture.read_in_torch),
+            own_ranks=lambda r: spawned.read(folder, r) is not None,
         )
     traces = None
     try:
@@ -131,6 +132,7 @@ def run(
             detection_s=watchdog.detection_s() if (sup.failure_order or sup.stalled) else None,
             failure_order=sup.failure_order,
             timed_out=sup.timed_out,
+            own_ranks=tuple(o for r in range(n) if (o := spawned.read(folder, r)) is not None),
         )
     return LaunchResult(
         world_size=n,
@@ -144,18 +146,6 @@ def run(
         threads=threads,
         report_dir=report_dir,
     )
-
-
-def _asker(folder: str, read):
-    """`ask(rank, ask_first)`: `read(folder, rank)` of the rank helper's answer to "where is
-    your main thread", asking the rank first when `ask_first` (`watching/capture.py`)."""
-
-    def ask(rank: int, ask_first: bool):
-        if ask_first:
-            capture.request_where(folder, rank)
-        return read(folder, rank)
-
-    return ask
 
 
 def _tail(path: str) -> str | None:

@@ -23,7 +23,6 @@ their sessions killed, so nothing is left running.
 from __future__ import annotations
 
 import os
-import re
 import select
 import signal
 import threading
@@ -35,6 +34,7 @@ from verify.launching.outcome import RankOutcome, RankReport, Say, Up
 from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
 from verify.watching.procstat import CpuMeter
+from verify.watching.ranks import is_echo
 from verify.watching.watchdog import Watchdog
 
 GRACE_S = 1.5  # after a failure, peers usually error out within ms (their sockets close)
@@ -195,13 +195,10 @@ def _outcome(rank: RankProcess, report: RankReport) -> tuple[RankOutcome, float 
     return outcome, report.failed_at if not report.ok else time.time()
 
 
-_ECHO = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|did not take part")
-
-
 def root_cause_order(failures: list[tuple[float, int]], outcomes) -> tuple[int, ...]:
     """Failed ranks, root cause first: by time, except that a collective which failed because
     a peer vanished is an echo of that peer's failure, so it goes last whatever its time."""
-    key = {r: (bool(_ECHO.search(outcomes[r].error or "")), t) for t, r in failures}
+    key = {r: (is_echo(outcomes[r].error), t) for t, r in failures}
     return tuple(sorted(key, key=key.__getitem__))
 
 

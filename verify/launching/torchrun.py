@@ -184,10 +184,15 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
     # One verdict for the whole job (`jobwide.py`), one node or several.
     from verify.launching import jobwide, node_ranks
 
-    watch = jobwide.NodeWatch(report_dir, stall) if job.local_rank == 0 else None
+    tool = "verify.hang_run" if audit_every is None else "verify.audit_run"
+    watch = jobwide.NodeWatch(report_dir, stall, tool) if job.local_rank == 0 else None
     if watch is not None:
         threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()
-    job = replace(job, on_failure=node_ranks.rank_failed(report_dir, rank))
+    job = replace(
+        job,
+        on_failure=node_ranks.rank_failed(report_dir, rank),
+        on_up=node_ranks.rank_up(report_dir, rank),
+    )
     try:
         rank_side.run_job(job, None)
         code = 0

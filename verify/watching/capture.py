@@ -97,6 +97,19 @@ def request_where(folder: str, rank: int) -> None:
         pass
 
 
+def asker(folder: str, read):
+    """`ask(rank, ask_first)`: `read(folder, rank)` of the rank helper's answer to "where is
+    your main thread" (`read_where`, `read_in_torch`), asking the rank first when
+    `ask_first`."""
+
+    def ask(rank: int, ask_first: bool):
+        if ask_first:
+            request_where(folder, rank)
+        return read(folder, rank)
+
+    return ask
+
+
 def read_where(folder: str, rank: int) -> str | None:
     """The user's line the rank's main thread was at (None: no answer yet, or no user frame)."""
     answer = _read_answer(folder, rank)

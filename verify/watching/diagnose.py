@@ -31,12 +31,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from verify.launching.outcome import RankOutcome
+    from verify.watching.spawned import OwnRanks
 
-from verify.watching import history
+from verify.watching import history, spawned
 from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.history import Blame, token
-from verify.watching.ranks import failure_finding, instead, stall_finding, where
-from verify.watching.stacks import at
+from verify.watching.ranks import (
+    failure_finding,
+    instead,
+    is_echo,
+    left_early,
+    stall_finding,
+    where,
+)
+from verify.watching.stacks import at, dump_in_torch
 from verify.watching.trace_file import Record, Trace
 from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
@@ -48,6 +56,10 @@ _TIMED_OUT = (
 _NONE_SEEN = (
     "no collective was observed on any rank: nothing to check (does the script call "
     "init_process_group and issue collectives?)"
+)
+ONLY_UNTRACED = (
+    "no hang: every collective was issued by torch from C++ (PyTorch DDP's), which the trace "
+    "does not record: the ranks' progress was watched, no collective was compared"
 )
 
 
@@ -61,11 +73,15 @@ def diagnose(
     now: float | None = None,
     failure_order: tuple[int, ...] = (),
     timed_out: bool = False,
+    own_ranks: tuple[OwnRanks, ...] = (),
 ) -> Diagnosis:
     """Compare the ranks' records; see the module docstring for the rules.
 
     `stalled`: the watchdog called a hang; `timed_out`: the deadline passed with no hang and
-    no failure (the verdict is then "timeout": the run could not be judged, not a fault)."""
+    no failure (the verdict is then "timeout": the run could not be judged, not a fault);
+    `own_ranks`: ranks that started ranks of their own (`spawned.py`), whose processes no
+    one watched: short of a fault among the ranks that were, the verdict is "unwatched" (no
+    verdict, exit 2)."""
     now = time.time() if now is None else now
     world = len(ranks)
     findings: list[TraceFinding] = []
@@ -79,12 +95,21 @@ def diagnose(
         key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
     )
     lines = [where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
+    if own_ranks and not structural and not failed:
+        return Diagnosis("unwatched", spawned.headline(own_ranks[0], stalled=stalled),
+                         culprit=own_ranks[0].rank, site=own_ranks[0].site, ranks=tuple(lines),
+                         stall_timeout_s=stall_timeout_s, detection_s=detection_s)  # fmt: skip
     head: TraceFinding | None = None
     if structural:
         head = structural[0]
     elif failed:
         root = failed[0]
-        head = failure_finding(root, traces, now)
+        # A failure that echoes a peer leaving, with no rank crashed: the peers that finished
+        # left while it still needed them.
+        crashed = any(not is_echo(r.error) for r in failed)
+        finished = [r for r in ranks if r.status == "ok"]
+        head = None if crashed else left_early(root, finished)
+        head = head or failure_finding(root, traces, now)
         findings.insert(0, head)
     elif stalled:
         head = stall_finding(ranks, traces)
@@ -100,7 +125,11 @@ def diagnose(
     elif timed_out:
         return Diagnosis("timeout", _TIMED_OUT, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
     elif not any(t is not None and t.records for t in traces):
-        return Diagnosis("ok", _NONE_SEEN, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
+        # Events with no record: returns of calls into torch that issue collectives from C++
+        # (watching/untraced.py), such as a DDP backward.
+        untraced = any(t is not None and t.events for t in traces)
+        return Diagnosis("ok", ONLY_UNTRACED if untraced else _NONE_SEEN, ranks=tuple(lines),
+                         stall_timeout_s=stall_timeout_s)  # fmt: skip
     else:
         return Diagnosis("ok", "no hang, no desync: every collective matched on every rank",
                          ranks=tuple(lines), stall_timeout_s=stall_timeout_s)  # fmt: skip
@@ -276,6 +305,9 @@ def _ranks(ranks) -> str:
 
 
 def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
+    moved_on = _moved_on(k, present, absent, ranks, colls)
+    if moved_on is not None:
+        return moved_on
     culprit = absent[0]
     ref = present[min(present)]
     doing = instead(ranks[culprit], traces[culprit], colls[culprit])
@@ -286,3 +318,31 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1], op=ref.op)
+
+
+def _moved_on(k, present, absent, ranks, colls) -> TraceFinding | None:
+    """Collective #k is the first its ranks ever issued at its call site (a barrier after the
+    training loop, say) and they wait in it, while every rank that never issued it is blocked
+    inside torch's C++, in a collective the trace cannot see (PyTorch DDP's reducer, still
+    in the loop): those ranks are not missing #k, the others moved on to it early, leaving a
+    pattern the trace cannot show (uneven data: one rank out of batches first). The ranks
+    waiting in #k are the culprits; None when that is not the shape of it."""
+    if not all(ranks[r].status in _CUT_SHORT and dump_in_torch(ranks[r].stack) for r in absent):
+        return None
+    waiting = {r: rec for r, rec in present.items() if rec.pending}
+    if not waiting or len(waiting) != len(present):
+        return None
+    if any(
+        c.site == rec.site for r, rec in waiting.items() for c in colls[r].values() if c.seq < k
+    ):
+        return None  # issued there before: a pattern the trace does show (the rules above)
+    culprit = min(waiting)
+    ref = waiting[culprit]
+    stuck = "; ".join(f"rank {r} {instead(ranks[r], None, {})[0]}" for r in absent)
+    message = (
+        f"rank {_ranks(waiting)} left the loop early: it waits in {ref.describe()} "
+        f"{at(ref.site)} (its first collective there), while {stuck} (the ranks ran different "
+        f"numbers of steps: uneven data, one rank running out of batches first?)"
+    )
+    doing = instead(ranks[absent[0]], None, {})[1]
+    return TraceFinding("left early", culprit, message, ref.describe(), ref.site, doing, op=ref.op)

@@ -1,7 +1,8 @@
 """What a diagnosis says: the findings about a run's collectives, and the verdict.
 
 Data only (`diagnose.py` reaches them): a `TraceFinding` names a culprit rank, what it did wrong and
-where; a `Diagnosis` is the verdict ("ok", "hang", "crash", "desync") with its headline, every
+where; a `Diagnosis` is the verdict ("ok", "hang", "crash", "desync"; "timeout" and "unwatched"
+when there is none) with its headline, every
 finding, and one line per rank saying where it was.
 """
 
@@ -24,7 +25,9 @@ class TraceFinding:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    verdict: str  # "ok" | "hang" | "crash" | "desync" | "timeout" (no verdict in time)
+    # "ok" | "hang" | "crash" | "desync" | "timeout" (no verdict in time) | "unwatched" (a
+    # rank started ranks of its own, which nothing watched: no verdict)
+    verdict: str
     headline: str
     culprit: int | None = None
     collective: str | None = None

@@ -11,11 +11,16 @@ hung: did its CPU time advance, or was one of its threads runnable at most sampl
 The evidence covers the rank's process (every thread) and its live descendants (DataLoader
 workers compute for it), read from /proc. Off Linux there is no /proc: `sample_tree` returns
 None and the watchdog falls back to silence alone.
+
+A process that measures itself (a torchrun job's node watchdog is a thread of its LOCAL_RANK 0
+rank) leaves out the thread doing the measuring: it is running whenever it reads its own
+state, and it spends the CPU of the reading, so with it every sample would say "working".
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -25,7 +30,7 @@ _MAX_DESCENDANTS = 256
 def sample_tree(pid: int) -> tuple[float, bool] | None:
     """(user + system CPU seconds, whether a thread is runnable now) of `pid` and its live
     descendants; None if it is gone or /proc is not there."""
-    own = _sample_process(pid)
+    own = _sample_process(pid, threading.get_native_id() if pid == os.getpid() else None)
     if own is None:
         return None
     total, runnable, children = own
@@ -42,15 +47,15 @@ def sample_tree(pid: int) -> tuple[float, bool] | None:
     return total, runnable
 
 
-def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
-    """CPU seconds of `pid` (all its threads), whether one of its threads is runnable, and
-    its children."""
+def _sample_process(pid: int, skip: int | None = None) -> tuple[float, bool, list[int]] | None:
+    """CPU seconds of `pid` (all its threads but `skip`), whether one of those threads is
+    runnable, and its children."""
     fields = _stat_fields(f"/proc/{pid}/stat")
     if fields is None:
         return None
     if fields[0] == b"Z":  # a zombie computes nothing
         return 0.0, False, []
-    cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    cpu = _cpu(fields)
     runnable = False
     children: list[int] = []
     try:
@@ -59,7 +64,9 @@ def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
         tasks = []
     for tid in tasks:
         thread = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        if thread is not None and thread[0] == b"R":
+        if thread is not None and skip is not None and int(tid) == skip:
+            cpu -= _cpu(thread)  # the measuring thread: neither its state nor its CPU
+        elif thread is not None and thread[0] == b"R":
             runnable = True
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
@@ -67,6 +74,10 @@ def _sample_process(pid: int) -> tuple[float, bool, list[int]] | None:
         except OSError:
             continue
     return cpu, runnable, children
+
+
+def _cpu(fields: list[bytes]) -> float:
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
 def _stat_fields(path: str) -> list[bytes] | None:
@@ -132,3 +143,11 @@ class CpuMeter:
     @property
     def measured(self) -> bool:
         return bool(self.samples)
+
+    def quiet_since(self) -> float | None:
+        """When the window that shows no work began (in the clock `sample` was given), if the
+        tree is not busy over a window long enough to tell; else None. Every later sample's
+        window overlaps this one, so "quiet since" holds for as long as `busy()` stays False."""
+        if len(self.samples) < 2 or self.samples[-1][0] - self.samples[0][0] < self.window_s / 2:
+            return None
+        return None if self.busy() else self.samples[0][0]

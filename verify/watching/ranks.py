@@ -8,6 +8,7 @@ collective mismatch does.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from verify.watching import stacks
@@ -20,6 +21,18 @@ if TYPE_CHECKING:
 
 def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
+
+
+# A collective that failed because a peer went away: an echo of what that peer did.
+_ECHO = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|did not take part")
+# What a rank blocked inside torch's C++ is doing (`stacks.dump_in_torch`).
+BLIND = "a collective torch issues itself, such as PyTorch DDP's reducer in backward"
+
+
+def is_echo(error: str | None) -> bool:
+    """Whether a rank's error says a peer closed its connection (gloo's "Connection closed
+    by peer", a reset, a broken pipe): the peer's doing, not this rank's."""
+    return bool(_ECHO.search(error or ""))
 
 
 def instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | None]:
@@ -38,9 +51,36 @@ def instead(state: RankOutcome, trace: Trace | None, colls) -> tuple[str, str | 
         p = pending[-1]
         return f"is waiting in {p.describe()} {stacks.at(p.site)}", p.site
     frames = stacks.innermost_frames(state.stack) or None
+    # The same words as its line in the report (`where`): inside torch's C++ a collective
+    # the trace cannot see may be running.
+    what = (
+        f"is blocked inside torch's C++ ({BLIND})"
+        if stacks.dump_in_torch(state.stack)
+        else "is outside any collective"
+    )
     if frames:
-        return f"is outside any collective, at {frames}", frames.split(" <- ")[0]
-    return "is outside any collective (no stack was captured)", None
+        return f"{what}, at {frames}", frames.split(" <- ")[0]
+    return f"{what} (no stack was captured)", None
+
+
+def left_early(root: RankOutcome, finished: list[RankOutcome]) -> TraceFinding | None:
+    """`root` failed because a peer closed its connection (`is_echo`) while no rank crashed,
+    and the ranks `finished` returned: they left while `root` was still in a collective with
+    them (different numbers of steps on different ranks: uneven data, one rank running out
+    of batches first). The first of them is the culprit; None when the failure is no echo
+    or no rank finished."""
+    if not finished or not is_echo(root.error):
+        return None
+    site = stacks.traceback_site(root.traceback)
+    inside = f" inside torch's C++ ({BLIND})" if stacks.traceback_in_torch(root.traceback) else ""
+    at = f" at {site}" if site else ""
+    gone = _ranks(r.rank for r in finished)
+    message = (
+        f"rank {gone} left early: it finished while rank {root.rank} was still in a collective "
+        f"with it{',' if inside else ''}{inside}{',' if inside and at else ''}{at} (the ranks ran different numbers of steps: uneven data, one rank "
+        f"running out of batches first?); rank {root.rank} then raised {root.error}"
+    )
+    return TraceFinding("left early", finished[0].rank, message, None, site, None)
 
 
 def failure_finding(root: RankOutcome, traces, now) -> TraceFinding:
@@ -96,15 +136,22 @@ def stall_finding(ranks, traces) -> TraceFinding:
     live = [r for r in ranks if r.status != "ok"]
     blocked = [r for r in live if stacks.dump_in_torch(r.stack)]
     parked = [r for r in live if r not in blocked]
+    finished = [r for r in ranks if r.status == "ok"]
 
     def at(state) -> str:
         frames = stacks.innermost_frames(state.stack)
         return f"rank {state.rank}" + (f" at {frames}" if frames else "")
 
-    blind = (
-        "blocked inside torch's C++, where the trace is blind (a collective torch issues "
-        "itself, such as PyTorch DDP's reducer in backward)"
-    )
+    blind = f"blocked inside torch's C++, where the trace is blind ({BLIND})"
+    if blocked and finished and not parked:
+        # Nobody parked: the ranks blocked inside torch wait for ranks that have finished
+        # (their processes not gone yet, or gone without closing the connection).
+        message = (
+            f"rank {_ranks(r.rank for r in finished)} left early: it finished while "
+            f"{'; '.join(at(r) for r in blocked)}: {blind}, still waits for it (the ranks ran "
+            "different numbers of steps: uneven data, one rank running out of batches first?)"
+        )
+        return TraceFinding("left early", finished[0].rank, message)
     if parked and blocked:
         culprit = parked[0].rank
         message = (

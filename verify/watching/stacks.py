@@ -98,6 +98,14 @@ def _main_thread_frames(stack: str | None) -> list[tuple[str, str, str]]:
     return _DUMP_FRAME.findall((mains or threads or [""])[-1])
 
 
+def traceback_in_torch(tb: str | None) -> bool:
+    """Whether a formatted traceback was raised inside a call into torch that can block
+    waiting for peers (its innermost frame is torch's distributed, DDP, autograd or optimizer
+    code: `main_thread_in_torch`, read from a traceback)."""
+    frames = _traceback_frames(tb)
+    return bool(frames) and frames[-1][0].startswith(_BLOCKING_TORCH)
+
+
 def dump_in_torch(stack: str | None) -> bool:
     """Whether a faulthandler dump shows the rank's work thread blocked inside torch's C++
     (`main_thread_in_torch`, read from a dump)."""
@@ -136,7 +144,7 @@ _TOOL_WORDS = (
     ("", "the tool"),
 )
 # The tool's wrappers around torch's collectives: transparent, never what it was doing.
-_WRAPPERS = ("watching/tracer.py", "sanitize" + os.sep)
+_WRAPPERS = ("watching/tracer.py", "watching/untraced.py", "sanitize" + os.sep)
 
 
 def in_words(frames: list[tuple[str, str, str]]) -> str:

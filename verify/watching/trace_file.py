@@ -8,7 +8,8 @@ even after the rank was SIGKILLed. The header alone (`read_header`) is what the 
 `read_trace` decodes every record for a diagnosis.
 
     header: magic, version, pid, rank, capacity, records written, events (issues and
-            completions), pending (issued, not completed), wall time of the last event
+            completions, and returns of the calls into torch that issue collectives from C++:
+            `untraced.py`), pending (issued, not completed), wall time of the last event
     record: index, per-group sequence number, issue and completion times, element count, and
             interned op, dtype, shape, group, call site; reduce op, peer rank, state, p2p flag
 """
@@ -160,6 +161,12 @@ class Writer:
         self.pending += 1
         self._header(now)
         return index
+
+    def progress(self) -> None:
+        """An event with no record: a call into torch that issues collectives from C++
+        returned (`untraced.py`)."""
+        self.events += 1
+        self._header(time.time())
 
     def done(self, index: int, state: int = COMPLETED) -> None:
         if index + self.capacity <= self.written:  # overwritten by the ring already

@@ -21,7 +21,8 @@ cache, and the parent (`read_trace`) sees them even after the rank was SIGKILLed
 Cost: one frame walk (cached per code object), a dict lookup or two and two `pack_into` per
 collective, a few microseconds; `python benchmarks/tracer_cost.py` measures it against a
 training step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass
-through Python and are not recorded.
+through Python and are not recorded: the returns of the calls that issue them count as events
+(`untraced.py`).
 
 Process groups are named by their global ranks ("world", or "pg[0,2]"); collectives are
 numbered per group from 1, point-to-point ops per (group, peer) pair, so records of different
@@ -39,6 +40,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from verify.watching import untraced
 from verify.watching.stacks import SiteFinder
 from verify.watching.trace_file import (
     COMPLETED,
@@ -86,15 +88,13 @@ UNEVEN_OPS = frozenset(
 ) | {op for op in _OPS if op.endswith(("_object", "_object_list"))}
 ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
 
-# The user's call site: outside torch, this file, and the race sanitizer that may wrap it.
+# The user's call site: outside torch, this file, the wrappers that count DDP's progress
+# (a collective DDP's join hook issues inside its forward) and the race sanitizer.
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _find_site = SiteFinder(
-    (
-        os.path.dirname(torch.__file__) + os.sep,
-        os.path.abspath(__file__),
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sanitize")
-        + os.sep,
-    )
-)
+    (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__),
+     os.path.join(_HERE, "untraced.py"), os.path.join(os.path.dirname(_HERE), "sanitize") + os.sep)
+)  # fmt: skip
 
 
 _writer: Writer | None = None
@@ -125,6 +125,7 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
             continue
         _originals[name] = original
         _wrappers[name] = _make_wrapper(name, original)
+    untraced.install(_writer)
     resume()
 
 
@@ -149,6 +150,7 @@ def uninstall() -> None:
     """Restore the original functions and close the trace (tests and benchmarks)."""
     global _writer
     pause()
+    untraced.uninstall()
     _originals.clear()
     _wrappers.clear()
     _tensor_kinds.clear()

@@ -7,7 +7,8 @@ headers. The run is hung when, for `stall_timeout_s`:
 2. at least one rank waits inside a collective: a traced one, or, where the trace is blind,
    a call into torch's C++ that blocks waiting for peers (PyTorch DDP's reducer in backward,
    its constructor's broadcasts: the rank's main thread is inside torch's distributed or
-   autograd code, `stacks.main_thread_in_torch`, and its CPU time does not advance), and
+   autograd code, `stacks.main_thread_in_torch`, and every rank has been still, its CPU time
+   not advancing, for the stall timeout: `blind.py`), and
 3. no other rank is working: none used CPU or kept a thread runnable over the last second
    (`procstat.CpuMeter`: a rank starved of cores still waits to run), and
    none is still starting (it has not joined the process group yet, within `startup_s` of
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verify.watching import trace_file
+from verify.watching.blind import Stillness
 from verify.watching.procstat import CpuMeter
 
 SAMPLE_S = 0.25  # CPU sampling period: 4 reads of /proc per rank and second
@@ -60,6 +62,9 @@ class Watchdog:
             turns that part of condition 2 off.
         startup_s: how long after the start a rank that has issued no collective is still
             starting rather than stuck.
+        own_ranks: `own_ranks(rank)` says whether the rank started ranks of its own
+            (`spawned.py`): one that never joined a process group itself, still with every
+            process below it for the stall timeout, ends the run (`unwatched`).
     """
 
     def __init__(
@@ -70,16 +75,18 @@ class Watchdog:
         where: Callable[[int, bool], str | None] | None = None,
         in_torch: Callable[[int, bool], bool | None] | None = None,
         startup_s: float = 60.0,
+        own_ranks: Callable[[int], bool] | None = None,
     ) -> None:
         self.paths = trace_paths
         self.stall_timeout_s = stall_timeout_s
         self.where = where
         self.in_torch = in_torch
+        self.own_ranks = own_ranks
+        self.unwatched: int | None = None  # the rank whose own ranks ended the run
         self.blind = False  # the verdict rests on ranks blocked where the trace cannot see
-        self._asked_blind: set[int] = set()
-        # rank -> (monotonic, wall) when its CPU time last stopped advancing: where the trace
-        # is blind, its silence says nothing, so the stall is timed from the CPU evidence
-        self._idle_since: dict[int, tuple[float, float]] = {}
+        # Where the trace is blind its silence says nothing: the stall is timed from the
+        # ranks' CPU evidence, and the ranks are asked whether they are inside torch.
+        self.still = Stillness(in_torch, stall_timeout_s / 2)
         self.startup_s = startup_s
         self.events: list[int | None] = [None] * len(trace_paths)
         self.meters: dict[int, CpuMeter] = {}
@@ -113,22 +120,22 @@ class Watchdog:
         if progressed:
             self.last_change = now
             self._close_excuses()
-            self._asked_blind.clear()
+            self.still.moved()
         if now - self._last_sample >= SAMPLE_S:
             self._last_sample = now
             for r, pid in enumerate(pids):
                 if pid is None:
                     self.meters.pop(r, None)
+                    self.still.drop(r)
                     continue
                 meter = self.meters.get(r)
                 if meter is None or meter.pid != pid:
                     meter = self.meters[r] = CpuMeter(pid)
                 meter.sample(now)
-                if meter.busy() or not meter.measured:
-                    self._idle_since.pop(r, None)
-                else:
-                    self._idle_since.setdefault(r, (now, time.time()))
+                self.still.sample(r, meter, now)
         waiting = [r for r, h in enumerate(headers) if h is not None and h.pending > 0]
+        if self._own_ranks_still(pids, now, up):
+            return True
         if now - self.last_change < self.stall_timeout_s:
             return False
         if not waiting:
@@ -158,18 +165,32 @@ class Watchdog:
         if not live or any(self._working(r, headers[r], now, up) for r in live):
             return False
         # Untraced collectives (a whole DDP step) leave the trace silent while ranks work: the
-        # stall counts from when the last rank's CPU time stopped advancing.
-        idle = [self._idle_since.get(r) for r in live]
-        if None in idle or now - max(i[0] for i in idle) < self.stall_timeout_s:
+        # stall counts from when the last rank went still.
+        still = [self.still.still_s(r, now) for r in live]
+        if None in still or min(still) < self.stall_timeout_s:
             return False
-        answers = [self.in_torch(r, r not in self._asked_blind) for r in live]
-        self._asked_blind.update(live)
-        if None in answers or not any(answers):  # answers pending, or nobody inside torch
+        if not any(self.still.blocked(r) for r in live):  # nobody inside torch (or no answer yet)
             return False
         self.blind = True
-        self.last_event_wall = max(self.last_event_wall, max(i[1] for i in idle))
+        went_still = max(self.still.since_wall(r) for r in live)
+        self.last_event_wall = max(self.last_event_wall, went_still)
         self.stalled_at = time.time()
         return True
+
+    def _own_ranks_still(self, pids, now: float, up: set[int] | None) -> bool:
+        """A rank that started ranks of its own, never joined a process group itself, and has
+        been still, with every process below it, for the stall timeout: it is not starting,
+        it waits for processes the tool does not watch."""
+        for r, pid in enumerate(pids):
+            if pid is None or self.own_ranks is None or (up is not None and r in up):
+                continue
+            still = self.still.still_s(r, now)
+            if still is not None and still >= self.stall_timeout_s and self.own_ranks(r):
+                self.unwatched = r
+                self.last_event_wall = max(self.last_event_wall, self.still.since_wall(r))
+                self.stalled_at = time.time()
+                return True
+        return False
 
     def _working(self, rank: int, header, now: float, up: set[int] | None) -> str | None:
         """Why `rank` (not in a collective) is not stuck: "computing", "starting" or None."""
