@@ -15,7 +15,8 @@ Fingerprints and agreement are the replica audit's one engine (`verify/replica_a
 Imports only torch and the engine: the launcher installs it in a rank before the script runs.
 """
 
+from verify.replica_audit.finding import Finding, TensorDiff
 from verify.script_audit.auditor import Auditor
-from verify.script_audit.report import AuditReport, AuditSettings, Finding, TensorDiff
+from verify.script_audit.report import AuditReport, AuditSettings
 
 __all__ = ["AuditReport", "AuditSettings", "Auditor", "Finding", "TensorDiff"]

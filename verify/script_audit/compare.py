@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from verify.checks.mismatch import common_scale, fitted_scale
+from verify.replica_audit.finding import TensorDiff
 from verify.replica_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
 from verify.replica_audit.group import agree
 from verify.script_audit.collect import Entry
-from verify.script_audit.report import TensorDiff
 from verify.script_audit.side_group import SideGroup
 
 MAX_DETAIL = 12  # tensors per audit point described in full (the rest are counted)
