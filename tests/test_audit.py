@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 from impls.registry import resolve
-from verify.checks.audit import Auditor, fingerprint
+from verify.checks.audit import Auditor
 from verify.checks.mismatch import MOVED, compare_gathered
 from verify.launching import launch
+from verify.replica_audit.fingerprint import fingerprint
 from verify.training.workloads import get_workload
 
 

@@ -23,7 +23,6 @@ from torch import nn
 from impls.bucketed import Bucket
 from impls.faulty.hang_scenarios import nonfinite_count
 from impls.faulty.race_faults import ReusesStagingBuffer
-from verify.checks.audit import fingerprint
 from verify.checks.consistency import ConsistencyOptions
 from verify.launching import gpus, launch, torchrun
 from verify.launching.rank_job import BLOCKING_WAIT_ENV, block_nccl_waits, group_kwargs
@@ -31,6 +30,7 @@ from verify.options import launch_knobs
 from verify.perf import traces
 from verify.perf.bench import BenchOptions
 from verify.perf.collectives import memcpy_name
+from verify.replica_audit.fingerprint import fingerprint
 from verify.sanitize import Sanitizer
 from verify.training.interface import distributed
 from verify.watching.capture import flight_recorder_dump

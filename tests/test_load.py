@@ -8,7 +8,9 @@ zero1 (tests/fixtures/sharded_styles.py), the shard layout check on zero3, FSDP2
 sharded classes, right and wrong (tests/test_shard_layout.py), a student's hook DDP that
 scales gradients while their all-reduce is in flight beside its twin that waits, in the
 matrix's plain and no_sync() rows (tests/test_matrix.py), the replica audit of the
-buggy training scripts (tests/test_script_audit.py), and the hints of students' classes that
+buggy training scripts (tests/test_script_audit.py), a rank whose large weight changed in
+three rows in a pattern that keeps their index-weighted sum, beside a weight the same on
+both ranks but held at an odd offset (tests/test_replica_audit.py), and the hints of students' classes that
 never send their last bucket or clip on one rank (tests/test_hints.py) give exactly the
 verdicts they give on an idle machine, and
 nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
@@ -44,6 +46,7 @@ from tests import (
     test_hints,
     test_matrix,
     test_procstat,
+    test_replica_audit,
     test_shard_layout,
 )
 from tests.fixtures import deadline_loops, sharded_styles
@@ -104,6 +107,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             layouts = pool.submit(test_shard_layout.launch_and_check, 3)
             races = pool.submit(test_matrix.race_verdict_problems)
             hints = pool.submit(test_hints.hint_problems, out)
+            rows = pool.submit(test_replica_audit.stencil_problems)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
@@ -146,6 +150,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     layouts.result()  # raises what the layout test would: a false alarm or a missed layout bug
     assert not races.result(), "\n".join(races.result())
     assert not hints.result(), "\n".join(hints.result())
+    assert not rows.result(), "\n".join(rows.result())
     pids = [
         p
         for r in (*scenarios.results, computing, skipping, blind.result())

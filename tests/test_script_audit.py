@@ -32,10 +32,10 @@ from verify.checks.verdict import EXIT_CODES
 from verify.cli import main
 from verify.cli.text_audit import audit as audit_text
 from verify.launching import RankContext, launch
+from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import report
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import compare
-from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules
 from verify.script_audit.side_group import SideGroup
 

@@ -40,10 +40,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from verify.checks.audit import min_max
 from verify.checks.cells import CellResult
 from verify.checks.hints import Situation, with_hints
 from verify.checks.verdict import Refusal, only_some_text, raised_on_some
+from verify.replica_audit.group import min_max
 
 
 def raised_path(journal: str, index: int, rank: int) -> str:

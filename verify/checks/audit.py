@@ -1,26 +1,15 @@
 """Bitwise replica audit: are parameters, buffers, gradients and optimizer state identical on
 every rank? Decided by exchanging per-tensor fingerprints, not tensors.
 
-A fingerprint is computed from the tensor's raw bits, read as integer words (64-bit where
-the size allows), plus a code for dtype and shape and a flag for a missing tensor (a `.grad`
-that is None):
-
-- the wrapping 64-bit sum of all words: any change to a single element changes it (the
-  difference of one word is nonzero and smaller than 2**64), so one ULP anywhere is caught;
-- a position-weighted sum. Tensors of up to 64K words (512 KiB: biases, norms, masks, small
-  layers) weight *every word* by a fixed pseudo-random odd 64-bit constant, so moved values
-  and exactly cancelling changes are caught too. Larger tensors weight 256-word row sums by
-  row position, which reads memory once, at the speed of a plain sum. The one blind spot is a
-  change confined to one row that leaves that row's sum unchanged: a permutation within 256
-  words, or exactly cancelling changes there and nowhere else.
-
-Integer addition is associative, so the fingerprint does not depend on how the reduction is
-ordered or threaded, nor on where the tensor sits in memory.
+Each tensor's fingerprint is the replica audit's one (`verify/replica_audit/fingerprint.py`):
+three int64 values (dtype-and-shape code, word sum, position-weighted sum) from the tensor's
+raw bits, so one ULP anywhere, moved values and exactly cancelling changes are caught.
 
 The ranks agree first on which tensors they hold (one fixed-size reduction of a count and a
 digest of the names; the names are gathered only when they differ), then take the min and the
-max of every fingerprint over the ranks (one all-reduce, whose size does not grow with the
-world size): equal means every rank holds the same bits. Only for the tensors that mismatch
+max of every fingerprint over the ranks (the engine's one agreement reduction,
+`verify/replica_audit/group.py`: one all-reduce, whose size does not grow with the world
+size): equal means every rank holds the same bits. Only for the tensors that mismatch
 do they gather every rank's fingerprint (to find the majority value), and for at most
 `max_detail` of those the tensor itself, to say which ranks differ, by how much, in how many
 elements, and where first.
@@ -36,14 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.checks.mismatch import Mismatch, comm_device, compare_gathered
+from verify.checks.mismatch import Mismatch, compare_gathered
+from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table
+from verify.replica_audit.group import comm_device, min_max
 
+# `fingerprint`, `min_max` and `comm_device` are the engine's (`verify/replica_audit/`),
+# named here too for the callers that import them from the audit.
 __all__ = ["Auditor", "Checkpoint", "Mismatch", "comm_device", "fingerprint", "min_max"]
-
-_ROW = 256  # words per row of the position-weighted sum (wider rows: one pass at memory speed)
-_FULL_WEIGHT_WORDS = 1 << 16  # up to this many words, every word gets its own weight
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-_MISSING = -1  # metadata code of a tensor that does not exist on this rank (None grad)
 
 
 @dataclass(frozen=True)
@@ -54,60 +42,6 @@ class Checkpoint:
     tensors: int
     mismatched: int
     seconds: float
-
-
-def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Three int64 values identifying `tensor` bitwise: (metadata, word sum, weighted sum), on
-    the tensor's device (no host sync; the CPU for None)."""
-    if tensor is None:
-        return torch.tensor([_MISSING, 0, 0], dtype=torch.int64)
-    t = tensor.detach()
-    meta = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
-    if t.numel() == 0:
-        return torch.tensor([meta, 0, 0], dtype=torch.int64)
-    if not t.is_contiguous():
-        t = t.contiguous()
-    words = _as_words(t.reshape(-1))
-    if words.numel() <= _FULL_WEIGHT_WORDS:
-        wide = words.to(torch.int64)
-        total = wide.sum()
-        weighted = (wide * _word_weights(wide.numel(), wide.device)).sum()
-    else:
-        full = words.numel() // _ROW * _ROW
-        rows = words[:full].view(-1, _ROW).sum(dim=1, dtype=torch.int64)
-        tail = words[full:].sum(dtype=torch.int64)
-        weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
-        total = rows.sum() + tail
-        weighted = (rows * weights).sum() + tail * (rows.numel() + 1)
-    return torch.stack([torch.tensor(meta, device=total.device), total, weighted])
-
-
-def _word_weights(n: int, device: torch.device) -> torch.Tensor:
-    """The first `n` per-word weights: fixed pseudo-random odd 64-bit integers, the same on
-    every rank (a seeded generator, cached per device)."""
-    if device not in _WEIGHTS:
-        g = torch.Generator().manual_seed(0x5EED)
-        bits = torch.randint(-(2**62), 2**62, (_FULL_WEIGHT_WORDS,), generator=g) * 2 + 1
-        _WEIGHTS[device] = bits.to(device)
-    return _WEIGHTS[device][:n]
-
-
-def _as_words(flat: torch.Tensor) -> torch.Tensor:
-    """Reinterpret `flat`'s bytes as the widest integer words its byte size allows.
-
-    The width depends only on dtype and size, never on where the tensor sits in memory, so the
-    same values fingerprint the same on every rank. A tensor whose storage offset is not
-    aligned to that width (a view into a flat buffer) is copied first.
-    """
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    nbytes = flat.numel() * flat.element_size()
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if nbytes % size == 0:
-            if (flat.storage_offset() * flat.element_size()) % size:
-                flat = flat.clone()
-            return flat.view(torch.uint8).view(dtype)
-    return flat.view(torch.uint8)
 
 
 class Auditor:
@@ -182,10 +116,9 @@ class Auditor:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
         named, absent = self._common(label, named)
         device = comm_device(self.process_group)
-        # Stacked on the device and copied to the host once: a copy per tensor is a GPU sync each.
-        mine = [fingerprint(t).to(device) for _, t in named]
-        local = torch.stack(mine) if named else torch.zeros(0, 3, device=device)
-        low, high = min_max(local.to(torch.int64), self.process_group)
+        # One table on the device, copied to the host once: a copy per tensor is a GPU sync each.
+        local = fingerprint_table([t for _, t in named], device)
+        low, high = min_max(local, self.process_group)
         bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
         prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
         mismatches = absent + [
@@ -251,7 +184,7 @@ class Auditor:
         counts = {k: keys.count(k) for k in keys}
         reference = max(range(len(keys)), key=lambda r: (counts[keys[r]], -r))
         differ = tuple(r for r in range(len(keys)) if keys[r] != keys[reference])
-        missing = [r for r in range(len(keys)) if keys[r][0] == _MISSING]
+        missing = [r for r in range(len(keys)) if keys[r][0] == MISSING]
         if missing:
             return Mismatch(
                 label, name, differ, reference, None, None, None, None,
@@ -266,18 +199,6 @@ class Auditor:
         if not detailed:
             return Mismatch(label, name, differ, reference, None, None, None, None)
         return compare_gathered(label, name, tensor, differ, reference, self.process_group)
-
-
-def min_max(local: torch.Tensor, process_group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The element-wise min and max of an int64 tensor over the group, in one MAX all-reduce
-    of `[x, ~x]` (max(~x) is ~min(x), and `~` cannot overflow): its size does not grow with
-    the world size, and equal min and max mean every rank holds the same value."""
-    device = comm_device(process_group)
-    both = torch.cat([local, ~local]).to(device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
-    both = both.cpu()
-    n = local.shape[0]
-    return ~both[n:], both[:n]
 
 
 def _list(ranks: list[int]) -> str:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verify.checks import kinds
-from verify.checks.audit import Auditor, Checkpoint, Mismatch, comm_device
+from verify.checks.audit import Auditor, Checkpoint, Mismatch
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
@@ -53,6 +53,7 @@ from verify.checks.verdict import (
 )
 from verify.launching import RankContext
 from verify.options import knob
+from verify.replica_audit.group import comm_device
 from verify.training.interface import InterfaceError
 from verify.training.sharded import full_gradients, full_state
 from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec

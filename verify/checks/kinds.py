@@ -8,6 +8,10 @@ they are shown in `--json`.
 
 from __future__ import annotations
 
+# The two kinds the one Finding itself reads (`fault`, `detail`), defined beside it.
+from verify.replica_audit.finding import LAYOUT as AUDIT_LAYOUT  # noqa: F401
+from verify.replica_audit.finding import NOTE  # noqa: F401
+
 # --- consistency: replicas compared bitwise across ranks (`audit.py`) ----------------------
 NOT_BROADCAST = "not broadcast"  # construction: replicas start from different values
 GRADIENTS_DIFFER = "gradients differ across ranks"  # after finish_gradient_synchronization()
@@ -43,3 +47,9 @@ WRITE_IN_FLIGHT = "written while a collective was in flight"
 STATE_NOT_SHARDED = "optimizer state not sharded"
 STATE_UNBALANCED = "optimizer state unbalanced"
 NOT_SHARDED = "not sharded"  # parameters or gradients, per rung (numbers: "what")
+
+# --- a script's replica audit (`script_audit/book.py`): the kind says whether it is a fault;
+# its hint is keyed by what it compared, its phase (`script_hints.py`) ------------------------
+DIVERGENCE = "divergence"  # tensors that newly differ across ranks at an audit point
+# AUDIT_LAYOUT ("layout"): the ranks audit different sets of tensors, or are at other steps
+# NOTE ("note"): buffers kept per rank by design; not a fault

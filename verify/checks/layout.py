@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.checks.audit import comm_device, min_max
+from verify.replica_audit.group import comm_device, min_max
 from verify.training.interface import InterfaceError
 
 GUIDE = "docs/verify-your-own-ddp.md"

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from verify.checks import kinds
+from verify.replica_audit.group import comm_device
 
 # A multiple to rounding: a factor applied in float32 leaves each element within ~1e-7 of
 # c x reference (relative to max |reference|); a tensor that is no multiple is off by its own
@@ -177,10 +178,3 @@ def _element_bits(t: torch.Tensor) -> torch.Tensor:
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(_BITS[flat.element_size()])
-
-
-def comm_device(process_group) -> torch.device:
-    """Where collectives of this group need their tensors (CUDA for NCCL)."""
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

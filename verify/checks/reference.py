@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from verify.checks import kinds, tolerances
-from verify.checks.audit import fingerprint
 from verify.checks.mismatch import fitted_scale
 from verify.checks.verdict import Finding
+from verify.replica_audit.fingerprint import fingerprint
 from verify.training.sharded import assign_full, full_gradients, full_parameters
 from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
 from verify.training.workloads import Batch

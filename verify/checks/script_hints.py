@@ -47,7 +47,7 @@ PHASE_HINTS = {
 
 
 def script_hint(finding) -> str:
-    """The hint of a script audit's `report.Finding`."""
+    """The hint of a script audit's finding (the one `Finding`, of check "audit")."""
     if finding.phase == report.GRADS:
         diffs = [d for d in finding.tensors if d.ranks]
         c = common_scale(d.scale for d in diffs)

@@ -7,9 +7,10 @@
   step ran in a group of 2 or more ranks, so nothing was checked: not a pass) or "unwatched"
   (a script started ranks of its own, which the tool neither watched nor audited: not a pass
   either). The CLI's exit code follows it: 0, 1, 2, 2, 2 and 2.
-- `Finding`: one distinct thing wrong, with the check and phase that saw it, the tensor, the
-  first step, every later step it showed at again, where in the user's code when known, and
-  what was measured: its `kind` (`kinds.py`) and `numbers`, from which its `hint` is chosen
+- `Finding` (`verify/replica_audit/finding.py`: the one type of every check, the script
+  audit's too): one distinct thing wrong, with the check and phase that saw it, the tensor,
+  the first step, every later step it showed at again, where in the user's code when known,
+  and what was measured: its `kind` (`kinds.py`) and `numbers`, from which its `hint` is chosen
   (`hints.py`), never from its message.
   A run goes on past a finding where it can (replicas are resynchronized from rank 0), so one
   bug does not hide the next; the same finding at later steps is folded into one.
@@ -19,12 +20,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from verify.checks.kinds import RAISED_ON_SOME
 from verify.launching import LaunchResult, launch
 from verify.options import launch_knobs
+from verify.replica_audit.finding import Finding
 
 PASS, FAULT, TIMEOUT, NOTHING = "pass", "fault", "timeout", "nothing certified"
 NOTHING_AUDITED = "nothing audited"
@@ -45,44 +47,6 @@ class Verdicted:
     @property
     def passed(self) -> bool:
         return self.verdict == PASS
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One distinct fault (module docstring).
-
-    Attributes:
-        check: "consistency", "equivalence", "shard", "sanitize" or "run" (a rank that raised).
-        phase: one of PHASES: where in the step it showed.
-        step: the first step it showed at (0: construction).
-        message: one line, self-contained ("step 1 gradients: grad:fc1.weight differs ...").
-        tensor: the tensor's name, when it is about one.
-        ranks: the ranks that differ or failed.
-        steps: every step it showed at (the first included).
-        where: `path:line (function)` in the user's code, when known.
-        kind: what was measured, a name from `kinds.py` (the hint table's key).
-        numbers: the measured numbers the hint reads (a scale, steps, ranks; JSON values).
-        hint: the usual cause and its fix, chosen by `hints.with_hints` from kind and numbers.
-    """
-
-    check: str
-    phase: str
-    step: int
-    message: str
-    tensor: str | None = None
-    ranks: tuple[int, ...] = ()
-    steps: tuple[int, ...] = ()
-    where: str | None = None
-    kind: str = ""
-    numbers: dict = field(default_factory=dict, hash=False)
-    hint: str | None = None
-
-    def describe(self) -> str:
-        later = [s for s in self.steps if s != self.step]
-        if not later:
-            return self.message
-        shown = ", ".join(map(str, later[:6])) + (", ..." if len(later) > 6 else "")
-        return f"{self.message} [again at step{'s' if len(later) > 1 else ''} {shown}]"
 
 
 def collapse(findings: list[Finding]) -> tuple[Finding, ...]:

@@ -5,16 +5,18 @@ on every rank?
     auditor.py     the global optimizer step hooks; what is audited when
     naming.py      the modules the script built; a tensor's name in its model
     collect.py     the replicated entries of a phase (sharded tensors skipped)
-    fingerprint.py one exact 64-bit fingerprint per tensor, computed where it lives
     side_group.py  the audit's own gloo group, beside the script's
     compare.py     one audit point: agree on the layout, then the fingerprints, then detail
     book.py        distinct findings, recurrences and echoes
     report.py      the typed records a rank writes for the parent
 
-Imports only torch: the launcher installs it in a rank before the script runs.
+Fingerprints and agreement are the replica audit's one engine (`verify/replica_audit/`).
+
+Imports only torch and the engine: the launcher installs it in a rank before the script runs.
 """
 
+from verify.replica_audit.finding import Finding, TensorDiff
 from verify.script_audit.auditor import Auditor
-from verify.script_audit.report import AuditReport, AuditSettings, Finding, TensorDiff
+from verify.script_audit.report import AuditReport, AuditSettings
 
 __all__ = ["AuditReport", "AuditSettings", "Auditor", "Finding", "TensorDiff"]

@@ -44,11 +44,11 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
-from verify.script_audit.fingerprint import fingerprints
 from verify.script_audit.naming import Modules, strip, syncs_buffers
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup

@@ -1,4 +1,5 @@
-"""Folding what each audit point found into distinct findings (`report.Finding`).
+"""Folding what each audit point found into distinct findings (the one `Finding`, of check
+"audit": `verify/replica_audit/finding.py`), each with its hint.
 
 At one audit point the tensors that differ are grouped by phase. A tensor that already
 differed in the same phase at an earlier step adds that step to its finding (`seen_at`):
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from verify.checks.kinds import AUDIT_LAYOUT, DIVERGENCE, NOTE
+from verify.replica_audit.finding import Finding, TensorDiff, diff_numbers
 from verify.script_audit import report
 from verify.script_audit.collect import Entry
 from verify.script_audit.compare import Outcome
-from verify.script_audit.report import Finding, TensorDiff
 
 MAX_SEEN = 32  # later steps kept per finding
 
@@ -78,7 +80,7 @@ class Book:
         f = self.findings[i]
         if step == f.step or step in f.seen_at or len(f.seen_at) >= MAX_SEEN:
             return False
-        self.findings[i] = replace(f, seen_at=(*f.seen_at, step))
+        self.findings[i] = replace(f, steps=(*f.steps, step))
         return True
 
     def _cause(self, optimizer: str, phase: str, name: str) -> int | None:
@@ -107,10 +109,16 @@ class Book:
     def _new(self, optimizer, step, phase, cause, names, diffs) -> None:
         index = len(self.findings)
         shown = tuple(d if d is not None else TensorDiff(n, (), -1) for n, d in zip(names, diffs))
-        kind = "note" if phase == report.BUFFERS_LOCAL else "divergence"
-        self.findings.append(
-            Finding(kind, optimizer, step, phase, shown[:8], len(names), echo_of=cause)
-        )
+        kind = NOTE if phase == report.BUFFERS_LOCAL else DIVERGENCE
+        ranks = tuple(sorted({r for d in shown for r in d.ranks}))
+        numbers = {"optimizer": optimizer, "count": len(names),
+                   "tensors": diff_numbers(shown[:8]), "echo_of": cause}  # fmt: skip
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        message = f"{_where(phase, step, optimizer)}: {names[0]}{more} differ{'s' * (not more)}"
+        self.findings.append(_hinted(Finding(
+            "audit", phase, step, message, names[0], ranks, (step,),
+            _where(phase, step, optimizer), kind, numbers,
+        )))  # fmt: skip
         for name in names:
             self._covered[(optimizer, phase, name)] = index
             key = (optimizer, name)
@@ -130,5 +138,21 @@ class Book:
         if key in self._covered:
             return self._again(optimizer, step, report.LAYOUT, "")
         self._covered[key] = len(self.findings)
-        self.findings.append(Finding("layout", optimizer, step, report.LAYOUT, (), 0, detail))
+        numbers = {"optimizer": optimizer, "count": 0, "tensors": [], "echo_of": None}
+        where = _where(report.LAYOUT, step, optimizer)
+        found = Finding("audit", report.LAYOUT, step, detail, None, (), (step,), where,
+                        AUDIT_LAYOUT, numbers)  # fmt: skip
+        self.findings.append(_hinted(found))
         return True
+
+
+def _where(phase: str, step: int, optimizer: str) -> str:
+    """The audit point, as a report names it: "gradients before step 2 (SGD)"."""
+    return phase.format(step=step) + f" ({optimizer})"
+
+
+def _hinted(finding: Finding) -> Finding:
+    """`finding` with its hint, from the script audit's part of the one hint table."""
+    from verify.checks.script_hints import script_hint  # imports this package's phases
+
+    return replace(finding, hint=script_hint(finding))

@@ -3,7 +3,7 @@ of fixed size, per-rank detail gathered only where they do not.
 
 1. The header: a digest of the entries' keys (names, dtypes, shapes), their count, the
    optimizer, its step and the point (before or after the step): 5 words, all-reduced as
-   maximum and minimum (`SideGroup.agree`); from the second time on at the same point, in
+   maximum and minimum (the engine's `agree`); from the second time on at the same point, in
    the same all-reduce as the fingerprints (`compare`'s `sizes`). Unequal: the ranks audit different things (a
    state entry present on some ranks only, a step skipped on one rank); the ranks then
    gather their headers and each compares its keys with the reference rank's, and this is
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from verify.checks.mismatch import common_scale, fitted_scale
+from verify.replica_audit.finding import TensorDiff
+from verify.replica_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
+from verify.replica_audit.group import agree
 from verify.script_audit.collect import Entry
-from verify.script_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
-from verify.script_audit.report import TensorDiff
 from verify.script_audit.side_group import SideGroup
 
 MAX_DETAIL = 12  # tensors per audit point described in full (the rest are counted)
@@ -70,16 +71,16 @@ def compare(
     expected = sizes.get((where[0], where[2]))
     prints = _fingerprints(entries)
     if expected is None:
-        agreed, same = all(group.agree(header)), None
+        agreed, same = all(agree(header, group)), None
     else:
         body = (prints + [0] * expected)[:expected]
-        both = group.agree(header + body)
+        both = agree(header + body, group)
         agreed, same = all(both[: len(header)]), both[len(header) :]
     if not agreed:
         return Outcome(layout=_layout(group, header, keys))
     if expected != len(entries):
         sizes[(where[0], where[2])] = len(entries)
-        same = group.agree(prints)
+        same = agree(prints, group)
     mismatched = [i for i, ok in enumerate(same) if not ok]
     outcome = Outcome(mismatched=mismatched)
     if not mismatched:

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verify.replica_audit.fingerprint import text_bits
 from verify.script_audit.collect import Entry
 from verify.script_audit.compare import fit
-from verify.script_audit.fingerprint import text_bits
 from verify.script_audit.side_group import SideGroup
 
 MAX_DETAIL = 3  # parameters whose holders are described after a fault

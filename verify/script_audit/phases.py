@@ -1,4 +1,4 @@
-"""The phases of a script audit's finding (`report.Finding.phase`): what was compared, in
+"""The phases of a script audit's finding (the `phase` of its `Finding`): what was compared, in
 the order they are audited around one step, each a label with the step in it. Apart from
 `report.py` so the hint table (`checks/script_hints.py`) can key on them without importing
 the report that shows its hints."""

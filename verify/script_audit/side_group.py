@@ -8,6 +8,9 @@ which would take a number in the script's own sequence of groups), and talks to 
 the group object, not `torch.distributed`'s functions, so the collective tracer and the race
 sanitizer never see it. With an NCCL script the values travel as small CPU tensors.
 
+It is a `Group` of the replica audit's engine (`verify/replica_audit/group.py`): whether the
+ranks agree is decided there, by the one agreement reduction every audit uses.
+
 Every method is a collective: every rank calls them in the same order, with tensors of the
 same size (the callers decide sizes from values all ranks agreed on, never from rank-local
 shapes).
@@ -48,13 +51,17 @@ class SideGroup:
             self._pg = dist.ProcessGroupGloo(store, self.rank, self.size, TIMEOUT)
         return self._pg
 
-    def max(self, values: list[int]) -> list[int]:
-        """The element-wise maximum over all ranks of a list of int64 values."""
-        t = torch.tensor(values, dtype=torch.int64)
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum over all ranks of an int64 CPU tensor, in place: the
+        engine's group interface (`verify/replica_audit/group.py`)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self._group().allreduce([t], opts).wait()
-        return t.tolist()
+        self._group().allreduce([values], opts).wait()
+        return values
+
+    def max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum over all ranks of a list of int64 values."""
+        return self.all_reduce_max(torch.tensor(values, dtype=torch.int64)).tolist()
 
     def sum(self, values: list[int]) -> list[int]:
         """The element-wise sum over all ranks of a list of int64 values."""
@@ -63,14 +70,6 @@ class SideGroup:
         opts.reduceOp = dist.ReduceOp.SUM
         self._group().allreduce([t], opts).wait()
         return t.tolist()
-
-    def agree(self, values: list[int]) -> list[bool]:
-        """Per value: is it the same on every rank? One all-reduce of 2 x len(values) words,
-        whatever the world size: the maximum of x and of ~x (= -x - 1, which reverses the
-        order without overflowing) give the maximum and the minimum."""
-        n = len(values)
-        both = self.max(values + [~v for v in values])
-        return [both[i] == ~both[n + i] for i in range(n)]
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of int64 values (the same length on every rank)."""

@@ -144,7 +144,12 @@ _TOOL_WORDS = (
     ("", "the tool"),
 )
 # The tool's wrappers around torch's collectives: transparent, never what it was doing.
-_WRAPPERS = ("watching/tracer.py", "watching/untraced.py", "sanitize" + os.sep)
+_WRAPPERS = (
+    "watching/tracer.py",
+    "watching/untraced.py",
+    "sanitize" + os.sep,
+    "replica_audit" + os.sep,  # the audit engine: its caller (consistency, the matrix) says what
+)
 
 
 def in_words(frames: list[tuple[str, str, str]]) -> str:

@@ -1,0 +1,12 @@
+"""The replica audit's one engine: what every audit of replicated state shares, whether it
+audits a class (`verify/checks/audit.py`: consistency, the matrix's cells), a class's shard
+layout (`verify/checks/layout.py`), the matrix's agreement on each cell
+(`verify/checks/agreement.py`) or a user's script (`verify/script_audit/`).
+
+    fingerprint.py one exact fingerprint per tensor, computed where it lives
+    group.py       the small group interface and the one agreement reduction over it
+                   (min and max in one all-reduce, O(1) in the world size)
+    finding.py     the one typed Finding of every check, the script audit's included
+
+Imports only torch: the script audit runs it inside a user's ranks.
+"""
