@@ -13,10 +13,8 @@ thread that trains):
     is not communication; waiting inside the range for a slower peer is (a real collective
     cannot finish before its slowest participant arrives).
   - GPU / NCCL: the union of NCCL kernels (`nccl*` kernel events) on the GPU streams; gloo
-    carrying CUDA tensors (`--device cuda --backend gloo`): its worker threads' ranges, as on
-    CPU. The profiler draws every host range a second time on the GPU's streams
-    (`gpu_user_annotation`): those copies are left out, or each step and each collective
-    would count twice (a world-size-1 NCCL profile read 0.5 all-reduces a step).
+    carrying CUDA tensors: its worker threads' ranges, as on CPU. The host ranges' copies on
+    the GPU's streams (`gpu_user_annotation`) are left out (`host_events`).
 - **compute** B: when the device computed.
   - CPU: the union of operator ranges (`cpu_op` events) on the training thread, minus the
     `c10d::` operators that only hand a collective to the backend. Gaps between operators
@@ -172,9 +170,8 @@ def payload_bytes(event: dict) -> int:
 
 
 def host_events(trace: dict) -> list[dict]:
-    """The trace's complete events, without the copies of host ranges the profiler draws on
-    the GPU's streams (`gpu_user_annotation`: each `ProfilerStep#N` and each backend range a
-    second time, at GPU time), which would count each step and each collective twice."""
+    """The trace's complete events, less the host ranges' copies on the GPU's streams
+    (`gpu_user_annotation`, at GPU time), which would count each step and collective twice."""
     return [
         e
         for e in trace.get("traceEvents", [])
@@ -184,25 +181,20 @@ def host_events(trace: dict) -> list[dict]:
 
 def profiler_steps(events: list[dict]) -> list[dict]:
     """The `ProfilerStep#N` ranges of the thread that trains, in time order."""
-    return sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=_start)
-
-
-def _start(event: dict) -> float:
-    return float(event["ts"])
+    return sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=_span)
 
 
 def analyze(trace: dict, *, rank: int = 0) -> list[StepMetrics]:
     """Metrics of every `ProfilerStep#N` in one rank's trace (see the module docstring)."""
     events = host_events(trace)
-    steps = profiler_steps(events)
-    if not steps:
+    if not (steps := profiler_steps(events)):
         return []
     main_tid = steps[0]["tid"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     collectives = [e for e in events if _COLLECTIVE.match(e["name"])]
-    if kernels:  # GPU: the device's own timeline; gloo carrying CUDA tensors: its threads
-        gloo = [_span(e) for e in collectives if e["tid"] != main_tid]
-        comm = union([_span(e) for e in kernels if "nccl" in e["name"].lower()] + gloo)
+    if kernels:  # GPU: NCCL's kernels, or gloo's threads where it carries CUDA tensors
+        comm = [_span(e) for e in kernels if "nccl" in e["name"].lower()]
+        comm = union(comm + [_span(e) for e in collectives if e["tid"] != main_tid])
         busy = union(_span(e) for e in kernels if "nccl" not in e["name"].lower())
     else:  # CPU: gloo worker threads vs. the training thread's operators
         comm = union(_span(e) for e in collectives if e["tid"] != main_tid)
