@@ -244,6 +244,30 @@ def test_launches_side_by_side_take_the_least_used_gpus():
     gpus.give_back([1, 0])
 
 
+def test_gloo_ranks_share_the_gpus_there_are(gpus_visible):
+    """`--device cuda --backend gloo`: ranks beyond the GPUs share them, spread evenly, the
+    least used first; NCCL still takes distinct GPUs; the placement is checked before any
+    rank starts, in one line."""
+    one = gpus.take(3, 1, shared=True)
+    assert one == [0, 0, 0]
+    gpus.give_back(one)
+    side_by_side = [gpus.take(n, 2, shared=True) for n in (2, 3)]
+    assert side_by_side == [[0, 1], [0, 1, 0]]
+    for chosen in side_by_side:
+        gpus.give_back(chosen)
+    with pytest.raises(ValueError, match="2 ranks need as many GPUs, 1 visible"):
+        gpus.take(2, 1)  # NCCL
+    gpus_visible(1)
+    gpus.check("cuda", "gloo")  # one GPU is enough for any number of gloo ranks
+    with pytest.raises(ValueError, match="--backend nccl carries CUDA tensors only"):
+        gpus.check("cpu", "nccl")
+    gpus_visible(0)
+    with pytest.raises(ValueError, match="--device cuda --backend gloo needs a GPU"):
+        gpus.check("cuda", "gloo")
+    options = ConsistencyOptions(impl="bucketed", world_size=4, device="cpu")
+    assert launch_knobs(options)["device"] == "cpu"
+
+
 # --- the profile's timeline on a GPU (item 15) ------------------------------------------------
 
 
