@@ -8,13 +8,13 @@ What is communicated, when, and at what cost:
   divided by the world size in place, and one async all-reduce of the buffer is launched;
   buckets launch strictly in plan order (see `overlap.py` for why). A `.grad` that autograd
   made afresh (after `zero_grad(set_to_none=True)`, the default) is divided into its view on
-  the way in (one pass) and replaced by the view;
+  the way in (one pass);
 - in `finish_gradient_synchronization()`: launch buckets not yet launched (gradients this rank
-  did not produce are zeros), all-reduce the usage map, wait on every bucket. The averages are
-  already where `.grad` points: nothing is copied back;
+  did not produce are zeros), all-reduce the usage map, wait on every bucket, and make each
+  view the `.grad` of its parameter where it is not yet: nothing is copied back;
 - collectives per step: B + 1 for B buckets; extra memory: none in steady state (the buffers
   are the gradients). After `zero_grad(set_to_none=True)` autograd makes fresh gradients that
-  live until their bucket is filled, as with any wrapper.
+  live until the synchronization, as with any wrapper.
 
 The idea it adds to `overlap`: amortize per-collective latency over many small gradients while
 keeping most of the overlap. `bucket_size_mb` trades the two: one huge bucket is `flat` with no
@@ -37,12 +37,12 @@ from .planning import ParamInfo, plan_buckets
 
 
 class Bucket:
-    """One flat gradient buffer, a view of it per member parameter (its `.grad` once filled),
-    and the handle of the all-reduce of the buffer while it is in flight.
+    """One flat gradient buffer, a view of it per member parameter (its `.grad` from the
+    first synchronization on), and the handle of the all-reduce of the buffer in flight.
 
     The buffer is the collective's from `launch` to `wait`: while a handle is held, nothing
-    reads or writes a member's `.grad` (what `--sanitize` checks: views share the buffer's
-    storage, so it sees every access).
+    reads or writes it, nor a `.grad` that is one of its views (what `--sanitize` checks:
+    views share the buffer's storage, so it sees every access).
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
@@ -57,20 +57,22 @@ class Bucket:
         self.handle: dist.Work | None = None
 
     def fill(self, produced: list[bool], divide_by: int) -> None:
-        """Put each member's gradient, divided by `divide_by`, in its view, and make the view
-        its `.grad`; a member not `produced` on this rank contributes zeros.
+        """Put each member's gradient, divided by `divide_by`, in its view; a member not
+        `produced` on this rank contributes zeros.
 
         A gradient already in its view (every step but the first with `set_to_none=False`,
-        every micro-step after the first under `no_sync()`) is divided in place: no copy.
+        every micro-step after the first under `no_sync()`) is divided in place: no copy. A
+        fresh one stays `.grad` until `attach`: its view becomes `.grad` only once the average
+        is in it, so whatever writes that `.grad` meanwhile (a buggy subclass's late gradient)
+        writes the fresh tensor, not memory on the wire.
         """
         for param, view, mine in zip(self.params, self.views, produced, strict=True):
             grad = param.grad
             if mine and grad is not None:
                 if _is_view(grad, view):
                     view.div_(divide_by)
-                else:  # fresh from autograd: one pass, and the fresh tensor is freed
+                else:  # fresh from autograd: one pass
                     torch.div(grad, divide_by, out=view)
-                    param.grad = view
             else:
                 if grad is not None and _is_view(grad, view):
                     # An old gradient in the view: the view must carry zeros, and if no rank

@@ -28,8 +28,9 @@ class ReadyWhenNotNone(BucketedDDP):
     `zero_grad(set_to_none=False)`, or on the synchronized backward after `no_sync()`
     micro-steps, every `.grad` already exists, so every bucket is "ready" at the first hook
     and goes out before backward has computed its gradients: the average is of zeros (or of
-    the earlier micro-steps only), and the rest of backward adds each rank's own late
-    gradients into the bucket views (the members' `.grad`) while they are on the wire.
+    the earlier micro-steps only), the same on every rank. (With `set_to_none=False`, where
+    `.grad` is the bucket's view from the second step on, the late gradients are also added
+    into the buffer while it is on the wire: a race.)
 
     Caught by equivalence on the `no_sync()` behaviour (and on `set_to_none=False` when no
     bucket holds a parameter that never gets a gradient: such a bucket is never "ready", so
