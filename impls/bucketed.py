@@ -71,7 +71,7 @@ class Bucket:
             if mine and grad is not None:
                 if _is_view(grad, view):
                     view.div_(divide_by)
-                else:  # fresh from autograd: one pass
+                else:  # fresh: the division rides on the copy (one pass, same rounding)
                     torch.div(grad, divide_by, out=view)
             else:
                 if grad is not None and _is_view(grad, view):
