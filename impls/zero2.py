@@ -89,7 +89,7 @@ class Zero2DDP(BucketedDDP):
         sizes = [p.numel() * p.element_size() for p in self.sync_params]
         self.owners = list(partition_parameters(sizes, self.world_size).owners)
         self._owner = {id(p): r for p, r in zip(self.sync_params, self.owners)}
-        plan = super()._plan_units()  # plain buckets; replaced by owner-laid-out ones
+        plan = self._bucket_plan()  # `bucketed`'s plan, each bucket laid out by owner
         self.buckets = [
             ShardedBucket(
                 [self.sync_params[i] for i in unit],

@@ -28,7 +28,9 @@ class ReadyWhenNotNone(BucketedDDP):
     `zero_grad(set_to_none=False)`, or on the synchronized backward after `no_sync()`
     micro-steps, every `.grad` already exists, so every bucket is "ready" at the first hook
     and goes out before backward has computed its gradients: the average is of zeros (or of
-    the earlier micro-steps only), the same on every rank.
+    the earlier micro-steps only), the same on every rank. (With `set_to_none=False`, where
+    `.grad` is the bucket's view from the second step on, the late gradients are also added
+    into the buffer while it is on the wire: a race.)
 
     Caught by equivalence on the `no_sync()` behaviour (and on `set_to_none=False` when no
     bucket holds a parameter that never gets a gradient: such a bucket is never "ready", so
@@ -91,8 +93,9 @@ class SkipsBucketWithMissingGrad(BucketedDDP):
     instead of sending zeros for it.
 
     Symptom: when a parameter is unused on every rank, every rank skips its bucket: the
-    bucket's other gradients are replaced by whatever the bucket buffer held (zeros at
-    first), the same on every rank. When it is unused on some ranks only, those ranks issue
+    bucket's other gradients become whatever the bucket buffer held (zeros at first, then the
+    last step's averages, or this rank's own undivided gradients where `.grad` already was
+    the bucket's view). When it is unused on some ranks only, those ranks issue
     one all-reduce fewer than the others: the k-th collectives no longer match, and gloo
     aborts on a size mismatch or the run hangs (the "several-buckets" behaviour shows it).
 

@@ -229,5 +229,5 @@ def _bandwidth_line(result: BenchResult) -> str:
         f"from the last rank's first launch to the last completion): ours {ours * 1e3:.1f} ms "
         f"({total * factor / ours / 1e9:.2f} GB/s busbw), raw all_reduce {raw * 1e3:.1f} ms "
         f"({total * factor / raw / 1e9:.2f} GB/s busbw); the whole synchronization with "
-        f"copy-in/out and the usage map: {sync * 1e3:.1f} ms"
+        f"the copies into the buckets and the usage map: {sync * 1e3:.1f} ms"
     )

@@ -2,18 +2,21 @@
 
 `BucketedDDP` is trained by the one trainer's construction (`Trainer`, so it is built and
 broadcast as every check builds it); its gradients are then made ready under `no_sync()`,
-and `finish_gradient_synchronization()` launches every bucket (copying each in just before
-its launch), waits, and copies back. Against it: raw all-reduces of buffers of the same
-sizes, launched the same way. Interleaved, the order alternating each round.
+and `finish_gradient_synchronization()` launches every bucket (copying each in, divided, just
+before its launch: `zero_grad` as the trainer calls it, set_to_none by default, leaves fresh
+gradients every round, as in training) and waits; the averages are then in `.grad`, views of
+the buckets. Against it: raw all-reduces of buffers of the same sizes, launched the same way.
+Interleaved, the order alternating each round.
 
 "On the wire", on CPU, is measured the same way for both: from the first all-reduce's launch
 on the last rank to launch it, to the last completion on the last rank to see it (stamped by a
 callback on each Work's future; ranks on one host share `perf_counter`'s clock). So the copy
 of bucket k+1 while bucket k is in flight counts against us, as it does in training; how much
 later a rank launches its first bucket because it copied slower does not (that is the copy's
-cost, not the collective's). The whole synchronization, copies included, is reported beside
-it. On CUDA a future completes when its kernel is enqueued, not done, so there the span is the
-whole call with the device synchronized, copies included for ours: a stricter bar.
+cost, not the collective's). The whole synchronization, copies and usage map included, is
+reported beside it. On CUDA a future completes when its kernel is enqueued, not done, so there
+the span is the whole call with the device synchronized, copies included for ours: a stricter
+bar.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def bucket_bandwidth(ctx: RankContext, spec: TrainSpec, repeats: int) -> dict:
     batch = batch.to(ctx.device)
     out: dict[str, list[float]] = {"ours_s": [], "raw_s": [], "ours_sync_s": []}
     for r in range(repeats + 1):  # round 0 is warm-up
+        trainer.optimizer.zero_grad(set_to_none=spec.set_to_none)  # as a training step does
         with ddp.no_sync():  # gradients ready, nothing launched: the sync alone is timed
             trainer.workload.loss(ddp, batch).backward()
         pair = [(ours, "ours"), (raw_all_reduce, "raw")]
