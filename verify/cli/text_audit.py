@@ -118,9 +118,10 @@ def _joined(report: AuditReport) -> list[str]:
     if report.unseen:
         steps = ", ".join(f"{_plural(n, 'step')} of {name}" for name, n in report.unseen.items())
         lines.append(
-            f"note: {steps} inside a join() led by an optimizer: not audited, as its count of the "
-            "ranks still training comes inside the step, after the audit's point before it "
-            "(put the model first: Join([model, optimizer]))"
+            f"note: {steps} inside a join() whose count of the ranks still training comes too "
+            "late for the audit's point before a step (a join() led by an optimizer: put the "
+            "model first, Join([model, optimizer])) or covers only part of the world (a join() "
+            "over a subgroup): not audited"
         )
     return lines
 

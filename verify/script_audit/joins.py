@@ -25,7 +25,9 @@ step of the script.
 
 A join whose first joinable is an optimizer (`Join([zero, model])`) notifies inside the
 optimizer's step, after the audit's point before it: the audit cannot know in time, so the
-steps inside such a join are counted, not audited. When a join exits, every rank has left
+steps inside such a join are counted, not audited; so are those inside a join over a process
+group that is not the whole world (its count says nothing of the ranks outside it, which the
+audit's group holds too). When a join exits, every rank has left
 it: later steps are every rank's again. Without join() nothing changes (a rank that leaves
 early without it is the watchdog's "left early" hang).
 """
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 PARTIAL = "partial"  # a step only the ranks still training take: some rank has joined
-UNSEEN = "unseen"  # a step inside a join led by an optimizer: whether all take it is unknown
+UNSEEN = "unseen"  # a step in a join the audit cannot read in time: whether all take it unknown
 SHADOW = "shadow"  # a joined rank's join hook steps the optimizer (ZeRO): not the script's step
 
 
@@ -52,6 +54,8 @@ class Joins:
         self._originals: tuple | None = None
 
     def install(self) -> None:
+        if not dist.is_available():  # a torch built without distributed: no join() to watch
+            return
         from torch.distributed.algorithms.join import Join
 
         notify, enter, leave = Join.notify_join_context, Join.__enter__, Join.__exit__
@@ -66,8 +70,7 @@ class Joins:
 
         def __enter__(join):
             out = enter(join)
-            if join._enable and isinstance(join._joinables[0], torch.optim.Optimizer):
-                joins._unseen += 1
+            joins._unseen += _led_by_optimizer(join)
             return out
 
         def __exit__(join, *exc):
@@ -77,8 +80,7 @@ class Joins:
             finally:  # every rank has left this join: no count of it holds any longer
                 joins._exiting -= 1
                 joins._work = joins._group = None
-                if join._enable and isinstance(join._joinables[0], torch.optim.Optimizer):
-                    joins._unseen = max(0, joins._unseen - 1)
+                joins._unseen = max(0, joins._unseen - _led_by_optimizer(join))
 
         Join.notify_join_context = staticmethod(notify_join_context)
         Join.__enter__ = __enter__
@@ -94,9 +96,9 @@ class Joins:
 
     def step(self) -> str | None:
         """Before a step: None when every rank takes it, PARTIAL when some rank has joined,
-        SHADOW when this rank has joined and its join hook steps, UNSEEN when a join led by an
-        optimizer leaves it unknown. Every rank still training answers alike: the count is the
-        result of one all-reduce they all took part in."""
+        SHADOW when this rank has joined and its join hook steps, UNSEEN when the join cannot
+        tell in time (led by an optimizer, or over a subgroup). Every rank still training
+        answers alike: the count is the result of one all-reduce they all took part in."""
         if self._exiting:
             return SHADOW
         if self._unseen:
@@ -104,14 +106,25 @@ class Joins:
         work, group = self._work, self._group
         if work is None:
             return None
-        work.wait()  # done already when DDP's backward ran; the joined ranks shadow it anyway
-        try:
-            count = int(work.result()[0].item())
-        except (RuntimeError, IndexError):  # a backend that keeps no result: cannot know
-            return UNSEEN
         size = dist.get_world_size(group)
+        if size != dist.get_world_size():  # a count of a subgroup says nothing of the others
+            return UNSEEN
+        work.wait()  # done already when DDP's backward ran; the joined ranks shadow it anyway
+        try:  # its future's value, not `Work.result()` (deprecated: torch warns on stderr)
+            count = int(work.get_future().value()[0].item())
+        except (RuntimeError, IndexError, TypeError):  # a backend that keeps no result
+            return UNSEEN
         if count >= size:
             return None
         if self.fewest is None or count < self.fewest[0]:
             self.fewest = (count, size)
         return PARTIAL
+
+
+def _led_by_optimizer(join) -> bool:
+    """An enabled join whose first joinable (the one that notifies) is an optimizer. Read from
+    torch's private fields, never failing the script's `with` if they change."""
+    try:
+        return bool(join._enable) and isinstance(join._joinables[0], torch.optim.Optimizer)
+    except (AttributeError, IndexError, TypeError):
+        return False
