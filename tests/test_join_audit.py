@@ -75,6 +75,11 @@ def join_problems(out: str, names: tuple[str, ...] = tuple(CASES)) -> list[str]:
             problems.append(f"{name}: audited, joined, fewest: {audit_text(r)}")
         elif "note: uneven data under join()" not in audit_text(r):
             problems.append(f"{name}: no note of the steps not audited: {audit_text(r)}")
+        # the audit adds nothing to what the script prints (torch warns on Work.result())
+        warned = [p.name for p in Path(r.report_dir).glob("rank*.stderr")
+                  if "deprecated" in p.read_text(errors="replace")]  # fmt: skip
+        if warned:
+            problems.append(f"{name}: a deprecation warning in {warned}")
     r = results.get("epochs")
     if r is not None:
         causes = [(f.phase, f.step, f.ranks) for f in r.faults if f.echo_of is None]
