@@ -54,8 +54,8 @@ class AuditReport:
     stopped: str | None = None  # why auditing stopped before the script ended
     # Under PyTorch's join() (`joins.py`): optimizer -> steps this rank took while some rank
     # had joined (run out of data), never audited; the fewest ranks still training at one of
-    # them, and of how many; optimizer -> steps inside a join led by an optimizer, where the
-    # audit cannot know in time whether every rank takes the step, never audited either.
+    # them, and of how many; optimizer -> steps inside a join the audit cannot read in time
+    # (led by an optimizer, or over a subgroup), never audited either.
     joined: dict[str, int] = field(default_factory=dict)
     joined_ranks: tuple[int, int] | None = None
     unseen: dict[str, int] = field(default_factory=dict)
