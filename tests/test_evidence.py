@@ -185,18 +185,18 @@ def own_ranks_problems(out: str) -> list[str]:
     600 s, then TIMEOUT "no rank was hung"); with the port from the environment its workers
     meet at the tool's store and train, untraced: UNWATCHED at the end, never a pass. A DDP
     script whose ranks load batches in DataLoader workers (processes, not ranks) passes
-    (under `hang`: the audit and DDP's join() do not go together yet, a separate matter)."""
+    under `audit`, under DDP's join() (the steps after rank 1 joined counted, not audited)."""
     audit = lambda *argv: check_audit(AuditOptions(  # noqa: E731
         script=argv, nproc=1, stall_timeout_s=STALL_S, out=out, console="none", timeout_s=300
     ))  # fmt: skip
-    workers = HangOptions(
+    workers = AuditOptions(
         script=(UNEVEN, "--join", "--barrier", "--workers", "2"), nproc=2,
         stall_timeout_s=STALL_S, out=out, console="none", timeout_s=300,
     )  # fmt: skip
     with ThreadPoolExecutor(max_workers=3) as pool:
         spawn = pool.submit(audit, SPAWN, "2")
         env_port = pool.submit(audit, SPAWN, "1", "--port", "env")
-        ok = check_hang(workers)
+        ok = check_audit(workers)
         results = {"spawn": spawn.result(), "spawn-env-port": env_port.result()}
     problems = []
     for name, r in results.items():
@@ -215,9 +215,9 @@ def own_ranks_problems(out: str) -> list[str]:
         problems.append(f"spawn: why they wait is not said: {d.headline}")
     elif d.detection_s is None or d.detection_s > STALL_S + 8:
         problems.append(f"spawn: detected {d.detection_s}s after its processes went still")
-    if ok.verdict != "pass":
-        problems.append(f"workers: {ok.verdict}: {ok.diagnosis.text()}")
-    pids = [p for r in results.values() for p in r.run.pids.values()] + list(ok.pids.values())
+    if ok.verdict != "pass" or not ok.audit.joined:
+        problems.append(f"workers: {ok.verdict}: {ok.run.diagnosis.text()}")
+    pids = [p for r in results.values() for p in r.run.pids.values()] + list(ok.run.pids.values())
     # each rank leads a session of its own: its spawned workers are in it
     left = [p for p in pids if alive(p)] + [q for p in pids for q in session_members(p)]
     if left:

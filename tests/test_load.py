@@ -17,7 +17,8 @@ nothing is left running afterwards. So do two jobs of two torchrun agents (two n
 `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
 computes for twice the stall timeout on node 1 while node 0 waits is no finding; so do the
 cases where the trace is blind (PyTorch DDP under torchrun, uneven data, a script that starts
-its own ranks), in a test of their own. The CPU
+its own ranks), in a test of their own, and so does `audit` under PyTorch's join() (uneven
+data: a pass; a rank parked inside the join: a HANG naming it). The CPU
 meters under them still read a process at `nice 19` that computes as busy and a waiting one as
 idle (tests/test_procstat.py).
 
@@ -44,6 +45,7 @@ from tests import (
     test_evidence,
     test_hang,
     test_hints,
+    test_join_audit,
     test_matrix,
     test_procstat,
     test_replica_audit,
@@ -175,5 +177,18 @@ def test_verdicts_where_the_trace_is_blind_hold_with_every_core_busy(tmp_path):
             own = pool.submit(test_evidence.own_ranks_problems, str(tmp_path / "own"))
             problems = test_hang.blind_problems(blind.result(), slack_s=20.0)
             problems += uneven.result() + own.result()
+    assert not problems, "\n".join(problems)
+    assert not [p for p in hog_pids if alive(p)]
+
+
+@pytest.mark.alone
+def test_the_audit_under_join_holds_with_every_core_busy(tmp_path):
+    """Under the hogs: `audit` of a fresh DDP script with uneven files under `Join([model])`
+    on 3 ranks (a pass, the steps all ranks took audited, the others counted), the same with
+    one rank parked inside the join (a HANG naming it), and uneven data without join() (the
+    rank that left early named): the verdicts of an idle machine (`tests/test_join_audit.py`),
+    and nothing left running."""
+    with hogs() as hog_pids:
+        problems = test_join_audit.join_problems(str(tmp_path), ("fresh", "parked", "no-join"))
     assert not problems, "\n".join(problems)
     assert not [p for p in hog_pids if alive(p)]

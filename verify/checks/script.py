@@ -150,9 +150,11 @@ def races_of(report_dir: str, world: int) -> tuple[dict, ...]:
 
 def audit_of(report_dir: str, world: int) -> AuditReport | None:
     """The audit's report: every rank reaches the same findings (they are decided by
-    reductions), so the one that audited most is taken (a rank that crashed wrote less)."""
+    reductions), so the one that audited most is taken (a rank that crashed wrote less); of
+    those, under join(), the one that trained longest (its steps after others joined)."""
     reports = [
         AuditReport.read(os.path.join(report_dir, f"rank{r}.audit.json")) for r in range(world)
     ]
     reports = [r for r in reports if r is not None]
-    return max(reports, key=lambda r: (r.audits, len(r.findings)), default=None)
+    key = lambda r: (r.audits, len(r.findings), sum(r.joined.values()))  # noqa: E731
+    return max(reports, key=key, default=None)

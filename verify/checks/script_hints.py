@@ -36,8 +36,9 @@ PHASE_HINTS = {
     "by the world size, or divided on some ranks only)",
     report.PARAMS_AFTER: "parameters differ after a step whose gradients and settings agreed: the "
     "update itself ran differently on some ranks (a rank-local clip, learning rate or "
-    "optimizer setting, optimizer state loaded or reset on some ranks only, or an edit of the "
-    "parameters outside the optimizer)",
+    "optimizer setting, optimizer state loaded or reset on some ranks only, or lagging on a rank "
+    "that joined early under join() with uneven data: join() syncs the model, not the "
+    "optimizer; or an edit of the parameters outside the optimizer)",
     report.STATE: "optimizer state differs although the gradients agreed: state changed on some ranks "
     "only (a rank-local load_state_dict or reset)",
     report.LAYOUT: "the ranks audit different sets of tensors here: optimizer state or gradients "

@@ -49,6 +49,7 @@ def findings(audited: AuditReport | None) -> list[str]:
         lines.append(f"note: optimizer state sharded by design, each rank holding its own part "
                      f"({held} entries): not compared across ranks; the parameters it updates "
                      "are, at every audited step")  # fmt: skip
+    lines += _joined(audited)
     lines.append(_summary(audited))
     if audited.stopped:
         lines.append(f"note: the audit stopped early: {audited.stopped}")
@@ -100,6 +101,33 @@ def _again(f: Finding) -> str:
         if f.seen_at
         else ""
     )
+
+
+def _joined(report: AuditReport) -> list[str]:
+    """The steps taken under PyTorch's join() that not every rank took: said, not audited."""
+    lines = []
+    if report.joined:
+        steps = ", ".join(f"{_plural(n, 'step')} of {name}" for name, n in report.joined.items())
+        still, of = report.joined_ranks or (0, 0)
+        lines.append(
+            f"note: uneven data under join(): {steps} taken after a rank had run out of data "
+            f"and joined (down to {still} of {of} ranks still training): not audited, as only "
+            "some ranks take them (join() shadows the collectives of the others); every step "
+            "all ranks took was"
+        )
+    if report.unseen:
+        steps = ", ".join(f"{_plural(n, 'step')} of {name}" for name, n in report.unseen.items())
+        lines.append(
+            f"note: {steps} inside a join() whose count of the ranks still training comes too "
+            "late for the audit's point before a step (a join() led by an optimizer: put the "
+            "model first, Join([model, optimizer])) or covers only part of the world (a join() "
+            "over a subgroup): not audited"
+        )
+    return lines
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _summary(report: AuditReport) -> str:

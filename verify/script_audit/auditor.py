@@ -25,6 +25,11 @@ An optimizer stepped from inside another's step (`ZeroRedundancyOptimizer` steps
 optimizer over this rank's shard) is not audited: only the outermost step counts. With
 `every=K` only steps 0, K, 2K, ... are audited; the script's step count is kept per optimizer.
 
+Under PyTorch's `join()` (uneven data), a step taken after some rank has joined (run out of
+data) is taken by the ranks still training only: it is counted for the report and never
+audited, and the audit's step numbers count the steps every rank took (`joins.py`, which
+learns it from join()'s own all-reduce, without a collective of the audit's).
+
 The audit never changes what the script computes: it reads tensors (fingerprints, and a
 copy of a differing tensor) and never writes one, draws nothing from a random generator, and
 talks over its own group (`side_group.py`). An error inside the audit stops the audit, with
@@ -49,6 +54,7 @@ from verify.script_audit import owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
+from verify.script_audit.joins import PARTIAL, SHADOW, Joins
 from verify.script_audit.naming import Modules, strip, syncs_buffers
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
@@ -64,15 +70,22 @@ class Auditor:
         self.modules = Modules()
         self.collect = Collector(self.modules)
         self.group = SideGroup()
+        self.joins = Joins()
         self.book = Book()
         self.scalers: weakref.WeakSet = weakref.WeakSet()
         # Keyed by the objects, weakly: an id is reused once the script drops an optimizer.
-        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> steps taken
+        # -> steps every rank took (under join(), not those after some rank joined)
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
         self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
         self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
         self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
         self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
+        # label -> steps taken under join() that not every rank took (or may not have): never
+        # audited (`joins.py`); `self.steps` counts the others, the steps every rank took
+        self.joined: dict[str, int] = {}
+        self.unseen: dict[str, int] = {}
+        self._skip: str | None = None  # why the step in progress is not every rank's
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
@@ -89,6 +102,7 @@ class Auditor:
         """Note the modules and GradScalers the script builds, and audit its steps."""
         self.modules.on_wrap = self._on_wrap
         self.modules.install()
+        self.joins.install()
         self.attach()
         from torch.amp import grad_scaler
 
@@ -117,6 +131,7 @@ class Auditor:
 
     def remove(self) -> None:
         self.modules.remove()
+        self.joins.remove()
         self.detach()
         if self._scaler_init is not None:
             from torch.amp import grad_scaler
@@ -157,17 +172,35 @@ class Auditor:
 
     def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
         self.depth += 1
+        if self.depth != 1:
+            return
+        self._skip = None
+        if self.stopped is None and self.group.ready():
+            self._guard(self._joined_now)
         step = self.steps.get(opt, 0)
-        if self.depth == 1 and self._due(step):
+        if self._skip is None and self._due(step):
             self._guard(self._audit_before, opt, step)
+
+    def _joined_now(self) -> None:
+        """Under join(), is this a step only the ranks still training take? (`joins.py`)"""
+        self._skip = self.joins.step()
 
     def _after(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
         self.depth = max(0, self.depth - 1)
         if self.depth > 0:
             return
+        skip, self._skip = self._skip, None
+        if skip == SHADOW:  # a joined rank's join hook stepping: not the script's step
+            return
+        _, label = self._label(opt)
+        self.finished_steps[label] = self.finished_steps.get(label, 0) + 1
+        if skip is not None:  # not a step of every rank: counted, never audited
+            counts = self.joined if skip == PARTIAL else self.unseen
+            counts[label] = counts.get(label, 0) + 1
+            self.write()
+            return
         step = self.steps.get(opt, 0)
         self.steps[opt] = step + 1
-        self.finished_steps[self._label(opt)[1]] = step + 1
         if self._due(step):
             self._guard(self._audit_after, opt, step)
 
@@ -265,6 +298,8 @@ class Auditor:
             audited_steps=self.audited_steps, tensors=self.tensors,
             sharded=self.sharded, sharded_state=dict(self.sharded_state),
             seconds=self.seconds, findings=tuple(self.book.findings),
+            joined=dict(self.joined), unseen=dict(self.unseen),
+            joined_ranks=self.joins.fewest,
             stopped=self.stopped,
             finished=finished,
         )  # fmt: skip

@@ -52,6 +52,13 @@ class AuditReport:
     seconds: float = 0.0  # time this rank spent inside the audit, in all
     findings: tuple[Finding, ...] = ()
     stopped: str | None = None  # why auditing stopped before the script ended
+    # Under PyTorch's join() (`joins.py`): optimizer -> steps this rank took while some rank
+    # had joined (run out of data), never audited; the fewest ranks still training at one of
+    # them, and of how many; optimizer -> steps inside a join the audit cannot read in time
+    # (led by an optimizer, or over a subgroup), never audited either.
+    joined: dict[str, int] = field(default_factory=dict)
+    joined_ranks: tuple[int, int] | None = None
+    unseen: dict[str, int] = field(default_factory=dict)
     finished: bool = False  # the script ended (or exited) and the report was written then
 
     @property
@@ -77,7 +84,9 @@ class AuditReport:
             for f in d.get("findings", ())
         )  # fmt: skip
         known = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in d.items() if k in known}, "findings": findings})
+        fewest = d.get("joined_ranks")
+        return cls(**{**{k: v for k, v in d.items() if k in known}, "findings": findings,
+                      "joined_ranks": None if fewest is None else tuple(fewest)})  # fmt: skip
 
     def write(self, path: str) -> None:
         """Atomically: the parent may read it while the rank runs, or after it was killed."""

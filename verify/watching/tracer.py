@@ -89,11 +89,13 @@ UNEVEN_OPS = frozenset(
 ROOTED_OPS = frozenset(op for op, (_, peer, p2p) in _OPS.items() if peer and not p2p)
 
 # The user's call site: outside torch, this file, the wrappers that count DDP's progress
-# (a collective DDP's join hook issues inside its forward) and the race sanitizer.
+# (a collective DDP's join hook issues inside its forward), the race sanitizer and the
+# audit's wrapper of join()'s notify all-reduce (`script_audit/joins.py`).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _find_site = SiteFinder(
     (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__),
-     os.path.join(_HERE, "untraced.py"), os.path.join(os.path.dirname(_HERE), "sanitize") + os.sep)
+     os.path.join(_HERE, "untraced.py"), os.path.join(os.path.dirname(_HERE), "sanitize") + os.sep,
+     os.path.join(os.path.dirname(_HERE), "script_audit", "joins.py"))
 )  # fmt: skip
 
 
