@@ -63,9 +63,13 @@ def test_thread_budget_shares_the_cores(monkeypatch):
 
 
 def test_a_script_shows_its_output_and_its_ranks_get_their_share(tmp_path, capsys):
+    """hang_script.py's correct loop (its twin that hangs: tests/test_hang.py): a pass, no
+    finding, no rank left, and the script's output on the console as it trains."""
     result = _script(tmp_path, "ok")
     out = capsys.readouterr().out
-    assert result.verdict == "pass", result.diagnosis.text()
+    assert result.verdict == "pass" and result.passed, result.diagnosis.text()
+    assert result.diagnosis.verdict == "ok", result.diagnosis.text()
+    assert result.pids and not [p for p in result.pids.values() if alive(p)]
     budget = thread_budget(2)
     for rank in (0, 1):  # streamed to the console with a rank prefix, as training runs
         assert f"[rank {rank}] rank {rank}: threads={budget.per_rank}" in out, out
