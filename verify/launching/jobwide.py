@@ -132,8 +132,6 @@ class NodeWatch:
         if not self.store.check(keys):
             return  # a node not up yet is starting
         statuses: list[NodeStatus] = [pickle.loads(b) for b in self.store.multi_get(keys)]
-        if os.environ.get("I28_DEBUG"):
-            print(f"DBG {time.monotonic():.2f} {statuses}", file=sys.stderr, flush=True)
         events = tuple(s.events for s in statuses)
         if events != self._last_events:
             self._last_events, self._last_change = events, now
