@@ -160,8 +160,10 @@ class PlacementOptions(Options):
 
     @property
     def device_type(self) -> str:
-        """cpu or cuda: `--device`, or the one the backend implies."""
-        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
+        """cpu or cuda: `--device`, or the one the backend implies (`gpus.device_for`)."""
+        from verify.launching import gpus
+
+        return gpus.device_for(self.device, self.backend)
 
 
 def launch_knobs(options: Any) -> dict[str, Any]:
