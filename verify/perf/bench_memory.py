@@ -55,6 +55,23 @@ def allocated_bytes(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
+def settle(device: torch.device) -> None:
+    """Let the tensors of a variant that is gone leave CUDA's count before the next baseline.
+
+    A tensor a collective used on another stream is freed late: the caching allocator holds
+    its block until that stream's event completes (record_stream), and the process group
+    keeps tensors it stashed until their work is done. Without this, a variant benched after
+    another had part of the other's memory in its baseline, freed during its own build: it
+    read 11% low (7,459,840 allocated bytes for zero1 benched with three other variants,
+    8,388,608 alone, one H200). gc first, so that the blocks are free; then wait for the
+    device and let `empty_cache` process the pending events (it is where the allocator
+    does, besides the next allocation)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def _model_state(trainer: Trainer, baseline: int | None) -> dict:
     """This rank's bytes now, counted as the memory check counts them (rank-local: none of
     `MemoryHooks`' collectives runs here)."""
@@ -78,12 +95,12 @@ def memory_alone(ctx: RankContext, options) -> tuple[dict[str, dict], dict[str, 
     for name in MEMORY_VARIANTS:  # in the ladder's order
         if name not in options.variants:
             continue
-        gc.collect()
+        settle(ctx.device)
         probe, check = MemoryProbe(allocated_bytes(ctx.device)), MemoryHooks()
         trainer = Trainer(ctx, options.train_spec(name), hooks=(probe, check))
         trainer.step(trainer.step_no + 1)
         shards[name] = check.result(trainer)
         del trainer
         phases[name] = probe.phases
-    gc.collect()
+    settle(ctx.device)
     return phases, shards
