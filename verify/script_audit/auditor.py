@@ -50,7 +50,7 @@ from torch.optim.optimizer import (
 )
 
 from verify.replica_audit.fingerprint import fingerprints
-from verify.script_audit import owners, report
+from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
@@ -86,6 +86,8 @@ class Auditor:
         self.joined: dict[str, int] = {}
         self.unseen: dict[str, int] = {}
         self._skip: str | None = None  # why the step in progress is not every rank's
+        # the "before" point of the step in progress, waiting for its closure (`closures.py`)
+        self._deferred: closures.Deferred | None = None
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
@@ -170,16 +172,24 @@ class Auditor:
 
     # ------------------------------------------------------------ the hooks
 
-    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> tuple | None:
+        """The step's pre-hook: None, or the step's (args, kwargs) with its closure wrapped."""
         self.depth += 1
         if self.depth != 1:
-            return
-        self._skip = None
+            return None
+        self._skip, self._deferred = None, None
         if self.stopped is None and self.group.ready():
             self._guard(self._joined_now)
         step = self.steps.get(opt, 0)
         if self._skip is None and self._due(step):
-            self._guard(self._audit_before, opt, step)
+            # Where this step's gradients are final: when its closure returns, if it has one.
+            late = closures.defer(args, kwargs, lambda: self._guard(self._audit_before, opt, step))
+            if late is None:
+                self._guard(self._audit_before, opt, step)
+                return None
+            self._deferred, substituted = late
+            return substituted
+        return None
 
     def _joined_now(self) -> None:
         """Under join(), is this a step only the ranks still training take? (`joins.py`)"""
@@ -201,6 +211,9 @@ class Auditor:
             return
         step = self.steps.get(opt, 0)
         self.steps[opt] = step + 1
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:  # a closure the step never called: its point is due now
+            deferred.run()
         if self._due(step):
             self._guard(self._audit_after, opt, step)
 
