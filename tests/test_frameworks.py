@@ -26,7 +26,8 @@ inside `optimizer.step(closure)`, after the step's pre-hook.
   syncing micro-step, a prepared scheduler, `gather_for_metrics`): a pass, 4 steps audited of
   the 8 micro-steps (accelerate's optimizer steps on the syncing ones only); resumed from a
   checkpoint on the main process after `prepare()`: first at "parameters before step 0",
-  named without accelerate's DDP wrapper (`0.weight`);
+  named without accelerate's DDP wrapper (`0.weight`), the hint naming a load after the
+  wrap (before, it named only a missing broadcast or per-rank seeds);
 - tests/fixtures/frameworks/lbfgs_ddp.py (full-batch L-BFGS under DDP), clean: a pass; its
   closure calling `model.module` (no all-reduce): first at "gradients before step 0" (before:
   "parameters after step 0").
@@ -139,6 +140,8 @@ def problems(done: dict[str, subprocess.CompletedProcess]) -> list[str]:
         first = lines_of("acc-resume", "FIRST DIVERGENCE: parameters before step 0")
         want("acc-resume", any(ln.strip().startswith("0.weight on rank 1") for ln in first),
              "0.weight named")  # fmt: skip
+        want("acc-resume", "changed them on some ranks after the wrap (a checkpoint loaded"
+             in done["acc-resume"].stdout, "the hint names a load after the wrap")  # fmt: skip
     if "lbfgs-inner" in done:
         first = lines_of("lbfgs-inner", "FIRST DIVERGENCE: gradients before step 0 (LBFGS)")
         want("lbfgs-inner", "parameters after step 0 (LBFGS)" in "\n".join(first), "an echo")
