@@ -31,6 +31,9 @@ inside `optimizer.step(closure)`, after the step's pre-hook.
 - tests/fixtures/frameworks/lbfgs_ddp.py (full-batch L-BFGS under DDP), clean: a pass; its
   closure calling `model.module` (no all-reduce): first at "gradients before step 0" (before:
   "parameters after step 0").
+
+And, in two ranks without a script (cheap): a closure is audited at its return and passes its
+value through; an optimizer that never calls its closure is audited at its post-hook.
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from tests.processes import alive
 from tests.test_load import hogs
+from verify.launching import RankContext, launch
+from verify.script_audit import Auditor, AuditSettings
 
 pytest.importorskip("pytorch_lightning", reason="needs the dev extra (pytorch-lightning)")
 pytest.importorskip("accelerate", reason="needs the dev extra (accelerate)")
@@ -167,3 +174,52 @@ def _rank_pids(folder: Path) -> list[int]:
     for path in folder.glob("*/audit_*/report.json"):
         pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
     return pids
+
+
+# ------------------------------------------------------------ the closure's timing, in-process
+
+
+class _IgnoresClosure(torch.optim.SGD):
+    """A custom optimizer that takes a closure and never calls it."""
+
+    def step(self, closure=None):
+        return super().step()
+
+
+def _closure_points_on_rank(ctx: RankContext) -> tuple:
+    auditor = Auditor(AuditSettings())
+    auditor.install()
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def closure():  # the gradients exist only once the closure ran, one rank's apart
+            opt.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()
+            model.bias.grad += ctx.rank
+            return 7.0
+
+        returned = opt.step(closure)
+        first = [(f.phase, f.step, f.tensor) for f in auditor.book.findings]
+        other = _IgnoresClosure(nn.Linear(2, 2).parameters(), lr=0.1)
+        for p in other.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        before = auditor.audits
+        other.step(lambda: 1 / 0)
+        return returned, first, auditor.audits - before, len(auditor.book.findings)
+    finally:
+        auditor.remove()
+
+
+def test_a_closure_is_audited_when_it_returns():
+    """The rank-1 gradient written inside the closure is the first finding ("gradients before
+    step 0", where the pre-hook saw no gradient at all); the closure's value comes back from
+    `step`; an optimizer that ignores its closure still gets its before point (3 audit points:
+    before, after, the state at the first step), and nothing new is found there."""
+    run = launch(_closure_points_on_rank, world_size=2, timeout_s=120)
+    assert run.ok, run.summary()
+    returned, first, points, findings = run.values[0]
+    assert returned == 7.0
+    assert first[0] == ("gradients before step {step}", 0, "bias"), first
+    assert points == 3 and findings == len(first), (points, findings, first)

@@ -7,7 +7,10 @@ order (a step is a point all ranks reach together in data-parallel training):
     before step N   the first audited step: the parameters (did the replicas start equal?);
                     every param group's settings (lr, betas, ...); the GradScaler's scale;
                     the buffers (as DDP broadcast them at the forward, when it does; else
-                    compared as they are, a note when they differ); the gradients
+                    compared as they are, a note when they differ); the gradients. For
+                    `step(closure)` (Lightning's automatic optimization, LBFGS) this point
+                    runs when the closure returns, where this step's gradients are final
+                    (`closures.py`)
     after step N    the parameters; the optimizer state, at the first audited step, every
                     STATE_EVERY-th one, and at any step whose parameters differ (to say
                     whether the state differs too): what every rank holds is compared, what
