@@ -22,6 +22,11 @@ inside `optimizer.step(closure)`, after the step's pre-hook.
 - the same with a clamp of the weights under `if self.trainer.is_global_zero:` in
   `on_train_batch_end`: first at "parameters before step 0" (the hook ran after the first
   micro-batch, before the first step), `net.0.weight` alone;
+- tests/fixtures/frameworks/lightning_gan.py (manual optimization, two optimizers, BatchNorm):
+  a pass with a note on the BatchNorm's running statistics, kept per rank (Lightning runs the
+  forward with DDP's `require_backward_grad_sync` off, and DDP then skips its broadcast of the
+  buffers). Before, the snapshot "after DDP's broadcast" was taken at a forward that did not
+  broadcast: a false alarm at "buffers after DDP's broadcast, before step 0";
 - tests/fixtures/frameworks/accelerate_finetune.py, clean (`accumulate()`, clipping on the
   syncing micro-step, a prepared scheduler, `gather_for_metrics`): a pass, 4 steps audited of
   the 8 micro-steps (accelerate's optimizer steps on the syncing ones only); resumed from a
@@ -60,18 +65,20 @@ pytest.importorskip("accelerate", reason="needs the dev extra (accelerate)")
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "frameworks"
 LIGHTNING, ACCELERATE, LBFGS = "lightning_regressor.py", "accelerate_finetune.py", "lbfgs_ddp.py"
+GAN = "lightning_gan.py"
 
 CASES = {  # name -> (script, its mode, takes an output folder)
     "lit-clean": (LIGHTNING, "clean", True),
     "lit-noise": (LIGHTNING, "noise", True),
     "lit-rank0": (LIGHTNING, "rank0-clamp", True),
+    "lit-gan": (GAN, None, False),
     "acc-clean": (ACCELERATE, "clean", True),
     "acc-resume": (ACCELERATE, "resume-on-main", True),
     "lbfgs-clean": (LBFGS, "clean", False),
     "lbfgs-inner": (LBFGS, "inner-module", False),
 }
-# What changed with closures.py: the cases idle and busy runs both take.
-TIMING = ("lit-clean", "lit-noise", "lbfgs-inner")
+# Where a verdict changed (closures.py, broadcasts_now): the cases the busy run takes too.
+TIMING = ("lit-clean", "lit-noise", "lit-gan", "lbfgs-inner")
 PASS = "replicas bitwise identical at every audited step"
 
 
@@ -79,7 +86,7 @@ def run_cli(out: Path, name: str) -> subprocess.CompletedProcess:
     script, mode, folder = CASES[name]
     work = out / name
     work.mkdir(parents=True)
-    args = [str(work), mode] if folder else [mode]
+    args = ([str(work)] if folder else []) + ([mode] if mode else [])
     argv = [sys.executable, "-m", "verify", "audit", "--nproc", "2", "--out", str(work),
             "--", str(FIXTURES / script), *args]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -123,6 +130,11 @@ def problems(done: dict[str, subprocess.CompletedProcess]) -> list[str]:
     verdict("lit-clean", 0, None, "the script took AdamW 3 steps")
     verdict("lit-noise", 1, "gradients before step 0 (AdamW)", "AdamW 3 steps")
     verdict("lit-rank0", 1, "parameters before step 0 (the first audited) (AdamW)", "3 steps")
+    verdict("lit-gan", 0, None, "the script took Adam 4 steps, Adam #2 2 steps")
+    if "lit-gan" in done:
+        want("lit-gan", "note: buffers before step 0 (Adam #2): 2 tensors differ across ranks "
+             "(discriminator.1.running_mean, discriminator.1.running_var)"
+             in done["lit-gan"].stdout, "the BatchNorm's statistics noted")  # fmt: skip
     verdict("acc-clean", 0, None, "the script took AdamW 4 steps")
     verdict("acc-resume", 1, "parameters before step 0 (the first audited) (AdamW)", "4 steps")
     verdict("lbfgs-clean", 0, None, "the script took LBFGS 3 steps")

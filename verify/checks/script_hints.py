@@ -29,7 +29,9 @@ PHASE_HINTS = {
     report.BUFFERS_SYNCED: "buffers differ right after DDP broadcast them from rank 0: the ranks "
     "modified them between the broadcast and the forward, or wrap different models",
     report.BUFFERS_LOCAL: "the script's wrapper does not synchronize these buffers (no DDP wrapper, "
-    "or DDP with broadcast_buffers=False), so running statistics are kept per rank: a "
+    "DDP with broadcast_buffers=False, or DDP skipped its broadcast at the forward: after a "
+    "no_sync() one, or under Lightning's manual optimization), so running statistics are kept "
+    "per rank: a "
     "documented design, not a fault; broadcast them from rank 0 before evaluating or saving "
     "if you need one model",
     report.GRADS: "gradients were not synchronized, or synchronized only on some micro-steps (with "

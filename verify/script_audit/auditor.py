@@ -58,7 +58,7 @@ from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
-from verify.script_audit.naming import Modules, strip, syncs_buffers
+from verify.script_audit.naming import Modules, broadcasts_now, strip, syncs_buffers
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
 
@@ -82,6 +82,9 @@ class Auditor:
         self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
         self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
         self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
+        # DDPs that ran a forward without broadcasting since their last audit, and no
+        # snapshot: their buffers are this rank's own at the step (`broadcasts_now`)
+        self.unbroadcast: weakref.WeakSet = weakref.WeakSet()
         self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
         self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
         # label -> steps taken under join() that not every rank took (or may not have): never
@@ -159,6 +162,9 @@ class Auditor:
             ddp = ref()
             if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
                 return
+            if not broadcasts_now(ddp):  # DDP skipped its broadcast: nothing synced to compare
+                self.unbroadcast.add(ddp)
+                return
             if self.stopped is None:
                 self._guard(fingerprint_buffers, ddp)
 
@@ -233,9 +239,11 @@ class Auditor:
         entries += self.collect.settings(opt)
         entries += self.collect.scalers(list(self.scalers))
         for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
-            if syncs_buffers(root):
+            unbroadcast = root in self.unbroadcast
+            self.unbroadcast.discard(root)
+            if syncs_buffers(root) and (root in self.snapshots or not unbroadcast):
                 entries += self.snapshots.pop(root, [])
-            else:
+            else:  # no wrapper synchronized them since the last audit: kept per rank, a note
                 entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
         entries += self.collect.gradients(opt)
         self._check(opt, step, BEFORE, entries)
