@@ -18,7 +18,9 @@ from verify.script_audit import phases as report
 PHASE_HINTS = {
     report.PARAMS_FIRST: "the replicas start from different weights: the initial broadcast from rank "
     "0 is missing (a hand-written DDP must broadcast parameters and buffers when it wraps the "
-    "model), or each rank initializes the model from its own seed",
+    "model), or each rank initializes the model from its own seed, or code changed them on "
+    "some ranks after the wrap (a checkpoint loaded, or an edit under `if rank == 0:` or in a "
+    "hook that only rank 0 runs)",
     report.SETTINGS: "an optimizer setting differs across ranks: a learning-rate scheduler (or code "
     "that sets param_groups values) ran on some ranks only, e.g. under `if master_process:`; "
     "every rank must step it",
@@ -27,7 +29,9 @@ PHASE_HINTS = {
     report.BUFFERS_SYNCED: "buffers differ right after DDP broadcast them from rank 0: the ranks "
     "modified them between the broadcast and the forward, or wrap different models",
     report.BUFFERS_LOCAL: "the script's wrapper does not synchronize these buffers (no DDP wrapper, "
-    "or DDP with broadcast_buffers=False), so running statistics are kept per rank: a "
+    "DDP with broadcast_buffers=False, or DDP skipped its broadcast at the forward: after a "
+    "no_sync() one, or under Lightning's manual optimization), so running statistics are kept "
+    "per rank: a "
     "documented design, not a fault; broadcast them from rank 0 before evaluating or saving "
     "if you need one model",
     report.GRADS: "gradients were not synchronized, or synchronized only on some micro-steps (with "

@@ -3,6 +3,7 @@ train.py`): at every optimizer step, is every tensor meant to be replicated bitw
 on every rank?
 
     auditor.py     the global optimizer step hooks; what is audited when
+    closures.py    when a step's gradients are final (`step(closure)`: when the closure returns)
     naming.py      the modules the script built; a tensor's name in its model
     collect.py     the replicated entries of a phase (sharded tensors skipped)
     side_group.py  the audit's own gloo group, beside the script's

@@ -7,7 +7,10 @@ order (a step is a point all ranks reach together in data-parallel training):
     before step N   the first audited step: the parameters (did the replicas start equal?);
                     every param group's settings (lr, betas, ...); the GradScaler's scale;
                     the buffers (as DDP broadcast them at the forward, when it does; else
-                    compared as they are, a note when they differ); the gradients
+                    compared as they are, a note when they differ); the gradients. For
+                    `step(closure)` (Lightning's automatic optimization, LBFGS) this point
+                    runs when the closure returns, where this step's gradients are final
+                    (`closures.py`)
     after step N    the parameters; the optimizer state, at the first audited step, every
                     STATE_EVERY-th one, and at any step whose parameters differ (to say
                     whether the state differs too): what every rank holds is compared, what
@@ -50,12 +53,12 @@ from torch.optim.optimizer import (
 )
 
 from verify.replica_audit.fingerprint import fingerprints
-from verify.script_audit import owners, report
+from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
-from verify.script_audit.naming import Modules, strip, syncs_buffers
+from verify.script_audit.naming import Modules, broadcasts_now, strip, syncs_buffers
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
 
@@ -79,6 +82,9 @@ class Auditor:
         self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
         self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
         self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
+        # DDPs that ran a forward without broadcasting since their last audit, and no
+        # snapshot: their buffers are this rank's own at the step (`broadcasts_now`)
+        self.unbroadcast: weakref.WeakSet = weakref.WeakSet()
         self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
         self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
         # label -> steps taken under join() that not every rank took (or may not have): never
@@ -86,6 +92,8 @@ class Auditor:
         self.joined: dict[str, int] = {}
         self.unseen: dict[str, int] = {}
         self._skip: str | None = None  # why the step in progress is not every rank's
+        # the "before" point of the step in progress, waiting for its closure (`closures.py`)
+        self._deferred: closures.Deferred | None = None
         self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
@@ -154,6 +162,9 @@ class Auditor:
             ddp = ref()
             if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
                 return
+            if not broadcasts_now(ddp):  # DDP skipped its broadcast: nothing synced to compare
+                self.unbroadcast.add(ddp)
+                return
             if self.stopped is None:
                 self._guard(fingerprint_buffers, ddp)
 
@@ -170,16 +181,24 @@ class Auditor:
 
     # ------------------------------------------------------------ the hooks
 
-    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+    def _before(self, opt: torch.optim.Optimizer, args, kwargs) -> tuple | None:
+        """The step's pre-hook: None, or the step's (args, kwargs) with its closure wrapped."""
         self.depth += 1
         if self.depth != 1:
-            return
-        self._skip = None
+            return None
+        self._skip, self._deferred = None, None
         if self.stopped is None and self.group.ready():
             self._guard(self._joined_now)
         step = self.steps.get(opt, 0)
         if self._skip is None and self._due(step):
-            self._guard(self._audit_before, opt, step)
+            # Where this step's gradients are final: when its closure returns, if it has one.
+            late = closures.defer(args, kwargs, lambda: self._guard(self._audit_before, opt, step))
+            if late is None:
+                self._guard(self._audit_before, opt, step)
+                return None
+            self._deferred, substituted = late
+            return substituted
+        return None
 
     def _joined_now(self) -> None:
         """Under join(), is this a step only the ranks still training take? (`joins.py`)"""
@@ -201,6 +220,9 @@ class Auditor:
             return
         step = self.steps.get(opt, 0)
         self.steps[opt] = step + 1
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:  # a closure the step never called: its point is due now
+            deferred.run()
         if self._due(step):
             self._guard(self._audit_after, opt, step)
 
@@ -217,9 +239,11 @@ class Auditor:
         entries += self.collect.settings(opt)
         entries += self.collect.scalers(list(self.scalers))
         for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
-            if syncs_buffers(root):
+            unbroadcast = root in self.unbroadcast
+            self.unbroadcast.discard(root)
+            if syncs_buffers(root) and (root in self.snapshots or not unbroadcast):
                 entries += self.snapshots.pop(root, [])
-            else:
+            else:  # no wrapper synchronized them since the last audit: kept per rank, a note
                 entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
         entries += self.collect.gradients(opt)
         self._check(opt, step, BEFORE, entries)

@@ -11,8 +11,9 @@ name, as `named_parameters()` spells it, with a wrapper's own prefix dropped: `m
 optimizer (`param_groups[0][3]`).
 
 `DistributedDataParallel` is also noted as it wraps a model: with `broadcast_buffers=True` it
-broadcasts the model's buffers at the start of every forward, so the buffers are comparable
-right then (before BatchNorm updates them with this rank's batch), not at the step.
+broadcasts the model's buffers at the start of a forward (each one after a synced backward was
+prepared: `broadcasts_now`), so the buffers are comparable right then (before BatchNorm updates
+them with this rank's batch), not at the step.
 """
 
 from __future__ import annotations
@@ -117,3 +118,13 @@ def syncs_buffers(root: nn.Module) -> bool:
     return isinstance(root, DistributedDataParallel) and bool(
         getattr(root, "broadcast_buffers", False)
     )
+
+
+def broadcasts_now(ddp: nn.Module) -> bool:
+    """Inside `ddp`'s forward, before the model's: did DDP broadcast the buffers at this forward?
+    Not after a forward that did not prepare a backward sync (under `no_sync()`, or with
+    `require_backward_grad_sync` off, as Lightning's manual optimization runs its forward):
+    DDP then skips the broadcast until a synced backward was prepared. PyTorch's own test
+    (`_check_sync_bufs_pre_fwd`), where it has one; else `syncs_buffers`."""
+    check = getattr(ddp, "_check_sync_bufs_pre_fwd", None)
+    return bool(check()) if callable(check) else syncs_buffers(ddp)
