@@ -274,3 +274,33 @@ def test_the_audit_of_a_cuda_script(backend, tmp_path):
     assert clean.audit.audits >= 2 and not clean.findings, audit_text(clean)
     skewed = audit("skew")
     assert skewed.verdict == "fault" and skewed.findings, audit_text(skewed)
+
+
+def _holdings_on_rank(ctx) -> list[str]:
+    """Two parameters' optimizer state as LBFGS on a rank-local loss leaves it: the same
+    entry names on both ranks, but `t` a number on rank 0 and a tensor on rank 1; and a
+    momentum buffer rank 1 lost."""
+    from verify.script_audit import owners
+    from verify.script_audit.collect import Entry
+    from verify.script_audit.side_group import SideGroup
+
+    phase = "optimizer state after step {step}"
+    t = Entry(phase, "w t", setting=0.5) if ctx.rank == 0 else Entry(phase, "w t", torch.ones(()))
+    lost = [] if ctx.rank == 1 else [Entry(phase, "b momentum_buffer", torch.zeros(2))]
+    per_param = [
+        [Entry(phase, "w d", torch.zeros(3)), t],
+        [Entry(phase, "b step", setting=1.0), *lost],
+    ]
+    group = SideGroup()
+    assert group.ready()
+    return [owners.split(group, ["w", "b"], per_param).problem]
+
+
+def test_state_held_differently_is_named():
+    """A fault in who holds what always says what differs: the kind of an entry (a number
+    on one rank, a tensor on another) as well as an entry a rank lacks."""
+    run = launch(_holdings_on_rank, world_size=2, timeout_s=120)
+    assert run.ok, run.summary()
+    (problem,) = run.values[0]
+    assert "rank 1 holds t as torch.float32 () where rank 0 holds t as a setting" in problem
+    assert "rank 1 lacks momentum_buffer" in problem, problem

@@ -100,6 +100,14 @@ def _describe(group: SideGroup, names: list[str], per_param: list[list[Entry]], 
                 f"{verb} {', '.join(ks)}" for verb, ks in (("lacks", lacks), ("has extra", extra))
                 if ks
             )  # fmt: skip
+        # The same entry names everywhere, yet the digests differ: a dtype or a shape does.
+        forms = [_form(e, names[i]) for e in per_param[i]]
+        ref_forms = group.broadcast_text("\n".join(forms), ref).split("\n")
+        if keys and keys == theirs and forms != ref_forms:
+            odd = [f for f, r in zip(forms, ref_forms) if f != r]
+            mine = f"rank {group.rank} holds {', '.join(odd)} where rank {ref} holds " + ", ".join(
+                r for f, r in zip(forms, ref_forms) if f != r
+            )
         data = fit(mine, _TEXT).encode().ljust(_TEXT, b"\0")
         texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         said = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in texts]
@@ -113,6 +121,14 @@ def _describe(group: SideGroup, names: list[str], per_param: list[list[Entry]], 
         + " (state sharded by design is held by exactly one rank, replicated state by every "
         "rank alike)"
     )  # fmt: skip
+
+
+def _form(entry: Entry, param: str) -> str:
+    """`exp_avg as torch.float32 (4, 2)`, or `prev_loss as a setting`: an entry's name and
+    what its key says of it."""
+    kind = entry.key.split("|", 2)[2]
+    what = "a setting" if kind == "setting" else kind.replace("|", " ")
+    return f"{_short(entry.name, param)} as {what}"
 
 
 def _short(entry_name: str, param: str) -> str:
