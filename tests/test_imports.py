@@ -132,3 +132,17 @@ def test_the_cli_table_names_modules_that_exist():
                     assert name in defined, (path.name, node.value)
                     named += 1
     assert named >= 40, named  # 13 commands' options, runners and printers; 3 scripts' rows
+
+
+MAX_LINES = 350  # one job a module: a reader holds it in one sitting (../shared/STYLE.md)
+
+
+def test_no_module_over_350_lines():
+    """Small modules, one job each: no module of `verify/` or `impls/` is longer."""
+    long = {
+        name: n
+        for name, path in modules().items()
+        if name.split(".")[0] in ("verify", "impls")
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

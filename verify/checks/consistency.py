@@ -54,9 +54,10 @@ from verify.checks.verdict import (
 from verify.launching import RankContext
 from verify.options import knob
 from verify.replica_audit.group import comm_device
+from verify.training.hooks import Hooks, Progress
 from verify.training.interface import InterfaceError
 from verify.training.sharded import full_gradients, full_state
-from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec
 
 NO_BROADCAST = (
     "parameters were not broadcast from rank 0 (if the design seeds every rank alike instead, "

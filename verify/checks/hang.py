@@ -33,8 +33,9 @@ from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, PlacementOptions, RunOptions, knob, launch_knobs
+from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
-from verify.training.trainer import Progress, Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec
 from verify.training.workloads import get_workload
 from verify.watching import capture
 

@@ -35,8 +35,9 @@ from verify.checks import kinds, tolerances
 from verify.checks.mismatch import fitted_scale
 from verify.checks.verdict import Finding
 from verify.replica_audit.fingerprint import fingerprint
+from verify.training.hooks import Hooks
 from verify.training.sharded import assign_full, full_gradients, full_parameters
-from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
+from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Trainer
 from verify.training.workloads import Batch
 
 PLAYED = "the checkpoint was played as"  # a report's note after the state_dict round trip
