@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from verify.checks import kinds
-from verify.checks.audit import Auditor, Checkpoint, Mismatch
+from verify.checks.audit import Auditor, Checkpoint, TensorDiff, measured
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
-from verify.checks.mismatch import measured
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import (
@@ -81,7 +80,7 @@ class ConsistencyReport:
     """What one rank found (every rank finds the same: audits are collectives)."""
 
     checkpoints: tuple[Checkpoint, ...] = ()
-    mismatches: tuple[Mismatch, ...] = ()
+    mismatches: tuple[TensorDiff, ...] = ()
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -93,7 +92,7 @@ class ConsistencyResult(Verdicted):
     options: ConsistencyOptions
     verdict: str
     checkpoints: tuple[Checkpoint, ...] = ()
-    mismatches: tuple[Mismatch, ...] = ()
+    mismatches: tuple[TensorDiff, ...] = ()
     findings: tuple[Finding, ...] = ()
     failure: str | None = None  # a rank raised, crashed, hung or timed out: the launcher's words
     elapsed_s: float = 0.0
@@ -119,8 +118,10 @@ class ConsistencyResult(Verdicted):
         return f"TIMEOUT: {self.failure.splitlines()[0]}"
 
     def to_dict(self) -> dict:
-        return {"check": "consistency", **asdict(self), "passed": self.passed,
-                "headline": self.headline}  # fmt: skip
+        doc = {"check": "consistency", **asdict(self), "passed": self.passed,
+               "headline": self.headline}  # fmt: skip
+        doc["mismatches"] = [m.as_checkpoint_dict() for m in self.mismatches]
+        return doc
 
 
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
@@ -169,7 +170,7 @@ class AuditHooks(Hooks):
 
     def __init__(self) -> None:
         self.checkpoints: list[Checkpoint] = []
-        self.mismatches: list[Mismatch] = []
+        self.mismatches: list[TensorDiff] = []
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self._layouts: set[tuple[str, str]] = set()  # layout problems found (not found again)
@@ -189,8 +190,8 @@ class AuditHooks(Hooks):
         self._layout(run, "construction", 0, "construction", state)
         found = self._audit("construction", 0, "construction", state)
         hint = (
-            NO_BROADCAST if any(m.tensor.startswith("param:") for m in found)
-            else NO_BUFFER_BROADCAST if any(m.tensor.startswith("buffer:") for m in found)
+            NO_BROADCAST if any(m.name.startswith("param:") for m in found)
+            else NO_BUFFER_BROADCAST if any(m.name.startswith("buffer:") for m in found)
             else None
         )  # fmt: skip
         if hint:
@@ -271,14 +272,14 @@ class AuditHooks(Hooks):
                 )  # fmt: skip
             )
 
-    def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
+    def _audit(self, label: str, step: int, phase: str, named) -> list[TensorDiff]:
         checkpoint, found = self.auditor.audit(label, named)
         self.checkpoints.append(checkpoint)
         self.mismatches.extend(found)
         if found:  # one finding per checkpoint: the first tensor, and how many more
             more = f" (and {len(found) - 1} more tensors there)" if len(found) > 1 else ""
-            tensor = found[0].tensor.split(":", 1)[-1]
-            message = found[0].describe() + more
+            tensor = found[0].name.split(":", 1)[-1]
+            message = found[0].line() + more
             kind, numbers = measured(found, phase, step)
             self.findings.append(
                 Finding(
@@ -306,7 +307,7 @@ class AuditHooks(Hooks):
         )
 
 
-def _resync(named: dict, found: list[Mismatch], group) -> None:
+def _resync(named: dict, found: list[TensorDiff], group) -> None:
     """Broadcast, in place, every differing tensor from rank 0, so later audits find new
     faults rather than this one again. Missing tensors (a None gradient) and tensors whose
     shape or dtype differ cannot be broadcast; every rank skips the same ones. A tensor off
@@ -314,7 +315,7 @@ def _resync(named: dict, found: list[Mismatch], group) -> None:
     travels as a copy on it."""
     device = comm_device(group)
     for m in found:
-        tensor = named.get(m.tensor)
+        tensor = named.get(m.name)
         if tensor is None or m.detail:
             continue
         with torch.no_grad():
@@ -325,7 +326,7 @@ def _resync(named: dict, found: list[Mismatch], group) -> None:
                 data.copy_(staged)
 
 
-def _ranks(found: list[Mismatch]) -> tuple[int, ...]:
+def _ranks(found: list[TensorDiff]) -> tuple[int, ...]:
     return tuple(sorted({r for m in found for r in m.ranks}))
 
 
