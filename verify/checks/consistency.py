@@ -32,24 +32,14 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from verify.checks import kinds
+from verify.checks import kinds, verdict
 from verify.checks.audit import Auditor, Checkpoint, TensorDiff, measured
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
-from verify.checks.verdict import (
-    FAULT,
-    Finding,
-    Refusal,
-    Verdicted,
-    collapse,
-    every_rank,
-    failure_text,
-    run_check,
-    verdict_of,
-)
+from verify.checks.verdict import FAULT, Finding, Refusal, Verdicted, collapse, verdict_of
 from verify.launching import RankContext
 from verify.options import knob
 from verify.replica_audit.group import comm_device
@@ -104,11 +94,8 @@ class ConsistencyResult(Verdicted):
     @property
     def headline(self) -> str:
         if self.passed:
-            n = len(self.checkpoints)
-            return (
-                f"PASS: replicas bitwise identical on {every_rank(self.options.world_size)} at "
-                f"all {n} checkpoints"
-            )
+            ranks, n = verdict.every_rank(self.options.world_size), len(self.checkpoints)
+            return f"PASS: replicas bitwise identical on {ranks} at all {n} checkpoints"
         if self.findings:
             more = len(self.findings) - 1
             tail = f" (and {more} more distinct finding{'s' if more > 1 else ''})" if more else ""
@@ -127,7 +114,7 @@ class ConsistencyResult(Verdicted):
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports, raised = run_check(run_consistency_on_rank, options)
+    run, reports, raised = verdict.run_check(run_consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
     situation = situation_of(options)
     findings = with_hints(collapse([*raised, *(f for r in reports for f in r.findings)]), situation)
@@ -138,7 +125,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
         report.checkpoints,
         report.mismatches,
         findings,
-        failure_text(run),
+        verdict.failure_text(run),
         time.perf_counter() - start,
         notes,
         run.threads,
@@ -220,28 +207,16 @@ class AuditHooks(Hooks):
         if error is not None:
             message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
             numbers = {"exception": type(error).__name__}
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    "checkpoint",
-                    step,
-                    message,
-                    kind=kinds.ROUND_TRIP_RAISED,
-                    numbers=numbers,
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", "checkpoint", step, message,
+                                         kind=kinds.ROUND_TRIP_RAISED, numbers=numbers))  # fmt: skip
         elif run.round_trip is not None and run.round_trip.note:
             self.notes.append(
                 f"optimizer state_dict round trip after step {step}: {run.round_trip.note}"
             )
         self.auditor.follow(run.model, run.optimizer)  # a model round trip built fresh ones
         label = f"step {step} after the state_dict round trip"
-        self._audit(
-            label,
-            step,
-            "checkpoint",
-            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
-        )
+        state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
+        self._audit(label, step, "checkpoint", state)
 
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
@@ -259,18 +234,8 @@ class AuditHooks(Hooks):
             more = f" (and {len(same) - 1} more tensors there)" if len(same) > 1 else ""
             ranks = tuple(sorted({r for p in same for r in p.ranks}))
             message = f"{label}: {same[0].message}{more}"
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    phase,
-                    step,
-                    message,
-                    same[0].tensor,
-                    ranks,
-                    kind=kinds.LAYOUT,
-                    numbers={"problem": kind},
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", phase, step, message, same[0].tensor,
+                                         ranks, kind=kinds.LAYOUT, numbers={"problem": kind}))  # fmt: skip
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[TensorDiff]:
         checkpoint, found = self.auditor.audit(label, named)
@@ -281,18 +246,8 @@ class AuditHooks(Hooks):
             tensor = found[0].name.split(":", 1)[-1]
             message = found[0].line() + more
             kind, numbers = measured(found, phase, step)
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    phase,
-                    step,
-                    message,
-                    tensor,
-                    _ranks(found),
-                    kind=kind,
-                    numbers=numbers,
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", phase, step, message, tensor,
+                                         _ranks(found), kind=kind, numbers=numbers))  # fmt: skip
             _resync(dict(named), found, self.auditor.process_group)
         return found
 
