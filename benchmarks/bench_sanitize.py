@@ -23,11 +23,11 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from benchmarks.bench_sanitize_matrix import run_sanitize_matrix_bench
+from benchmarks.costs import CostOptions, run_cost, take_turns
 from verify.launching import RankContext
 from verify.options import knob
 from verify.perf.base import Measured, model_size, next_step, parameters
-from verify.perf.bench_sanitize_matrix import run_sanitize_matrix_bench
-from verify.perf.costs import CostOptions, run_cost, take_turns
 from verify.perf.timing import Ratio, paired, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 

@@ -27,13 +27,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_script_audit import GOAL as GOAL_SCRIPT
+from benchmarks.bench_script_audit import script_audit_bench_on_rank
+from benchmarks.costs import CostOptions, goal_bar, run_cost, take_turns
 from verify.checks.audit import Auditor
 from verify.launching import RankContext
 from verify.options import knob
 from verify.perf.base import Measured, model_size, next_step, parameters
-from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
-from verify.perf.bench_script_audit import script_audit_bench_on_rank
-from verify.perf.costs import CostOptions, goal_bar, run_cost, take_turns
 from verify.perf.timing import Ratio, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 

@@ -32,11 +32,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from benchmarks.costs import CostOptions, run_cost, take_turns
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext
 from verify.options import knob
 from verify.perf.base import Measured, model_size, next_step, parameters
-from verify.perf.costs import CostOptions, run_cost, take_turns
 from verify.perf.timing import Ratio, decide, paired, timed_with_cpu
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.watching import tracer
