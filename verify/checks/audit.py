@@ -28,8 +28,8 @@ from torch import nn
 from verify.checks import kinds
 from verify.replica_audit.finding import TensorDiff
 from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table
-from verify.replica_audit.group import comm_device, min_max
-from verify.replica_audit.measure import common_scale, elements, fitted_scale, reference_rank
+from verify.replica_audit.group import WorldGroup, comm_device, min_max, who_differs
+from verify.replica_audit.measure import common_scale, elements, fitted_scale
 from verify.replica_audit.measure import unequal as unequal_elements
 
 # `fingerprint`, `min_max` and `comm_device` are the engine's (`verify/replica_audit/`),
@@ -129,9 +129,9 @@ class Auditor:
         local = fingerprint_table([t for _, t in named], device)
         low, high = min_max(local, self.process_group)
         bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
-        prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
+        seen = who_differs(WorldGroup(self.process_group), local[bad])  # after a mismatch
         mismatches = absent + [
-            self._explain(label, named[i], prints[:, k], detailed=k < self.max_detail)
+            self._explain(label, named[i], *seen[k], detailed=k < self.max_detail)
             for k, i in enumerate(bad)
         ]
         seconds = time.perf_counter() - start
@@ -169,29 +169,19 @@ class Auditor:
             )
         return [(n, t) for n, t in named if n in common], absent
 
-    def _gather_rows(self, local: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Every rank's fingerprints of `rows` (the same rows on every rank)."""
-        if not rows:
-            return torch.zeros(self.world_size, 0, 3, dtype=torch.int64)
-        device = comm_device(self.process_group)
-        mine = local[rows].to(torch.int64).to(device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.process_group)
-        return torch.stack([g.cpu() for g in gathered])
-
     def _explain(
         self,
         label: str,
         item: tuple[str, torch.Tensor | None],
-        prints: torch.Tensor,
+        reference: int,
+        differ: tuple[int, ...],
+        keys: list[tuple],
         *,
         detailed: bool,
     ) -> TensorDiff:
+        """What one disagreeing tensor is: missing or a different dtype or shape on some
+        ranks (from every rank's fingerprint, `keys`), else, when `detailed`, measured."""
         name, tensor = item
-        keys = [tuple(p.tolist()) for p in prints]
-        # The reference is the most common value; ties go to the lowest rank.
-        reference = reference_rank(keys)
-        differ = tuple(r for r in range(len(keys)) if keys[r] != keys[reference])
         missing = [r for r in range(len(keys)) if keys[r][0] == MISSING]
         if missing:
             s = "s" if len(missing) > 1 else ""

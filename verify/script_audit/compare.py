@@ -28,7 +28,7 @@ import torch
 
 from verify.replica_audit.finding import TensorDiff
 from verify.replica_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
-from verify.replica_audit.group import agree
+from verify.replica_audit.group import agree, who_differs
 from verify.replica_audit.measure import (
     common_scale,
     elements,
@@ -98,10 +98,9 @@ def compare(
             per_phase[entries[i].phase] += 1
     if not shown:
         return outcome
-    everyone = group.gather([prints[i] for i in shown])
-    for j, i in enumerate(shown):
-        per_rank = [row[j] for row in everyone]
-        outcome.diffs[i] = _describe(group, entries[i], per_rank)
+    seen = who_differs(group, torch.tensor([[prints[i]] for i in shown]))
+    for i, (ref, ranks, per_rank) in zip(shown, seen):
+        outcome.diffs[i] = _describe(group, entries[i], ref, ranks, [v for (v,) in per_rank])
     return outcome
 
 
@@ -123,9 +122,11 @@ def _fingerprints(entries: list[Entry]) -> list[int]:
     return out
 
 
-def _describe(group: SideGroup, entry: Entry, per_rank: list[int]) -> TensorDiff:
-    ref = reference_rank(per_rank)
-    ranks = tuple(r for r, v in enumerate(per_rank) if v != per_rank[ref])
+def _describe(
+    group: SideGroup, entry: Entry, ref: int, ranks: tuple[int, ...], per_rank: list[int]
+) -> TensorDiff:
+    """How `entry` differs on `ranks` from rank `ref`'s (`per_rank`: every rank's
+    fingerprint): a setting's value on each rank, or a tensor measured."""
     diff = TensorDiff(entry.name, ranks, ref)
     if isinstance(entry.setting, float):
         shown = dict.fromkeys([ref, *ranks][:8])
