@@ -18,7 +18,6 @@ elements, and where first.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,8 @@ from torch import nn
 
 from verify.checks import kinds
 from verify.replica_audit.finding import TensorDiff
-from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table
-from verify.replica_audit.group import WorldGroup, comm_device, min_max, who_differs
+from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table, text_bits
+from verify.replica_audit.group import WorldGroup, agree, comm_device, min_max, who_differs
 from verify.replica_audit.measure import common_scale, elements, fitted_scale
 from verify.replica_audit.measure import unequal as unequal_elements
 
@@ -142,9 +141,8 @@ class Auditor:
         held by some ranks only. One fixed-size reduction when the names agree (the usual
         case); the names themselves are gathered only when they do not."""
         names = [n for n, _ in named]
-        digest = zlib.crc32("\0".join(names).encode())
-        low, high = min_max(torch.tensor([[len(names), digest]]), self.process_group)
-        if bool((low == high).all()):
+        # The names' digest is the script audit's digest of its keys (`text_bits`).
+        if all(agree([len(names), text_bits("\0".join(names))], self.process_group)):
             return named, []
         every: list = [None] * self.world_size
         dist.all_gather_object(every, names, group=self.process_group)
