@@ -2,8 +2,9 @@
 
 Each script runs one measurement of the tool's own costs with the flags, `--help`, `--json`,
 bad-input line (exit 2) and report it had as a `python -m verify` command; the measurements
-themselves live in `verify/perf/` (their ranks are started by the one launcher, which imports
-them by name), their reports in `verify/cli/text_costs.py`. benchmarks/README.md lists them.
+themselves are here too (`bench_*.py` over `costs.py`: their ranks are started by the one
+launcher, which imports them by name), their reports in `text_costs.py`.
+benchmarks/README.md lists them.
 
     audit_cost.py     the per-step audit against an all-gather and a training step
                       (`--script-audit`: `audit --nproc`'s step hooks)   was `bench-audit`

@@ -1,6 +1,6 @@
 """`python benchmarks/audit_cost.py`: what the per-step audit costs, against an all-gather of
 the same tensors and a training step; with `--script-audit`, what `audit --nproc`'s step hooks
-add to a step (`verify/perf/bench_audit.py`).
+add to a step (`benchmarks/bench_audit.py`).
 
 A maintainer's measurement of the tool itself (benchmarks/README.md), once the command
 `python -m verify bench-audit`: the same flags (`--help`), the same report, the same exit codes.
@@ -20,9 +20,9 @@ from verify.cli.command import Command  # noqa: E402
 COMMAND = Command(
     "bench-audit",
     "benchmark the audit against an all-gather and a training step",
-    "verify.perf.bench_audit:AuditBenchOptions",
-    "verify.perf.bench_audit:run_audit_bench",
-    "verify.cli.text_costs:audit",
+    "benchmarks.bench_audit:AuditBenchOptions",
+    "benchmarks.bench_audit:run_audit_bench",
+    "benchmarks.text_costs:audit",
 )
 
 

@@ -1,5 +1,5 @@
 """`python benchmarks/sanitize_cost.py`: what `--sanitize` (the race sanitizer) costs a
-training step; with `--matrix`, a whole certification matrix (`verify/perf/bench_sanitize.py`).
+training step; with `--matrix`, a whole certification matrix (`benchmarks/bench_sanitize.py`).
 
 A maintainer's measurement of the tool itself (benchmarks/README.md), once the command
 `python -m verify bench-sanitize`: the same flags (`--help`), the same report, the same exit codes.
@@ -19,9 +19,9 @@ from verify.cli.command import Command  # noqa: E402
 COMMAND = Command(
     "bench-sanitize",
     "benchmark --sanitize (the race sanitizer) against a training step",
-    "verify.perf.bench_sanitize:SanitizeBenchOptions",
-    "verify.perf.bench_sanitize:run_sanitize_bench",
-    "verify.cli.text_costs:sanitize",
+    "benchmarks.bench_sanitize:SanitizeBenchOptions",
+    "benchmarks.bench_sanitize:run_sanitize_bench",
+    "benchmarks.text_costs:sanitize",
 )
 
 

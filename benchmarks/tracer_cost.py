@@ -1,5 +1,5 @@
 """`python benchmarks/tracer_cost.py`: what the collective tracer adds to a training step
-(`verify/perf/bench_tracer.py`).
+(`benchmarks/bench_tracer.py`).
 
 A maintainer's measurement of the tool itself (benchmarks/README.md), once the command
 `python -m verify bench-tracer`: the same flags (`--help`), the same report, the same exit codes.
@@ -19,9 +19,9 @@ from verify.cli.command import Command  # noqa: E402
 COMMAND = Command(
     "bench-tracer",
     "benchmark the collective tracer against a training step",
-    "verify.perf.bench_tracer:TracerBenchOptions",
-    "verify.perf.bench_tracer:run_tracer_bench",
-    "verify.cli.text_costs:tracer",
+    "benchmarks.bench_tracer:TracerBenchOptions",
+    "benchmarks.bench_tracer:run_tracer_bench",
+    "benchmarks.text_costs:tracer",
 )
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .recipes import fsdp_blocks
+
 
 def shard_rows(rows: int, world_size: int) -> int:
     """Rows each rank keeps of a parameter with `rows` rows: ceil(rows / N), padded."""
@@ -179,3 +181,32 @@ class Unit:
             start += chunk
         self.reduced = self.used = None
         return out
+
+
+def plan_units(module: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+    """(block, its trainable parameters) per unit, blocks as `fsdp_blocks` picks them, then
+    (None, the rest): the root's unit, tied weights included."""
+    units, taken = [], set()
+    for block in fsdp_blocks(module):
+        params = [p for p in block.parameters() if p.requires_grad]
+        if params:
+            units.append((block, params))
+            taken |= {id(p) for p in params}
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
+    if rest:
+        units.append((None, rest))
+    return units
+
+
+def refuse_unshardable(params: list[nn.Parameter], names: list[str]) -> None:
+    """ZeRO-3's refusals at construction: a 0-dim parameter (no rows to cut), a unit whose
+    parameters mix dtypes (it is gathered in one buffer)."""
+    for p, name in zip(params, names):
+        if p.dim() == 0:
+            raise ValueError(f"zero3 shards parameters by rows; {name} is 0-dim (has no rows)")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"zero3 gathers a unit in one buffer; the unit of {names[0]} mixes dtypes "
+            f"{sorted(str(d) for d in dtypes)}"
+        )

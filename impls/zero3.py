@@ -63,8 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .base import DataParallel, broadcast_coalesced
-from .recipes import fsdp_blocks
-from .units import Unit, shard_rows
+from .units import Unit, plan_units, refuse_unshardable, shard_rows
 
 __all__ = ["Zero3DDP", "plan_units", "shard_rows", "zero3_wrap"]
 
@@ -120,7 +119,7 @@ class Zero3DDP(DataParallel):
         self.root_unit: Unit | None = None
         self_ref = weakref.ref(self)  # the hooks must not keep the wrapper alive
         for block, params in plan_units(module):
-            _refuse_unshardable(params, [names[id(p)] for p in params])
+            refuse_unshardable(params, [names[id(p)] for p in params])
             unit = Unit([slots[id(p)] for p in params], params, self.world_size, self.rank)
             unit.install(unit.shards)  # from here on the module's parameters are the shards
             self.units.append(unit)
@@ -310,33 +309,6 @@ class Zero3DDP(DataParallel):
             for i, (name, flag) in enumerate(zip(names, flags.tolist())):
                 full[name] = unit.full_view(buffer, i).clone() if flag else None
         return full
-
-
-def plan_units(module: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-    """(block, its trainable parameters) per unit, blocks as `fsdp_blocks` picks them, then
-    (None, the rest): the root's unit, tied weights included."""
-    units, taken = [], set()
-    for block in fsdp_blocks(module):
-        params = [p for p in block.parameters() if p.requires_grad]
-        if params:
-            units.append((block, params))
-            taken |= {id(p) for p in params}
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
-    if rest:
-        units.append((None, rest))
-    return units
-
-
-def _refuse_unshardable(params: list[nn.Parameter], names: list[str]) -> None:
-    for p, name in zip(params, names):
-        if p.dim() == 0:
-            raise ValueError(f"zero3 shards parameters by rows; {name} is 0-dim (has no rows)")
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"zero3 gathers a unit in one buffer; the unit of {names[0]} mixes dtypes "
-            f"{sorted(str(d) for d in dtypes)}"
-        )
 
 
 def _leaf_hook(wrapper_ref: weakref.ref, unit: Unit):

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from impls.registry import resolve
-from verify.checks.audit import Auditor
-from verify.checks.mismatch import MOVED, compare_gathered
+from verify.checks.audit import MOVED, Auditor, compare_gathered
 from verify.launching import launch
 from verify.replica_audit.fingerprint import fingerprint
 from verify.training.workloads import get_workload
@@ -80,9 +79,9 @@ def rank_several_ranks_differ(ctx):
     # them (a collective still in flight): equal on every rank by then.
     moved = compare_gathered("x", "d", torch.ones(3), (1,), 0, dist.group.WORLD)
     return [
-        (m.tensor, m.ranks, m.reference_rank, m.num_different, m.first_index, m.max_abs_diff)
+        (m.name, m.ranks, m.reference_rank, m.differing, m.first_index, m.max_abs_diff)
         for m in found
-    ] + [(moved.moved, moved.num_different, moved.describe())]
+    ] + [(moved.moved, moved.differing, moved.line())]
 
 
 def test_mismatch_reports_with_rank_0_odd_and_several_ranks_differing():
@@ -121,7 +120,7 @@ def rank_perturb_each_tensor(ctx, workload_name):
     auditor = Auditor(model, optimizer)
     named = auditor.grad_tensors() + auditor.state_tensors()
     _, clean = auditor.audit("clean", named)
-    results = {"clean": [m.describe() for m in clean], "caught": {}}
+    results = {"clean": [m.line() for m in clean], "caught": {}}
     for k, (name, tensor) in enumerate(named):
         index = (k * 7919) % tensor.numel()
         original = tensor.detach().clone()
@@ -130,7 +129,7 @@ def rank_perturb_each_tensor(ctx, workload_name):
         _, found = auditor.audit(name, named)
         tensor.detach().copy_(original)
         results["caught"][name] = (
-            [(m.tensor, m.ranks, m.num_different, m.first_index, m.max_abs_diff) for m in found],
+            [(m.name, m.ranks, m.differing, m.first_index, m.max_abs_diff) for m in found],
             index,
             tuple(tensor.shape),
         )

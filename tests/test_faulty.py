@@ -151,8 +151,8 @@ def test_hints_tell_the_wrong_divisions_apart_by_the_world_size(world):
     ranks "not divided" (c = 2) and "zeroed" (c = 0) are told apart too."""
     from verify.checks.hints import Situation, hint_for
     from verify.checks.kinds import GRADIENTS_DIVERGE
-    from verify.checks.mismatch import fitted_scale
     from verify.checks.verdict import Finding
+    from verify.replica_audit.measure import fitted_scale
 
     ref = torch.linspace(-1, 1, 64, dtype=torch.float64)
 

@@ -176,14 +176,14 @@ def test_device_bugs_are_faults_and_faults_resync_on_gpus():
 def _resync_of_cpu_state(ctx):
     """The consistency check's resync of a mismatched AdamW `step` (a CPU tensor) and an
     `exp_avg` (on the GPU): both take rank 0's value."""
-    from verify.checks.audit import Mismatch
+    from verify.checks.audit import TensorDiff
     from verify.checks.consistency import _resync
 
     named = {
         "optim:w.step": torch.tensor(float(ctx.rank)),
         "optim:w.exp_avg": torch.full((3,), float(ctx.rank), device=ctx.device),
     }
-    found = [Mismatch("after step 1", name, (1,), 0, 1.0, 1, 1, (0,)) for name in named]
+    found = [TensorDiff(name, (1,), 0, 1.0, 1, 1, (0,), at="after step 1") for name in named]
     _resync(named, found, torch.distributed.group.WORLD)
     step, exp_avg = named.values()
     return float(step), float(exp_avg.max().cpu())

@@ -7,12 +7,17 @@ Read from the source (`ast`), not by importing: every import that can run counts
 sits, except those under `if TYPE_CHECKING:` (annotations only, never executed). A string
 `"package.module:name"` counts as an import of that module: it is how the CLI's table names
 what it imports on dispatch (`verify/cli/command.py`).
+
+Beside the imports, the shape the product keeps (issue 29): no module of `verify/` or
+`impls/` over 350 lines, and at most 8 places in `verify/` that repeat six or more lines.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -132,3 +137,37 @@ def test_the_cli_table_names_modules_that_exist():
                     assert name in defined, (path.name, node.value)
                     named += 1
     assert named >= 40, named  # 13 commands' options, runners and printers; 3 scripts' rows
+
+
+MAX_LINES = 350  # one job a module: a reader holds it in one sitting (../shared/STYLE.md)
+
+
+def test_no_module_over_350_lines():
+    """Small modules, one job each: no module of `verify/` or `impls/` is longer."""
+    long = {
+        name: n
+        for name, path in modules().items()
+        if name.split(".")[0] in ("verify", "impls")
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+MAX_REPEATS = 8  # pairs of places in verify/ sharing six or more lines (issue 29's goal)
+
+
+def test_verify_repeats_itself_in_at_most_8_places():
+    """Code written twice drifts apart: at most 8 pairs of places in `verify/` share six or
+    more lines, by the `duplicates` tool where the machine has it (it reads the tree as text,
+    writes nothing); without it, nothing measures this."""
+    tool = shutil.which("duplicates")
+    if tool is None:
+        pytest.skip("the duplicates tool is not installed here")
+    out = subprocess.run(
+        [tool, "--repo", str(ROOT / "verify"), "--most", "40", "--seconds", "120"],
+        capture_output=True, text=True, timeout=300,
+    ).stdout  # fmt: skip
+    first = out.splitlines()[0] if out else ""
+    assert "incomplete" not in out, out
+    pairs = 0 if first.startswith("no duplicates") else int(first.split()[0])
+    assert pairs <= MAX_REPEATS, out

@@ -10,7 +10,8 @@ scales gradients while their all-reduce is in flight beside its twin that waits,
 matrix's plain and no_sync() rows (tests/test_matrix.py), the replica audit of the
 buggy training scripts (tests/test_script_audit.py), a rank whose large weight changed in
 three rows in a pattern that keeps their index-weighted sum, beside a weight the same on
-both ranks but held at an odd offset (tests/test_replica_audit.py), and the hints of students' classes that
+both ranks but held at an odd offset, and a difference both audits measure alike
+(tests/test_replica_audit.py), and the hints of students' classes that
 never send their last bucket or clip on one rank (tests/test_hints.py) give exactly the
 verdicts they give on an idle machine, and
 nothing is left running afterwards. So do two jobs of two torchrun agents (two nodes,
@@ -110,6 +111,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
             races = pool.submit(test_matrix.race_verdict_problems)
             hints = pool.submit(test_hints.hint_problems, out)
             rows = pool.submit(test_replica_audit.stencil_problems)
+            measures = pool.submit(test_replica_audit.measure_problems)
             consistency = check_consistency(ConsistencyOptions(impl="bucketed", workload="unused"))
             equivalence = check_equivalence(EquivalenceOptions(impl="zero1", world_size=3))
             wrong = check_equivalence(EquivalenceOptions(impl="faulty:no-divide"))
@@ -153,6 +155,7 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     assert not races.result(), "\n".join(races.result())
     assert not hints.result(), "\n".join(hints.result())
     assert not rows.result(), "\n".join(rows.result())
+    assert not measures.result(), "\n".join(measures.result())
     pids = [
         p
         for r in (*scenarios.results, computing, skipping, blind.result())

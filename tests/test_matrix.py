@@ -26,7 +26,7 @@ from verify.checks.behaviours import (
 from verify.checks.cells import CHECKS, CellResult, not_claimed, shard_verdict
 from verify.checks.matrix import CERTIFIED, MatrixOptions, MatrixResult, run_matrix, run_plan
 from verify.cli.text_matrix import matrix as format_matrix
-from verify.training.optim_state import PlainState
+from verify.training.plain_state import PlainState
 from verify.training.workloads import get_workload
 
 ROOT = Path(__file__).resolve().parent.parent

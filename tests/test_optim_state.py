@@ -19,13 +19,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from impls.zero import ShardedOptimizer
-from verify.training.optim_state import (
-    MAX_DEPTH,
-    PlainState,
-    StateBytes,
-    local_state_bytes,
-    unsharded_state,
-)
+from verify.training.optim_state import MAX_DEPTH, StateBytes, local_state_bytes
+from verify.training.plain_state import PlainState, unsharded_state
 from verify.training.workloads import get_workload
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "third_party"))

@@ -6,6 +6,7 @@ the world size; a script's finding is the one `Finding` every check reports."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from verify.replica_audit.finding import Finding
 from verify.replica_audit.fingerprint import fingerprint, fingerprint_table, fingerprints
 from verify.replica_audit.group import WorldGroup, agree, min_max
 from verify.script_audit import report
+from verify.script_audit.collect import Entry
+from verify.script_audit.compare import compare
 from verify.script_audit.side_group import SideGroup
 
 
@@ -69,7 +72,7 @@ def rank_stencil_on_one_rank(ctx):
         flat = torch.cat([torch.zeros(1), bias])
         bias = flat[1:]  # 4 bytes in: not aligned to an 8-byte word
     _, found = Auditor(torch.nn.Linear(1, 1)).audit("step 1", [("w", weight), ("b", bias)])
-    return [(m.tensor, m.ranks, m.num_different) for m in found]
+    return [(m.name, m.ranks, m.differing) for m in found]
 
 
 def stencil_problems() -> list[str]:
@@ -88,6 +91,52 @@ def stencil_problems() -> list[str]:
 
 def test_the_class_audit_names_a_rank_whose_rows_changed_in_a_cancelling_pattern():
     assert not stencil_problems()
+
+
+def rank_measure_both_ways(ctx):
+    """World 3. Rank 2's copy of `w` holds -0.0 where the others hold 0.0 and 6 where they
+    hold 4; `v` differs on rank 1 by a factor of 2 (a gradient scaled on one rank). Both
+    hold a NaN, bitwise alike on every rank. Measured by the class audit and by the script
+    audit's audit point over its side group."""
+    w = torch.tensor([0.0, float("nan"), 1.0, 6.0 if ctx.rank == 2 else 4.0])
+    if ctx.rank == 2:
+        w[0] = -0.0
+    v = torch.tensor([1.0, -3.0, 0.5]) * (2.0 if ctx.rank == 1 else 1.0)
+    _, found = Auditor(torch.nn.Linear(1, 1)).audit("step 1", [("w", w), ("v", v)])
+    group = SideGroup()
+    assert group.ready()
+    entries = [Entry("gradients", "w", w), Entry("gradients", "v", v)]
+    outcome = compare(group, entries, (0, 0, 0))
+    return [_measured(d) for d in found], [_measured(outcome.diffs[i]) for i in (0, 1)]
+
+
+def _measured(d) -> tuple:
+    return (d.name, d.ranks, d.reference_rank, d.max_abs_diff, d.differing, d.first_index,
+            d.scale)  # fmt: skip
+
+
+def test_both_audits_measure_a_difference_alike_and_bitwise():
+    """One type (`TensorDiff`) and one measure (`replica_audit/measure.py`) for both audits:
+    elements compared bitwise, as the fingerprints that flagged the tensor compare them
+    (-0.0 is not 0.0; a NaN with the same bits is no difference, and no infinite one), the
+    largest difference over the differing elements, the one factor of a scaled copy."""
+    assert importlib.util.find_spec("verify.checks.mismatch") is None
+    assert not measure_problems()
+
+
+def measure_problems() -> list[str]:
+    """What the two audits measured of `rank_measure_both_ways` that is not what it should
+    be, on every rank (also run under load, `tests/test_load.py`)."""
+    run = launch(rank_measure_both_ways, world_size=3, timeout_s=240)
+    if not run.ok:
+        return [run.summary()]
+    want = [("w", (2,), 0, 2.0, 2, (0,), None), ("v", (1,), 0, 3.0, 3, (0,), 2.0)]
+    return [
+        f"rank {r} {who}: {got} (want {want})"
+        for r, measured in enumerate(run.values)
+        for who, got in zip(("class audit", "script audit"), measured)
+        if got != want
+    ]
 
 
 class Counting:

@@ -66,8 +66,8 @@ def test_the_matrix_cost_report_gives_the_ratio_and_each_arms_verdicts():
     """`benchmarks/sanitize_cost.py --matrix` times whole matrices (the runs are the matrix's own, tested
     in test_matrix.py); its report, from a result (no launch): the ratio with its interval,
     and the verdicts of every round, so a verdict that varies shows."""
-    from verify.cli.text_costs import sanitize as text
-    from verify.perf.bench_sanitize import SanitizeBenchOptions, SanitizeBenchResult
+    from benchmarks.bench_sanitize import SanitizeBenchOptions, SanitizeBenchResult
+    from benchmarks.text_costs import sanitize as text
 
     options = SanitizeBenchOptions(matrix=True, repeats=2, device="cpu")
     result = SanitizeBenchResult(

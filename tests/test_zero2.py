@@ -22,7 +22,8 @@ import torch
 
 from impls.planning import plan_segments
 from verify.launching import launch
-from verify.training.trainer import Hooks, Trainer, TrainSpec
+from verify.training.hooks import Hooks
+from verify.training.trainer import Trainer, TrainSpec
 from verify.training.workloads import HARD_CASES
 
 SMALL_BUCKET_MB = 0.001  # ~1 KB: several multi-parameter buckets even in the small models

@@ -18,20 +18,28 @@ elements, and where first.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.checks.mismatch import Mismatch, compare_gathered
-from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table
-from verify.replica_audit.group import comm_device, min_max
+from verify.checks import kinds
+from verify.replica_audit.finding import TensorDiff
+from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table, text_bits
+from verify.replica_audit.group import WorldGroup, agree, comm_device, min_max, who_differs
+from verify.replica_audit.measure import common_scale, elements, fitted_scale
+from verify.replica_audit.measure import unequal as unequal_elements
 
 # `fingerprint`, `min_max` and `comm_device` are the engine's (`verify/replica_audit/`),
 # named here too for the callers that import them from the audit.
-__all__ = ["Auditor", "Checkpoint", "Mismatch", "comm_device", "fingerprint", "min_max"]
+__all__ = ["Auditor", "Checkpoint", "TensorDiff", "comm_device", "fingerprint", "min_max"]
+
+MOVED = (
+    "the fingerprints differed, but the values gathered right after are equal on every rank: "
+    "they changed between the two reads, so a collective on this tensor was still in flight "
+    "(a race: run with --sanitize, the default unless --no-sanitize, to name it)"
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ class Auditor:
 
     def audit(
         self, label: str, named: list[tuple[str, torch.Tensor | None]]
-    ) -> tuple[Checkpoint, list[Mismatch]]:
+    ) -> tuple[Checkpoint, list[TensorDiff]]:
         """Compare `named` tensors across ranks; every rank returns the same answer.
 
         The tool's own collectives never depend on what a rank holds: the ranks first agree
@@ -120,22 +128,21 @@ class Auditor:
         local = fingerprint_table([t for _, t in named], device)
         low, high = min_max(local, self.process_group)
         bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
-        prints = self._gather_rows(local, bad)  # [rank, len(bad), 3]: only after a mismatch
+        seen = who_differs(WorldGroup(self.process_group), local[bad])  # after a mismatch
         mismatches = absent + [
-            self._explain(label, named[i], prints[:, k], detailed=k < self.max_detail)
+            self._explain(label, named[i], *seen[k], detailed=k < self.max_detail)
             for k, i in enumerate(bad)
         ]
         seconds = time.perf_counter() - start
         return Checkpoint(label, len(named) + len(absent), len(mismatches), seconds), mismatches
 
-    def _common(self, label: str, named: list) -> tuple[list, list[Mismatch]]:
+    def _common(self, label: str, named: list) -> tuple[list, list[TensorDiff]]:
         """The tensors every rank holds, in rank 0's order, and a mismatch for each name
         held by some ranks only. One fixed-size reduction when the names agree (the usual
         case); the names themselves are gathered only when they do not."""
         names = [n for n, _ in named]
-        digest = zlib.crc32("\0".join(names).encode())
-        low, high = min_max(torch.tensor([[len(names), digest]]), self.process_group)
-        if bool((low == high).all()):
+        # The names' digest is the script audit's digest of its keys (`text_bits`).
+        if all(agree([len(names), text_bits("\0".join(names))], self.process_group)):
             return named, []
         every: list = [None] * self.world_size
         dist.all_gather_object(every, names, group=self.process_group)
@@ -156,49 +163,91 @@ class Auditor:
                 f"rank{'s' if len(lack) > 1 else ''} {_list(lack)} (tensors held: {counts})"
             )
             absent.append(
-                Mismatch(label, name, differ, reference, None, None, None, None, detail, "absent")
+                TensorDiff(name, differ, reference, how="absent", detail=detail, at=label)
             )
         return [(n, t) for n, t in named if n in common], absent
-
-    def _gather_rows(self, local: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Every rank's fingerprints of `rows` (the same rows on every rank)."""
-        if not rows:
-            return torch.zeros(self.world_size, 0, 3, dtype=torch.int64)
-        device = comm_device(self.process_group)
-        mine = local[rows].to(torch.int64).to(device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.process_group)
-        return torch.stack([g.cpu() for g in gathered])
 
     def _explain(
         self,
         label: str,
         item: tuple[str, torch.Tensor | None],
-        prints: torch.Tensor,
+        reference: int,
+        differ: tuple[int, ...],
+        keys: list[tuple],
         *,
         detailed: bool,
-    ) -> Mismatch:
+    ) -> TensorDiff:
+        """What one disagreeing tensor is: missing or a different dtype or shape on some
+        ranks (from every rank's fingerprint, `keys`), else, when `detailed`, measured."""
         name, tensor = item
-        keys = [tuple(p.tolist()) for p in prints]
-        # The reference is the most common value; ties go to the lowest rank.
-        counts = {k: keys.count(k) for k in keys}
-        reference = max(range(len(keys)), key=lambda r: (counts[keys[r]], -r))
-        differ = tuple(r for r in range(len(keys)) if keys[r] != keys[reference])
         missing = [r for r in range(len(keys)) if keys[r][0] == MISSING]
         if missing:
-            return Mismatch(
-                label, name, differ, reference, None, None, None, None,
-                detail=f"the tensor is None on rank{'s' if len(missing) > 1 else ''} {missing}",
-                kind="missing",
-            )  # fmt: skip
+            s = "s" if len(missing) > 1 else ""
+            detail = f"the tensor is None on rank{s} {missing}"
+            return TensorDiff(name, differ, reference, how="missing", detail=detail, at=label)
         if len({k[0] for k in keys}) > 1:
-            return Mismatch(
-                label, name, differ, reference, None, None, None, None,
-                detail="dtype or shape differs between ranks", kind="shape",
-            )  # fmt: skip
+            detail = "dtype or shape differs between ranks"
+            return TensorDiff(name, differ, reference, how="shape", detail=detail, at=label)
         if not detailed:
-            return Mismatch(label, name, differ, reference, None, None, None, None)
+            return TensorDiff(name, differ, reference, at=label)
         return compare_gathered(label, name, tensor, differ, reference, self.process_group)
+
+
+def compare_gathered(label, name, tensor, differ, reference, process_group) -> TensorDiff:
+    """Gather `tensor` from every rank and measure how the differing ranks differ from the
+    reference rank's (`measure.py`): the largest difference on any of them, the elements that
+    differ on at least one, the first of those, and the one factor they all are of it."""
+    device = comm_device(process_group)
+    t = tensor.detach().contiguous().to(device)
+    copies = [torch.empty_like(t) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(copies, t, group=process_group)
+    ref = elements(copies[reference])
+    differs = torch.zeros(ref.numel(), dtype=torch.bool)
+    worst = 0.0
+    scales = []
+    for r in differ:
+        other = elements(copies[r])
+        mask, largest = unequal_elements(ref, other)
+        differs |= mask
+        worst = max(worst, largest)
+        scales.append(fitted_scale(other, ref))
+    if not differs.any():
+        # What differed a moment ago is equal now: a collective on it was still in flight when
+        # the fingerprint was taken (a race), and has landed since. No number to report.
+        return TensorDiff(name, differ, reference, detail=MOVED, moved=True, at=label)
+    first = int(differs.nonzero()[0])
+    shape = tuple(copies[reference].shape)
+    if copies[reference].is_complex():
+        shape = (*shape, 2)
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape)) if shape else ()
+    return TensorDiff(
+        name, differ, reference, max_abs_diff=worst, differing=int(differs.sum()),
+        numel=ref.numel(), first_index=index, scale=common_scale(scales), at=label,
+    )  # fmt: skip
+
+
+_DIFFER = {"grad": kinds.GRADIENTS_DIFFER, "param": kinds.PARAMETERS_DIFFER,
+           "buffer": kinds.BUFFERS_DIFFER, "optim": kinds.STATE_DIFFERS}  # fmt: skip
+
+
+def measured(found: list[TensorDiff], phase: str, step: int) -> tuple[str, dict]:
+    """A checkpoint's differences as a finding's kind and numbers (`kinds.py`): what differs
+    (by the first tensor's prefix), how, and the one factor every differing tensor is of the
+    reference rank's, when there is one."""
+    first = found[0]
+    prefix = first.name.split(":", 1)[0]
+    numbers = {
+        "step": step, "phase": phase, "tensors": len(found), "how": first.how,
+        "ranks": list(first.ranks), "reference_rank": first.reference_rank,
+        "scale": common_scale(m.scale for m in found),
+    }  # fmt: skip
+    if any(m.moved for m in found):
+        return kinds.VALUES_MOVED, numbers
+    if phase == "construction":
+        return kinds.NOT_BROADCAST, {**numbers, "buffers_only": prefix == "buffer"}
+    if prefix == "optim" and first.how == "absent":
+        return kinds.STATE_ON_SOME, numbers
+    return _DIFFER.get(prefix, kinds.STATE_DIFFERS), numbers
 
 
 def _list(ranks: list[int]) -> str:

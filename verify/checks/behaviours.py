@@ -86,6 +86,7 @@ def smallest_parameter_mb(workload: str) -> float:
     return min(sizes) / 2**20
 
 
+# fmt: off
 BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour(key="world-1", title="world size 1", world_size=1),
     Behaviour(key="world-2", title="world size 2", world_size=2),
@@ -93,85 +94,43 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour(key="world-4", title="world size 4", world_size=4),
     Behaviour(key="frozen", title="frozen parameters", workload="frozen"),
     Behaviour(key="tied", title="tied weights", workload="tied"),
-    Behaviour(
-        key="unused-everywhere",
-        title="parameters unused on all ranks / in some steps",
-        workload="unused",
-    ),
-    Behaviour(
-        key="used-on-one-rank",
-        title="a parameter used on one rank only (3 ranks)",
-        workload="unused",
-        world_size=3,
-    ),
+    Behaviour(key="unused-everywhere", title="parameters unused on all ranks / in some steps",
+              workload="unused"),
+    Behaviour(key="used-on-one-rank", title="a parameter used on one rank only (3 ranks)",
+              workload="unused", world_size=3),
     Behaviour(key="buffers", title="buffers", workload="buffers"),
     Behaviour(key="mixed", title="float32, bfloat16 and float64 layers", workload="mixed"),
     Behaviour(key="no-sync", title="no_sync() accumulation (2 micro-batches)", accumulate=2),
-    Behaviour(
-        key="no-sync-unused",
-        title="no_sync() with a branch used in one micro-batch",
-        workload="unused",
-        accumulate=2,
-    ),
+    Behaviour(key="no-sync-unused", title="no_sync() with a branch used in one micro-batch",
+              workload="unused", accumulate=2),
     Behaviour(key="keep-grads", title="zero_grad(set_to_none=False)", set_to_none=False),
     Behaviour(key="one-bucket", title="one bucket (25 MB)", bucket_mb=25.0),
-    Behaviour(
-        key="bucket-per-param",
-        title="one bucket per parameter (the smallest parameter's size)",
-        bucket_mb=SMALLEST_PARAMETER,
-    ),
+    Behaviour(key="bucket-per-param",
+              title="one bucket per parameter (the smallest parameter's size)",
+              bucket_mb=SMALLEST_PARAMETER),
     # On the routed model: buckets that mix used and unused parameters, and (at 4.5 KB) a
     # bucket whose members' gradients do not arrive in reverse registration order.
-    Behaviour(
-        key="several-buckets",
-        title="several multi-parameter buckets (4.5 KB)",
-        workload="unused",
-        bucket_mb=0.0045,
-    ),
+    Behaviour(key="several-buckets", title="several multi-parameter buckets (4.5 KB)",
+              workload="unused", bucket_mb=0.0045),
     Behaviour(key="bf16", title="a bf16 model", workload="bf16"),
-    Behaviour(
-        key="bf16-compute",
-        title="mixed precision: fp32 parameters, bf16 compute, fp32 reduction",
-        workload="bf16-compute",
-    ),
-    Behaviour(
-        key="odd-sizes",
-        title="parameters of 7, 3, 5 and 1 rows over 4 ranks (uneven shards, padding)",
-        workload="odd",
-        world_size=4,
-    ),
-    Behaviour(
-        key="model-round-trip",
-        title="model and optimizer state_dict round trip into a fresh wrapper",
-        round_trip=True,
-        round_trip_model=True,
-    ),
+    Behaviour(key="bf16-compute",
+              title="mixed precision: fp32 parameters, bf16 compute, fp32 reduction",
+              workload="bf16-compute"),
+    Behaviour(key="odd-sizes",
+              title="parameters of 7, 3, 5 and 1 rows over 4 ranks (uneven shards, padding)",
+              workload="odd", world_size=4),
+    Behaviour(key="model-round-trip",
+              title="model and optimizer state_dict round trip into a fresh wrapper",
+              round_trip=True, round_trip_model=True),
     # The sharded optimizer's own behaviours (every row above already has two groups).
-    Behaviour(
-        key="param-groups",
-        title="parameter groups over 3 ranks (lr, decay)",
-        world_size=3,
-        sharded_only=True,
-    ),
-    Behaviour(
-        key="add-param-group",
-        title="add_param_group after construction",
-        add_param_group=True,
-        sharded_only=True,
-    ),
+    Behaviour(key="param-groups", title="parameter groups over 3 ranks (lr, decay)",
+              world_size=3, sharded_only=True),
+    Behaviour(key="add-param-group", title="add_param_group after construction",
+              add_param_group=True, sharded_only=True),
     Behaviour(key="scheduler", title="an LR scheduler (StepLR)", scheduler=True, sharded_only=True),
-    Behaviour(
-        key="round-trip",
-        title="optimizer state_dict round trip",
-        round_trip=True,
-        sharded_only=True,
-    ),
-    Behaviour(
-        key="more-ranks-than-params",
-        title="more ranks than parameters (3 tensors, 4 ranks)",
-        workload="tied",
-        world_size=4,
-        sharded_only=True,
-    ),
+    Behaviour(key="round-trip", title="optimizer state_dict round trip",
+              round_trip=True, sharded_only=True),
+    Behaviour(key="more-ranks-than-params", title="more ranks than parameters (3 tensors, 4 ranks)",
+              workload="tied", world_size=4, sharded_only=True),
 )
 BEHAVIOUR = {b.key: b for b in BEHAVIOURS}

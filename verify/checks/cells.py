@@ -34,9 +34,11 @@ from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
 from verify.checks.verdict import Finding, Refusal, collapse
 from verify.launching import RankContext
+from verify.training.hooks import Hooks
 from verify.training.interface import InterfaceError
-from verify.training.optim_state import PlainState, local_state_bytes, unsharded_state
-from verify.training.trainer import Hooks, Trainer
+from verify.training.optim_state import local_state_bytes
+from verify.training.plain_state import PlainState, unsharded_state
+from verify.training.trainer import Trainer
 
 CHECKS = ("consistency", "equivalence", "shard")
 STATUSES = ("pass", "fail", "not claimed", "n/a", "refused", "timeout")

@@ -32,31 +32,21 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from verify.checks import kinds
-from verify.checks.audit import Auditor, Checkpoint, Mismatch
+from verify.checks import kinds, verdict
+from verify.checks.audit import Auditor, Checkpoint, TensorDiff, measured
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
-from verify.checks.mismatch import measured
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
-from verify.checks.verdict import (
-    FAULT,
-    Finding,
-    Refusal,
-    Verdicted,
-    collapse,
-    every_rank,
-    failure_text,
-    run_check,
-    verdict_of,
-)
+from verify.checks.verdict import FAULT, Finding, Refusal, Verdicted, collapse, verdict_of
 from verify.launching import RankContext
 from verify.options import knob
 from verify.replica_audit.group import comm_device
+from verify.training.hooks import Hooks, Progress
 from verify.training.interface import InterfaceError
 from verify.training.sharded import full_gradients, full_state
-from verify.training.trainer import Hooks, Progress, Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec
 
 NO_BROADCAST = (
     "parameters were not broadcast from rank 0 (if the design seeds every rank alike instead, "
@@ -80,7 +70,7 @@ class ConsistencyReport:
     """What one rank found (every rank finds the same: audits are collectives)."""
 
     checkpoints: tuple[Checkpoint, ...] = ()
-    mismatches: tuple[Mismatch, ...] = ()
+    mismatches: tuple[TensorDiff, ...] = ()
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -92,7 +82,7 @@ class ConsistencyResult(Verdicted):
     options: ConsistencyOptions
     verdict: str
     checkpoints: tuple[Checkpoint, ...] = ()
-    mismatches: tuple[Mismatch, ...] = ()
+    mismatches: tuple[TensorDiff, ...] = ()
     findings: tuple[Finding, ...] = ()
     failure: str | None = None  # a rank raised, crashed, hung or timed out: the launcher's words
     elapsed_s: float = 0.0
@@ -104,11 +94,8 @@ class ConsistencyResult(Verdicted):
     @property
     def headline(self) -> str:
         if self.passed:
-            n = len(self.checkpoints)
-            return (
-                f"PASS: replicas bitwise identical on {every_rank(self.options.world_size)} at "
-                f"all {n} checkpoints"
-            )
+            ranks, n = verdict.every_rank(self.options.world_size), len(self.checkpoints)
+            return f"PASS: replicas bitwise identical on {ranks} at all {n} checkpoints"
         if self.findings:
             more = len(self.findings) - 1
             tail = f" (and {more} more distinct finding{'s' if more > 1 else ''})" if more else ""
@@ -118,14 +105,16 @@ class ConsistencyResult(Verdicted):
         return f"TIMEOUT: {self.failure.splitlines()[0]}"
 
     def to_dict(self) -> dict:
-        return {"check": "consistency", **asdict(self), "passed": self.passed,
-                "headline": self.headline}  # fmt: skip
+        doc = {"check": "consistency", **asdict(self), "passed": self.passed,
+               "headline": self.headline}  # fmt: skip
+        doc["mismatches"] = [m.as_checkpoint_dict() for m in self.mismatches]
+        return doc
 
 
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports, raised = run_check(run_consistency_on_rank, options)
+    run, reports, raised = verdict.run_check(run_consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
     situation = situation_of(options)
     findings = with_hints(collapse([*raised, *(f for r in reports for f in r.findings)]), situation)
@@ -136,7 +125,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
         report.checkpoints,
         report.mismatches,
         findings,
-        failure_text(run),
+        verdict.failure_text(run),
         time.perf_counter() - start,
         notes,
         run.threads,
@@ -168,7 +157,7 @@ class AuditHooks(Hooks):
 
     def __init__(self) -> None:
         self.checkpoints: list[Checkpoint] = []
-        self.mismatches: list[Mismatch] = []
+        self.mismatches: list[TensorDiff] = []
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self._layouts: set[tuple[str, str]] = set()  # layout problems found (not found again)
@@ -188,8 +177,8 @@ class AuditHooks(Hooks):
         self._layout(run, "construction", 0, "construction", state)
         found = self._audit("construction", 0, "construction", state)
         hint = (
-            NO_BROADCAST if any(m.tensor.startswith("param:") for m in found)
-            else NO_BUFFER_BROADCAST if any(m.tensor.startswith("buffer:") for m in found)
+            NO_BROADCAST if any(m.name.startswith("param:") for m in found)
+            else NO_BUFFER_BROADCAST if any(m.name.startswith("buffer:") for m in found)
             else None
         )  # fmt: skip
         if hint:
@@ -218,28 +207,16 @@ class AuditHooks(Hooks):
         if error is not None:
             message = f"step {step} state_dict round trip: {error} (training went on from a fresh optimizer)"
             numbers = {"exception": type(error).__name__}
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    "checkpoint",
-                    step,
-                    message,
-                    kind=kinds.ROUND_TRIP_RAISED,
-                    numbers=numbers,
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", "checkpoint", step, message,
+                                         kind=kinds.ROUND_TRIP_RAISED, numbers=numbers))  # fmt: skip
         elif run.round_trip is not None and run.round_trip.note:
             self.notes.append(
                 f"optimizer state_dict round trip after step {step}: {run.round_trip.note}"
             )
         self.auditor.follow(run.model, run.optimizer)  # a model round trip built fresh ones
         label = f"step {step} after the state_dict round trip"
-        self._audit(
-            label,
-            step,
-            "checkpoint",
-            full_state(self.auditor.state_tensors(), run.model, run.wrapped),
-        )
+        state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
+        self._audit(label, step, "checkpoint", state)
 
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
@@ -257,40 +234,20 @@ class AuditHooks(Hooks):
             more = f" (and {len(same) - 1} more tensors there)" if len(same) > 1 else ""
             ranks = tuple(sorted({r for p in same for r in p.ranks}))
             message = f"{label}: {same[0].message}{more}"
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    phase,
-                    step,
-                    message,
-                    same[0].tensor,
-                    ranks,
-                    kind=kinds.LAYOUT,
-                    numbers={"problem": kind},
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", phase, step, message, same[0].tensor,
+                                         ranks, kind=kinds.LAYOUT, numbers={"problem": kind}))  # fmt: skip
 
-    def _audit(self, label: str, step: int, phase: str, named) -> list[Mismatch]:
+    def _audit(self, label: str, step: int, phase: str, named) -> list[TensorDiff]:
         checkpoint, found = self.auditor.audit(label, named)
         self.checkpoints.append(checkpoint)
         self.mismatches.extend(found)
         if found:  # one finding per checkpoint: the first tensor, and how many more
             more = f" (and {len(found) - 1} more tensors there)" if len(found) > 1 else ""
-            tensor = found[0].tensor.split(":", 1)[-1]
-            message = found[0].describe() + more
+            tensor = found[0].name.split(":", 1)[-1]
+            message = found[0].line() + more
             kind, numbers = measured(found, phase, step)
-            self.findings.append(
-                Finding(
-                    "consistency",
-                    phase,
-                    step,
-                    message,
-                    tensor,
-                    _ranks(found),
-                    kind=kind,
-                    numbers=numbers,
-                )  # fmt: skip
-            )
+            self.findings.append(Finding("consistency", phase, step, message, tensor,
+                                         _ranks(found), kind=kind, numbers=numbers))  # fmt: skip
             _resync(dict(named), found, self.auditor.process_group)
         return found
 
@@ -305,7 +262,7 @@ class AuditHooks(Hooks):
         )
 
 
-def _resync(named: dict, found: list[Mismatch], group) -> None:
+def _resync(named: dict, found: list[TensorDiff], group) -> None:
     """Broadcast, in place, every differing tensor from rank 0, so later audits find new
     faults rather than this one again. Missing tensors (a None gradient) and tensors whose
     shape or dtype differ cannot be broadcast; every rank skips the same ones. A tensor off
@@ -313,7 +270,7 @@ def _resync(named: dict, found: list[Mismatch], group) -> None:
     travels as a copy on it."""
     device = comm_device(group)
     for m in found:
-        tensor = named.get(m.tensor)
+        tensor = named.get(m.name)
         if tensor is None or m.detail:
             continue
         with torch.no_grad():
@@ -324,7 +281,7 @@ def _resync(named: dict, found: list[Mismatch], group) -> None:
                 data.copy_(staged)
 
 
-def _ranks(found: list[Mismatch]) -> tuple[int, ...]:
+def _ranks(found: list[TensorDiff]) -> tuple[int, ...]:
     return tuple(sorted({r for m in found for r in m.ranks}))
 
 

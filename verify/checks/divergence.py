@@ -3,7 +3,7 @@ comparisons with the reference, each with its kind and what was measured (`kinds
 
 What a divergence measures, for its hint (`hint_rules.gradients_diverge`):
 - `scale`: the one factor c with which every failed tensor of the finding, on every rank
-  that failed, is c x the reference (`mismatch.fitted_scale`), else None;
+  that failed, is c x the reference (`measure.fitted_scale`), else None;
 - `ranks_off`: the ranks over tolerance at that step, of `world_size`;
 - `ranks_agree`: every rank failed and holds the same bits (fingerprints) in each of the
   finding's tensors: a wrong value computed alike everywhere, rather than gradients that
@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 
 from verify.checks import kinds
-from verify.checks.mismatch import common_scale
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
+from verify.replica_audit.measure import common_scale
 
 _DIVERGE = {
     "gradients": kinds.GRADIENTS_DIVERGE,

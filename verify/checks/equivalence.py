@@ -41,14 +41,9 @@ from verify.checks.verdict import (
 )
 from verify.launching import RankContext
 from verify.options import knob
+from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
-from verify.training.trainer import (
-    OPTIMIZERS,
-    SCHEDULER_GAMMA,
-    TRAIN_DEFAULTS,
-    Progress,
-    TrainSpec,
-)
+from verify.training.trainer import OPTIMIZERS, SCHEDULER_GAMMA, TRAIN_DEFAULTS, TrainSpec
 
 KINDS = ("gradients", "parameters", "buffers")  # order of the checks within a step
 

@@ -28,13 +28,18 @@ from pathlib import Path
 from impls.faulty import hang_scenarios as scenarios
 from impls.registry import resolve
 from verify import progress, runs
-from verify.checks.script import WatchedRun, finish_report, run_watched_script
+from verify.checks.script import (
+    WatchedRun,
+    finish_report,
+    refuse_under_torchrun,
+    run_watched_script,
+)
 from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
-from verify.launching.torchrun import joining
 from verify.options import OutputOptions, PlacementOptions, RunOptions, knob, launch_knobs
+from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
-from verify.training.trainer import Progress, Trainer, TrainSpec
+from verify.training.trainer import Trainer, TrainSpec
 from verify.training.workloads import get_workload
 from verify.watching import capture
 
@@ -71,11 +76,7 @@ class HangOptions(RunOptions, OutputOptions, PlacementOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if joining():
-            raise ValueError(
-                "under torchrun, run your script as `torchrun ... -m verify.hang_run train.py "
-                "ARGS` (see docs/debugging.md); `hang` spawns and watches its own ranks"
-            )
+        refuse_under_torchrun("hang", "hang_run", "docs/debugging.md")
         if self.nproc is not None and not self.script:
             raise ValueError("--nproc needs a script: --nproc N -- train.py ARGS")
         if self.script and self.nproc is None:

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verify.training.optim_state import local_state_bytes, unsharded_state
+from verify.training.hooks import Hooks
+from verify.training.optim_state import local_state_bytes
+from verify.training.plain_state import unsharded_state
 from verify.training.sharded import full_parameters
-from verify.training.trainer import Hooks, Trainer
+from verify.training.trainer import Trainer
 
 KINDS = ("parameters", "gradients", "state")
 

@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from verify.checks import kinds, tolerances
-from verify.checks.mismatch import fitted_scale
 from verify.checks.verdict import Finding
 from verify.replica_audit.fingerprint import fingerprint
+from verify.replica_audit.measure import fitted_scale
+from verify.training.hooks import Hooks
 from verify.training.sharded import assign_full, full_gradients, full_parameters
-from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Hooks, Trainer
+from verify.training.trainer import SCHEDULER_GAMMA, SGD_MOMENTUM, Trainer
 from verify.training.workloads import Batch
 
 PLAYED = "the checkpoint was played as"  # a report's note after the state_dict round trip
@@ -54,7 +55,7 @@ class TensorError:
     element: an element whose true value is zero has no meaningful relative error.
     `tolerance` is the one at the element with the worst error/tolerance `ratio`; the tensor
     passes when `ratio <= 1`. Measured for a tensor that failed, for the hint: `scale`, the
-    factor c with which it is c x the reference to rounding (`mismatch.fitted_scale`, else
+    factor c with which it is c x the reference to rounding (`measure.fitted_scale`, else
     None), and `digest`, its bits' fingerprint (equal on two ranks: they hold the same values).
     `missing`: "here" (no gradient where the reference has one), "reference" (the reverse) or
     "shape" (dtype or shape differ), when the comparison could not be numeric.

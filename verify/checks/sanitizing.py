@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from verify.checks import kinds
 from verify.checks.verdict import Finding
 from verify.launching import RankContext
-from verify.training.trainer import Hooks, Trainer, TrainSpec
+from verify.training.hooks import Hooks
+from verify.training.trainer import Trainer, TrainSpec
 
 
 class SanitizeHooks(Hooks):

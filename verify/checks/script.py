@@ -24,6 +24,7 @@ from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.launching import run_script
 from verify.launching.needs_cuda import NeedsCuda
+from verify.launching.torchrun import joining
 from verify.script_audit import AuditReport
 from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
@@ -74,6 +75,16 @@ class ScriptRun(WatchedRun):
     """A script's run, and the audit's report when it ran."""
 
     audit: AuditReport | None = None
+
+
+def refuse_under_torchrun(command: str, entry: str, guide: str) -> None:
+    """A command that spawns and watches its own ranks, asked from inside a torchrun job:
+    `ValueError` (exit 2) naming the entry point to run under torchrun instead."""
+    if joining():
+        raise ValueError(
+            f"under torchrun, run your script as `torchrun ... -m verify.{entry} train.py "
+            f"ARGS` (see {guide}); `{command}` spawns and watches its own ranks"
+        )
 
 
 def run_watched_script(options, *, command: str, audit_every: int | None = None) -> ScriptRun:

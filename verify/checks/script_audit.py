@@ -19,10 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from verify import runs
-from verify.checks.script import ScriptRun, run_watched_script
+from verify.checks.script import ScriptRun, refuse_under_torchrun, run_watched_script
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
-from verify.launching.torchrun import joining
 from verify.options import OutputOptions, ThreadOptions, knob
 from verify.script_audit import AuditReport, Finding
 
@@ -53,11 +52,7 @@ class AuditOptions(ThreadOptions, OutputOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if joining():
-            raise ValueError(
-                "under torchrun, run your script as `torchrun ... -m verify.audit_run train.py "
-                "ARGS` (see docs/audit.md); `audit` spawns and watches its own ranks"
-            )
+        refuse_under_torchrun("audit", "audit_run", "docs/audit.md")
         if not self.script:
             raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
         if not os.path.isfile(self.script[0]):

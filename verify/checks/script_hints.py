@@ -12,7 +12,7 @@ hint.
 from __future__ import annotations
 
 from verify.checks.hint_rules import scaled_on_some
-from verify.checks.mismatch import common_scale
+from verify.replica_audit.measure import common_scale
 from verify.script_audit import phases as report
 
 PHASE_HINTS = {

@@ -1,5 +1,5 @@
 """The report of `bench`: a result in, text out, nothing run (the tool's own costs:
-`text_costs.py`).
+`benchmarks/text_costs.py`).
 
 Every goal is printed with the number it rests on, its 95% interval and the decision: "met"
 (the whole interval within the goal), "MISSED" (wholly outside), or "undecided (noise +-x%)"

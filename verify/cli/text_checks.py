@@ -42,9 +42,9 @@ def consistency(result: ConsistencyResult) -> str:
         detail = any(m.detail for m in shown)
         rows = [
             [
-                m.checkpoint, m.tensor, ",".join(map(str, m.ranks)), m.reference_rank,
+                m.at, m.name, ",".join(map(str, m.ranks)), m.reference_rank,
                 "-" if m.max_abs_diff is None else f"{m.max_abs_diff:.3g}",
-                "-" if m.num_different is None else f"{m.num_different}/{m.numel}",
+                "-" if m.differing is None else f"{m.differing}/{m.numel}",
                 "-" if m.first_index is None else str(list(m.first_index)),
             ] + ([m.detail] if detail else [])
             for m in shown

@@ -1,10 +1,9 @@
-"""Measurements: what the variants and the tool itself cost. Every step is trained by the one
-trainer (`verify/training/trainer.py`), every rank started by the one launcher. The commands'
-rows are in the CLI's table (`verify/cli/commands.py`); the tool's own costs (`costs.py`,
-`bench_audit.py`, `bench_tracer.py`, `bench_sanitize*.py`, `bench_script_audit.py`) are run by
-a maintainer's scripts instead (`benchmarks/`). A run function returns its result and writes
-its run folder's JSON and charts, the CLI prints the report and keeps it as `.txt`
-(`verify/cli/text_perf.py`, `text_bench.py`, `text_costs.py`).
+"""The user's measurements: what the variants cost. Every step is trained by the one trainer
+(`verify/training/trainer.py`), every rank started by the one launcher. The commands' rows are
+in the CLI's table (`verify/cli/commands.py`); the tool's own costs are measured by a
+maintainer's scripts, outside the product (`benchmarks/`, over `base.py` here). A run function
+returns its result and writes its run folder's JSON and charts, the CLI prints the report and
+keeps it as `.txt` (`verify/cli/text_perf.py`, `text_bench.py`).
 
     base.py          what they share: options base, run folder, verdict, progress from rank 0
     timing.py        the slowest rank's time, interleaved rounds, paired ratios, decisions
@@ -15,7 +14,6 @@ its run folder's JSON and charts, the CLI prints the report and keeps it as `.tx
     alphabeta.py     the cost model: bus bandwidth, the alpha-beta fit, the best bucket
     scaling.py       scaling: throughput at world sizes 1..N
     train.py         train: loss curves against a single process
-    bench_audit.py   bench-audit: the audit's cost      bench_tracer.py  the tracer's cost
     bench_memory.py  bench's memory per rank, against 1/N (the memory check's measure)
     issued.py        the collectives a traced step issued, by kind and phase
     charts.py        the PNGs

@@ -116,6 +116,11 @@ class MeasureOptions(ThreadOptions, PlacementOptions):
         return torchrun.local_ranks(self.ranks)
 
 
+def model_size(default: float | None, help: str = "the transformer's size"):
+    """The `--model-size` knob of every measurement (millions of parameters)."""
+    return knob(default, help, flag="--model-size", unit="M parameters", positive=True)
+
+
 def set_field(options: Any, name: str, value: Any) -> None:
     """Normalize a field of frozen options in their `__post_init__` (`all` expanded)."""
     object.__setattr__(options, name, value)

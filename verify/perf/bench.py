@@ -41,6 +41,7 @@ from verify.perf.base import (
     ALL,
     MeasureOptions,
     RunFolder,
+    model_size,
     next_step,
     parameters,
     resolve_all,
@@ -64,9 +65,7 @@ class BenchOptions(MeasureOptions, OutputOptions):
         flag="--impls",
     )
     world_size: int = knob(2, "ranks to start", minimum=1)
-    model_size_m: float = knob(
-        10.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
-    )
+    model_size_m: float = model_size(10.0)
     local_batch: int = knob(4, "sequences per rank and step", minimum=1)
     bucket_mb: float = knob(
         DEFAULT_BUCKET_MB, "every variant's bucket size", unit="MB", positive=True

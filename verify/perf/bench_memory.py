@@ -26,7 +26,8 @@ import torch
 from verify.checks.memory import MemoryHooks, MemoryResult
 from verify.launching import RankContext
 from verify.perf.bench_result import MEMORY_VARIANTS
-from verify.training.trainer import Hooks, Trainer
+from verify.training.hooks import Hooks
+from verify.training.trainer import Trainer
 
 
 class MemoryProbe(Hooks):

@@ -24,6 +24,20 @@ class Chart:
     note: str | None = None
 
 
+def _figure(**subplots):
+    """(pyplot, figure, axes), or three Nones without matplotlib."""
+    plt = _pyplot()
+    return (None, None, None) if plt is None else (plt, *plt.subplots(**subplots))
+
+
+def _finish(plt, fig, ax, path: Path, title: str, entries: int) -> Chart:
+    """Title, a legend of `entries` below, a light grid; saved to `path`."""
+    ax.set_title(title)
+    _legend_below(ax, entries)
+    ax.grid(alpha=0.3)
+    return _save(fig, plt, path)
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -67,10 +81,9 @@ def sweep(
     marks: Mapping[str, float] | None = None,
 ) -> Chart:
     """Lines over bucket sizes (log x); `marks` draws labelled vertical lines."""
-    plt = _pyplot()
+    plt, fig, ax = _figure(figsize=(7, 4))
     if plt is None:
         return Chart(None, MISSING)
-    fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in series.items():
         pts = [(x, y) for x, y in zip(sizes_mb, ys) if y is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -84,10 +97,7 @@ def sweep(
     ax.set_ylabel(ylabel)
     if all(y is None or y >= 0 for ys in series.values() for y in ys):
         ax.set_ylim(bottom=0)  # zero where zero is: a difference starts at the axis
-    ax.set_title(title)
-    _legend_below(ax, len(series))
-    ax.grid(alpha=0.3)
-    return _save(fig, plt, path)
+    return _finish(plt, fig, ax, path, title, len(series))
 
 
 def bandwidth(
@@ -99,10 +109,9 @@ def bandwidth(
     title: str = "",
 ) -> Chart:
     """Bus bandwidth (GB/s) over message size (bytes), log-log, with a horizontal reference."""
-    plt = _pyplot()
+    plt, fig, ax = _figure(figsize=(8, 4.5))
     if plt is None:
         return Chart(None, MISSING)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     # Labels are "<op> n=<world>": one colour per op (as in the timelines), one line style
     # per world size.
     worlds = list(dict.fromkeys(label.split()[-1] for label in series))
@@ -139,10 +148,9 @@ def curves(
     title: str = "",
 ) -> Chart:
     """Plain lines: {label: (xs, ys)} (loss curves, throughput)."""
-    plt = _pyplot()
+    plt, fig, ax = _figure(figsize=(7, 4))
     if plt is None:
         return Chart(None, MISSING)
-    fig, ax = plt.subplots(figsize=(7, 4))
     for i, (label, (xs, ys)) in enumerate(series.items()):
         # The reference goes underneath as a thick pale line, so curves on top stay visible.
         style = {"linewidth": 4, "alpha": 0.4} if i == 0 else {"linewidth": 1.2}
@@ -153,10 +161,7 @@ def curves(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no world size 1.25
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    _legend_below(ax, len(series))
-    ax.grid(alpha=0.3)
-    return _save(fig, plt, path)
+    return _finish(plt, fig, ax, path, title, len(series))
 
 
 def loss_curves(

@@ -27,7 +27,7 @@ from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts
 from verify.perf.alphabeta import MiB, best_bucket, bus_factor, fit_alpha_beta
-from verify.perf.base import Measured, MeasureOptions, RunFolder, say
+from verify.perf.base import Measured, MeasureOptions, RunFolder, model_size, say
 from verify.perf.collectives import (
     OPS,
     collective_call,
@@ -52,13 +52,7 @@ class CommOptions(MeasureOptions, OutputOptions):
         64.0, "largest message (sizes grow by 4x up to it)", unit="MiB", positive=True
     )
     repeats: int = knob(5, "interleaved rounds over every op and size", minimum=1)
-    model_size_m: float = knob(
-        10.0,
-        "the transformer whose best bucket size is predicted",
-        flag="--model-size",
-        unit="M parameters",
-        positive=True,
-    )
+    model_size_m: float = model_size(10.0, "the transformer whose best bucket size is predicted")
     ops: tuple[str, ...] = knob(OPS, "collectives to measure", choices=OPS, cli=False)
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts, traces
-from verify.perf.base import ALL, Measured, MeasureOptions, RunFolder, resolve_all, say
+from verify.perf.base import ALL, Measured, MeasureOptions, RunFolder, model_size, resolve_all, say
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
 DEFAULT_MODEL_M = 5.0
@@ -54,13 +54,7 @@ class ProfileOptions(MeasureOptions, OutputOptions):
     wait: int = knob(1, "steps before the profiler starts", minimum=0)
     warmup: int = knob(1, "profiler warm-up steps (recorded, then discarded)", minimum=0)
     active: int = knob(3, "profiled steps", flag="--steps", minimum=1)
-    model_size_m: float | None = knob(
-        DEFAULT_MODEL_M,
-        "the transformer's size",
-        flag="--model-size",
-        unit="M parameters",
-        positive=True,
-    )
+    model_size_m: float | None = model_size(DEFAULT_MODEL_M)
     local_batch: int = knob(4, "sequences per rank and step", minimum=1)
     bucket_mb: float = knob(
         DEFAULT_PROFILE_BUCKET_MB,

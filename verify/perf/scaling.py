@@ -24,7 +24,7 @@ from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts
-from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say
+from verify.perf.base import Measured, MeasureOptions, RunFolder, model_size, resolve_all, say
 from verify.perf.timing import timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -35,9 +35,7 @@ class ScalingOptions(MeasureOptions, OutputOptions):
 
     impl: str = knob("bucketed", "a registered name, package.module:Class or path/to/file.py:Class")
     max_world_size: int = knob(2, "world sizes 1 to this", flag="--world-size", minimum=1)
-    model_size_m: float = knob(
-        10.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
-    )
+    model_size_m: float = model_size(10.0)
     local_batch: int = knob(4, "sequences per rank and step", minimum=1)
     bucket_mb: float = knob(
         DEFAULT_BUCKET_MB, "bucket size given to wrappers that take one", unit="MB", positive=True

@@ -29,7 +29,15 @@ from verify import progress
 from verify.launching import RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts
-from verify.perf.base import Measured, MeasureOptions, RunFolder, resolve_all, say, set_field
+from verify.perf.base import (
+    Measured,
+    MeasureOptions,
+    RunFolder,
+    model_size,
+    resolve_all,
+    say,
+    set_field,
+)
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.training.workloads import GPTConfig, Markov
 
@@ -48,12 +56,8 @@ class TrainOptions(MeasureOptions, OutputOptions):
     world_size: int = knob(2, "ranks to start", minimum=1)
     steps: int = knob(200, "optimizer steps", minimum=1)
     local_batch: int = knob(8, "sequences per rank and step", minimum=1)
-    model_size_m: float | None = knob(
-        None,
-        "the GPT's size (default: a tiny GPT, 256 tokens, 2 layers, 64 wide)",
-        flag="--model-size",
-        unit="M parameters",
-        positive=True,
+    model_size_m: float | None = model_size(
+        None, "the GPT's size (default: a tiny GPT, 256 tokens, 2 layers, 64 wide)"
     )
     lr: float = knob(3e-3, "AdamW's learning rate", positive=True)
     bucket_mb: float = knob(

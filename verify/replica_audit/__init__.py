@@ -5,8 +5,12 @@ layout (`verify/checks/layout.py`), the matrix's agreement on each cell
 
     fingerprint.py one exact fingerprint per tensor, computed where it lives
     group.py       the small group interface and the one agreement reduction over it
-                   (min and max in one all-reduce, O(1) in the world size)
-    finding.py     the one typed Finding of every check, the script audit's included
+                   (min and max in one all-reduce, O(1) in the world size); who differs,
+                   gathered only after the ranks disagree
+    measure.py     the one measure of a tensor that differs (bitwise, by how much, where,
+                   the factor it is of the reference's)
+    finding.py     the one typed Finding of every check, the script audit's included, and
+                   the one TensorDiff of every audit
 
 Imports only torch: the script audit runs it inside a user's ranks.
 """

@@ -27,19 +27,31 @@ LAYOUT = "layout"  # a script's ranks audit different sets of tensors (`kinds.AU
 
 @dataclass(frozen=True)
 class TensorDiff:
-    """One tensor or setting that is not bitwise identical on every rank, as measured."""
+    """One tensor or setting that is not bitwise identical on every rank, as measured: the one
+    measured difference of every audit (the class checks' at a checkpoint, `at`; the script
+    audit's at an audit point). Its numbers come from `measure.py`.
+
+    `how`: "values" (same dtype and shape, different values), "missing" (None on some ranks),
+    "shape" (dtype or shape differ) or "absent" (held by some ranks only: optimizer state),
+    with `detail` saying which; `moved`: the fingerprints differed but the copies gathered
+    right after are equal on every rank, so something (a collective) still wrote them."""
 
     name: str
     ranks: tuple[int, ...]  # ranks whose value differs from the reference rank's
     reference_rank: int  # the rank holding the value most ranks hold (the lowest on a tie)
     max_abs_diff: float | None = None  # largest |difference| on any rank, vs the reference
-    differing: int | None = None  # elements that differ, on the worst rank
+    differing: int | None = None  # elements that differ (a script's: on the worst rank)
     numel: int | None = None
-    first_index: tuple[int, ...] | None = None  # first differing element, on the worst rank
+    first_index: tuple[int, ...] | None = None  # first differing element
     values: tuple[str, ...] = ()  # a setting's value on each rank ("rank 0: 0.001")
     scale: float | None = None  # the differing ranks' values are scale x the reference's
+    how: str = "values"
+    detail: str = ""  # e.g. "the tensor is None on ranks [1]"
+    moved: bool = False
+    at: str = ""  # the class checks' checkpoint ("step 2 gradients")
 
     def describe(self) -> str:
+        """The script audit's words (its report and hints)."""
         if not self.ranks:  # not described: beyond the detail gathered at its audit point
             return self.name
         s = "s" if len(self.ranks) > 1 else ""
@@ -51,6 +63,27 @@ class TensorDiff:
         where = "" if self.first_index is None else f", first at {list(self.first_index)}"
         return (f"{head}: max |diff| {self.max_abs_diff:.3g}, {self.differing}/{self.numel} "
                 f"elements differ{where}")  # fmt: skip
+
+    def line(self) -> str:
+        """The class checks' words: the checkpoint, the tensor, the ranks, how it differs."""
+        s = "s" if len(self.ranks) > 1 else ""
+        ranks = ", ".join(map(str, self.ranks))
+        head = f"{self.at}: {self.name} differs on rank{s} {ranks} (vs rank {self.reference_rank})"
+        if self.detail:
+            return f"{head}: {self.detail}"
+        if self.differing is None:
+            return head
+        return (f"{head}: max |diff| {self.max_abs_diff:.3g}, {self.differing}/{self.numel} "
+                f"elements differ, first at index {list(self.first_index)}")  # fmt: skip
+
+    def as_checkpoint_dict(self) -> dict:
+        """The class checks' JSON of it (`mismatches`), under the names it has always had."""
+        return {
+            "checkpoint": self.at, "tensor": self.name, "ranks": self.ranks,
+            "reference_rank": self.reference_rank, "max_abs_diff": self.max_abs_diff,
+            "num_different": self.differing, "numel": self.numel,
+            "first_index": self.first_index, "detail": self.detail, "kind": self.how, "scale": self.scale, "moved": self.moved,
+        }  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorDiff:
@@ -131,9 +164,14 @@ class Finding:
         return self.message if self.kind == LAYOUT else ""
 
 
+_SCRIPT_KEYS = ("name", "ranks", "reference_rank", "max_abs_diff", "differing", "numel",
+                "first_index", "values", "scale")  # fmt: skip
+
+
 def diff_numbers(diffs: tuple[TensorDiff, ...]) -> list[dict]:
-    """`diffs` as JSON values, for a finding's numbers."""
-    return [asdict(d) for d in diffs]
+    """`diffs` as JSON values, for a script audit finding's numbers (the script audit's keys;
+    the fields only a class's check fills are left out)."""
+    return [{k: v for k, v in asdict(d).items() if k in _SCRIPT_KEYS} for d in diffs]
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -5,9 +5,10 @@ replicas) decides whether the ranks agree the same way: each value's minimum and
 the ranks, in one MAX all-reduce of `[x, ~x]` (`~x` = -x - 1 reverses the order without
 overflowing, so max(~x) is ~min(x)). Equal minimum and maximum mean every rank holds the same
 value. Its size is twice the number of values, whatever the world size: agreement stays O(1)
-in the number of ranks, and per-rank detail is gathered only after a mismatch.
+in the number of ranks, and per-rank detail is gathered only after a mismatch (`who_differs`:
+every rank's values of the rows that disagree, the reference rank and the ranks that differ).
 
-A group is anything with `rank`, `size` and `all_reduce_max`: `WorldGroup` wraps a
+A group is anything with `rank`, `size`, `all_reduce_max` and `gather_tensor`: `WorldGroup` wraps a
 `torch.distributed` process group (the class checks' world group, or the matrix's own gloo
 group); the script audit's `SideGroup` (`verify/script_audit/side_group.py`) is another.
 """
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from verify.replica_audit.measure import reference_rank
 
 
 class Group(Protocol):
@@ -33,6 +36,11 @@ class Group(Protocol):
         may be overwritten)."""
         ...
 
+    def gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (a CPU tensor of one shape and dtype on every rank), on the CPU,
+        in rank order."""
+        ...
+
 
 class WorldGroup:
     """A `torch.distributed` process group (None: the default group) as a `Group`."""
@@ -46,6 +54,12 @@ class WorldGroup:
         t = values.to(comm_device(self.process_group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return t.cpu()
+
+    def gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        mine = t.to(comm_device(self.process_group))
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.process_group)
+        return [e.cpu() for e in every]
 
 
 def as_group(group: Group | dist.ProcessGroup | None) -> Group:
@@ -71,6 +85,22 @@ def agree(values: list[int], group: Group | dist.ProcessGroup | None) -> list[bo
     """Per value: is it the same on every rank? (`min_max` of the values, compared.)"""
     low, high = min_max(torch.tensor(values, dtype=torch.int64), group)
     return (low == high).tolist()
+
+
+def who_differs(group: Group, rows: torch.Tensor) -> list[tuple[int, tuple[int, ...], list]]:
+    """For each row of `rows` (the values, or fingerprint words, of one thing the ranks
+    disagree on; the same rows on every rank): (the reference rank, the ranks that differ
+    from it, every rank's row as a tuple). The reference holds the row most ranks hold (the
+    lowest such rank on a tie). One gather, made only after a mismatch; none for no rows."""
+    if rows.shape[0] == 0:
+        return []
+    every = group.gather_tensor(rows.to(torch.int64).cpu())
+    out = []
+    for j in range(rows.shape[0]):
+        per_rank = [tuple(e[j].reshape(-1).tolist()) for e in every]
+        ref = reference_rank(per_rank)
+        out.append((ref, tuple(r for r, v in enumerate(per_rank) if v != per_rank[ref]), per_rank))
+    return out
 
 
 def comm_device(process_group: dist.ProcessGroup | None) -> torch.device:

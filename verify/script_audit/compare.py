@@ -26,10 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify.checks.mismatch import common_scale, fitted_scale
 from verify.replica_audit.finding import TensorDiff
 from verify.replica_audit.fingerprint import bits_value, fingerprints, text_bits, value_bits
-from verify.replica_audit.group import agree
+from verify.replica_audit.group import agree, who_differs
+from verify.replica_audit.measure import (
+    common_scale,
+    elements,
+    fitted_scale,
+    reference_rank,
+    unequal,
+)
 from verify.script_audit.collect import Entry
 from verify.script_audit.side_group import SideGroup
 
@@ -92,10 +98,9 @@ def compare(
             per_phase[entries[i].phase] += 1
     if not shown:
         return outcome
-    everyone = group.gather([prints[i] for i in shown])
-    for j, i in enumerate(shown):
-        per_rank = [row[j] for row in everyone]
-        outcome.diffs[i] = _describe(group, entries[i], per_rank)
+    seen = who_differs(group, torch.tensor([[prints[i]] for i in shown]))
+    for i, (ref, ranks, per_rank) in zip(shown, seen):
+        outcome.diffs[i] = _describe(group, entries[i], ref, ranks, [v for (v,) in per_rank])
     return outcome
 
 
@@ -117,16 +122,11 @@ def _fingerprints(entries: list[Entry]) -> list[int]:
     return out
 
 
-def _reference(per_rank: list[int]) -> int:
-    """The rank holding the value most ranks hold (the lowest such rank on a tie)."""
-    counts = Counter(per_rank)
-    best = max(counts.values())
-    return next(r for r, v in enumerate(per_rank) if counts[v] == best)
-
-
-def _describe(group: SideGroup, entry: Entry, per_rank: list[int]) -> TensorDiff:
-    ref = _reference(per_rank)
-    ranks = tuple(r for r, v in enumerate(per_rank) if v != per_rank[ref])
+def _describe(
+    group: SideGroup, entry: Entry, ref: int, ranks: tuple[int, ...], per_rank: list[int]
+) -> TensorDiff:
+    """How `entry` differs on `ranks` from rank `ref`'s (`per_rank`: every rank's
+    fingerprint): a setting's value on each rank, or a tensor measured."""
     diff = TensorDiff(entry.name, ranks, ref)
     if isinstance(entry.setting, float):
         shown = dict.fromkeys([ref, *ranks][:8])
@@ -152,19 +152,14 @@ def _describe(group: SideGroup, entry: Entry, per_rank: list[int]) -> TensorDiff
 
 
 def _stats(ref: torch.Tensor, mine: torch.Tensor) -> list[float]:
-    """[largest |mine - ref|, elements that differ, flat index of the first (-1: none), the
-    factor mine is of ref (`mismatch.fitted_scale`; NaN: none)]."""
-    a, b = ref.reshape(-1), mine.reshape(-1)
-    if a.is_floating_point() or a.is_complex():
-        both_nan = torch.isnan(a) & torch.isnan(b)
-        differ = (a != b) & ~both_nan
-        gap = (a.double() - b.double()).abs() if not a.is_complex() else (a - b).abs().double()
-    else:
-        differ = a != b
-        gap = (a.double() - b.double()).abs()
+    """[largest |mine - ref| where they differ, elements that differ, flat index of the first
+    (-1: none), the factor mine is of ref (NaN: none)], compared bitwise (`measure.py`)."""
+    a, b = elements(ref), elements(mine)
+    differ, largest = unequal(a, b)
+    if ref.is_complex():  # compared part by part; counted by element, as `numel` is
+        differ = differ.view(-1, 2).any(dim=1)
     count = int(differ.sum())
     first = int(differ.nonzero()[0, 0]) if count else -1
-    largest = float(gap[differ].max()) if count else 0.0
     scale = fitted_scale(b, a) if count else None
     return [largest, float(count), float(first), math.nan if scale is None else scale]
 
@@ -172,7 +167,7 @@ def _stats(ref: torch.Tensor, mine: torch.Tensor) -> list[float]:
 def _layout(group: SideGroup, header: list[int], keys: list[str]) -> str:
     """What differs between the ranks' entries (module docstring, step 1)."""
     headers = group.gather(header)
-    ref = _reference([h[0] for h in headers])
+    ref = reference_rank([h[0] for h in headers])
     parts = []
     steps = {tuple(h[2:]) for h in headers}
     if len(steps) > 1:

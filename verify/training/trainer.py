@@ -40,6 +40,7 @@ from torch.profiler import record_function
 from impls.registry import DEFAULT_BUCKET_MB, Implementation, resolve
 from verify.launching.outcome import RankContext
 from verify.training import checkpoint, model_state
+from verify.training.hooks import Hooks
 from verify.training.interface import (
     InterfaceError,
     call_message,
@@ -47,7 +48,7 @@ from verify.training.interface import (
     constructor_message,
     distributed,
 )
-from verify.training.workloads import Batch, Workload, get_workload
+from verify.training.workloads import Workload, get_workload
 from verify.watching import tracer
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -124,44 +125,6 @@ def spec_from(options, **overrides) -> TrainSpec:
     names = [f.name for f in fields(TrainSpec)]
     values = {n: getattr(options, n) for n in names if hasattr(options, n)}
     return TrainSpec(**{**values, **overrides})
-
-
-class Hooks:
-    """What a check attaches to the loop; every method is a no-op here. Hooks run on every
-    rank in the same order, so they may call collectives."""
-
-    def after_build(self, run: Trainer) -> None:
-        """The wrapper and the optimizer are constructed."""
-
-    def before_step(self, run: Trainer, step: int) -> None:
-        """Step `step` (from 1) is about to start."""
-
-    def after_backward(self, run: Trainer, step: int, micro: int, batch: Batch) -> None:
-        """One micro-batch's backward ran; `batch` is the global batch (every rank's shard)."""
-
-    def after_sync(self, run: Trainer, step: int) -> None:
-        """Gradients are synchronized (`finish_gradient_synchronization()` returned)."""
-
-    def after_step(self, run: Trainer, step: int) -> None:
-        """The optimizer (and the scheduler) stepped."""
-
-    def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
-        """The optimizer state was saved and reloaded after `step` (`run.round_trip` says
-        how), or the round trip failed with `error` and training goes on from a fresh
-        optimizer."""
-
-
-class Progress(Hooks):
-    """Rank 0 says each step as it ends (`verify/progress.py` prints it in the parent)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-
-    def after_step(self, run: Trainer, step: int) -> None:
-        if run.ctx.rank == 0:
-            from verify.launching import rank
-
-            rank.say(f"{self.label}: step {step}/{run.spec.steps}")
 
 
 class Trainer:

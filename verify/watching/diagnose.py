@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 from verify.watching import history, spawned
 from verify.watching.findings import Diagnosis, TraceFinding
 from verify.watching.history import Blame, token
+from verify.watching.ops import ROOTED_OPS, UNEVEN_OPS
 from verify.watching.ranks import (
     failure_finding,
     instead,
@@ -46,7 +47,6 @@ from verify.watching.ranks import (
 )
 from verify.watching.stacks import at, dump_in_torch
 from verify.watching.trace_file import Record, Trace
-from verify.watching.tracer import ROOTED_OPS, UNEVEN_OPS
 
 STRUCTURAL = ("missing", "op mismatch", "size mismatch", "dtype mismatch")
 _TIMED_OUT = (

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from benchmarks.bench_tracer import GOAL as TRACER_GOAL
 from verify.cli.text_bench import decision, interval
 from verify.cli.text_perf import failed
 from verify.perf.alphabeta import MiB
-from verify.perf.bench_tracer import GOAL as TRACER_GOAL
 from verify.training.language import GPTConfig
 
 if TYPE_CHECKING:
-    from verify.perf.bench_audit import AuditBenchResult
-    from verify.perf.bench_tracer import TracerBenchResult
+    from benchmarks.bench_audit import AuditBenchResult
+    from benchmarks.bench_tracer import TracerBenchResult
 
 
 def audit(result: AuditBenchResult) -> str:

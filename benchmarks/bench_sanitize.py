@@ -23,11 +23,11 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from benchmarks.bench_sanitize_matrix import run_sanitize_matrix_bench
+from benchmarks.costs import CostOptions, run_cost, take_turns
 from verify.launching import RankContext
 from verify.options import knob
-from verify.perf.base import Measured, next_step, parameters
-from verify.perf.bench_sanitize_matrix import run_sanitize_matrix_bench
-from verify.perf.costs import CostOptions, run_cost, take_turns
+from verify.perf.base import Measured, model_size, next_step, parameters
 from verify.perf.timing import Ratio, paired, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -38,9 +38,7 @@ ARMS = ("plain", "sanitized", "check-only")
 class SanitizeBenchOptions(CostOptions):
     """What the sanitizer is measured on, and for how long."""
 
-    model_size_m: float | None = knob(
-        5.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
-    )
+    model_size_m: float | None = model_size(5.0)
     bucket_mb: float = knob(4.0, "bucket size (several buckets a step)", unit="MB", positive=True)
     repeats: int = knob(15, "interleaved rounds (one step of each arm per round)", minimum=2)
     matrix: bool = knob(

@@ -17,9 +17,9 @@ paired per round with a 95% interval (`timing.paired`); the goal is at most 1.02
 
 from __future__ import annotations
 
+from benchmarks.costs import take_turns
 from verify.launching import RankContext
 from verify.perf.base import next_step, parameters
-from verify.perf.costs import take_turns
 from verify.perf.timing import timed
 from verify.script_audit import Auditor, AuditSettings
 from verify.training.trainer import Trainer

@@ -27,13 +27,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_script_audit import GOAL as GOAL_SCRIPT
+from benchmarks.bench_script_audit import script_audit_bench_on_rank
+from benchmarks.costs import CostOptions, goal_bar, run_cost, take_turns
 from verify.checks.audit import Auditor
 from verify.launching import RankContext
 from verify.options import knob
-from verify.perf.base import Measured, next_step, parameters
-from verify.perf.bench_script_audit import GOAL as GOAL_SCRIPT
-from verify.perf.bench_script_audit import script_audit_bench_on_rank
-from verify.perf.costs import CostOptions, goal_bar, run_cost, take_turns
+from verify.perf.base import Measured, model_size, next_step, parameters
 from verify.perf.timing import Ratio, timed
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 
@@ -46,9 +46,7 @@ class AuditBenchOptions(CostOptions):
     """What the audit is measured on, and how many rounds."""
 
     world_size: int = knob(2, "ranks to start (the audit compares ranks: at least 2)", minimum=2)
-    model_size_m: float = knob(
-        50.0, "the transformer's size", flag="--model-size", unit="M parameters", positive=True
-    )
+    model_size_m: float = model_size(50.0)
     local_batch: int = knob(4, "sequences per rank and step", minimum=1)
     repeats: int = knob(5, "interleaved rounds: a step, an audit, an all-gather each", minimum=1)
     script_audit: bool = knob(

@@ -32,11 +32,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from benchmarks.costs import CostOptions, run_cost, take_turns
 from impls.registry import DEFAULT_BUCKET_MB
 from verify.launching import RankContext
 from verify.options import knob
-from verify.perf.base import Measured, next_step, parameters
-from verify.perf.costs import CostOptions, run_cost, take_turns
+from verify.perf.base import Measured, model_size, next_step, parameters
 from verify.perf.timing import Ratio, decide, paired, timed_with_cpu
 from verify.training.trainer import Trainer, TrainSpec, spec_from
 from verify.watching import tracer
@@ -48,12 +48,8 @@ GOAL = 0.05  # the tracer may add at most 5% to a step
 class TracerBenchOptions(CostOptions):
     """What the tracer is measured on, and for how long."""
 
-    model_size_m: float | None = knob(
-        None,
-        "the transformer's size (default: a tiny GPT, where a per-call cost shows most)",
-        flag="--model-size",
-        unit="M parameters",
-        positive=True,
+    model_size_m: float | None = model_size(
+        None, "the transformer's size (default: a tiny GPT, where a per-call cost shows most)"
     )
     bucket_mb: float = knob(
         DEFAULT_BUCKET_MB,
