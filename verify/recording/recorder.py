@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ class Recorder:
         self.compiled = False
         self.device = "cpu"
         self.stopped: str | None = None
+        self.seconds = 0.0  # time spent in `add`, in all (the benchmark's figure)
 
     def install(self) -> None:
         self.tap.install()
@@ -73,6 +75,13 @@ class Recorder:
         """The entries of one audit point of optimizer `index` (`label`) at `step`; `group` is
         the audit's side group, `roots` the script's root modules. Called on every rank in
         the same order (the loss's all-gather is a collective)."""
+        start = time.perf_counter()
+        try:
+            self._add(group, roots, index, label, step, point, entries)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _add(self, group, roots, index: int, label: str, step: int, point: int, entries) -> None:
         alone = not group.ready()
         self.world_size = 1 if alone else group.size
         self.owner = alone or group.rank == 0
