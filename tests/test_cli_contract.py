@@ -41,7 +41,8 @@ from verify.options import flag_of
 ROOT = Path(__file__).resolve().parent.parent
 SURFACE = ROOT / "tests" / "cli_surface.json"
 BENCHMARKS = {
-    m.__name__.split(".")[-1]: m.COMMAND for m in (audit_cost, tracer_cost, sanitize_cost, record_cost)
+    m.__name__.split(".")[-1]: m.COMMAND
+    for m in (audit_cost, tracer_cost, sanitize_cost, record_cost)
 }
 
 

@@ -244,3 +244,46 @@ def test_a_sketch_is_the_same_size_for_any_tensor_and_finds_the_changed_block():
     g = gaps(sketch(a), sketch(b), a.numel())
     assert int(np.argmax(g)) == 10 and g.max() > 1e-3
     assert gaps(sketch(a), sketch(a.clone()), a.numel()).max() == 0
+
+
+def verdict_problems(base: Path) -> list[str]:
+    """A student's loop recorded on one rank, then run on two ranks x 2 micro-steps, right
+    and wrong; and a resume against a full run, bitwise: what is wrong with their verdicts
+    (empty: none). Shared with the load test (tests/test_load.py)."""
+    out, student = str(base / "runs"), base / "student.py"
+    student.write_text(STUDENT)
+    ck = str(base / "ck.pt")
+    with ThreadPoolExecutor(2) as pool:
+        first = [
+            pool.submit(audit, str(student), "1", nproc=1, out=out, record=str(base / "s")),
+            pool.submit(audit, RESUME, "--steps", "4", "--save-at", "2", "--checkpoint", ck,
+                        nproc=2, out=out, record=str(base / "full")),
+        ]  # fmt: skip
+        problems = [f"recording: {r.verdict}" for r in (f.result() for f in first)
+                    if r.verdict != "pass"]  # fmt: skip
+        runs = {
+            "right": pool.submit(audit, str(student), "2", nproc=2, out=out,
+                                 against=str(base / "s")),
+            "wrong": pool.submit(audit, str(student), "2", "x", nproc=2, out=out,
+                                 against=str(base / "s")),
+            "resume": pool.submit(audit, RESUME, "--steps", "4", "--resume", ck, nproc=2,
+                                  out=out, against=str(base / "full")),
+        }  # fmt: skip
+        got = {k: f.result() for k, f in runs.items()}
+    expected = {"right": "pass", "wrong": "fault", "resume": "pass"}
+    for k, want in expected.items():
+        c = got[k].comparison
+        if got[k].verdict != want:
+            problems.append(f"{k}: {got[k].verdict}, first departure {c and c.first}")
+    c = got["wrong"].comparison
+    if c is not None and c.first is not None and (c.first.step, c.first.name) != (0, "loss"):
+        problems.append(f"wrong: departs first at {c.first}")
+    c = got["resume"].comparison
+    if c is not None and not (c.bitwise and c.offset == 2):
+        problems.append(f"resume: bitwise {c.bitwise}, offset {c.offset}")
+    return problems
+
+
+def test_verdict_problems_idle(tmp_path):
+    """The load test's cases (`verdict_problems`) give these verdicts on an idle machine."""
+    assert not verdict_problems(tmp_path)

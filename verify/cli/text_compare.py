@@ -53,6 +53,10 @@ def comparison_lines(c: Comparison, verdict: str) -> list[str]:
     d = c.first
     if d is None or verdict == PASS:
         how = "bitwise" if c.bitwise else "within tolerance"
+        if c.closest is not None:
+            ratio, gap, limit, what = c.closest
+            lines.append(f"closest to its tolerance: {what}: relative difference at least "
+                         f"{gap:.2g}, {ratio:.1%} of the tolerance {limit:.2g}")  # fmt: skip
         return lines + [f"AGREE {how} at every compared step ({steps})"]
     at = f"step {d.step}" + (f" (this run's step {d.step_b})" if d.step_b != d.step else "")
     lines.append(f"FIRST DEPARTURE: {at}, {d.phase}, {d.optimizer}: {d.name}: {d.what}")

@@ -65,6 +65,8 @@ class Comparison:
     departing_steps: int = 0
     compared_steps: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # tolerance mode: the agreeing entry closest to its tolerance (gap / eps, gap, eps, what)
+    closest: tuple[float, float, float, str] | None = None
 
     @property
     def departs(self) -> bool:
@@ -90,13 +92,16 @@ def compare_recordings(a: Recording, b: Recording, align_step: int | None = None
     found: list[Departure] = []
     following: list[tuple[int, str, int, tuple[str, ...]]] = []
     departing = 0
+    closest: list = []  # the agreeing entry nearest its tolerance (`_judge` appends)
     for j, (sa, sb) in enumerate(zip(steps_a, steps_b)):
         here: list[Departure] = []
         for opt, label in enumerate(a.optimizers):
             for phase, rows_a, rows_b in _phases(ta, tb, opt, sa, sb, al, first=j == 0):
                 for name in _names(rows_a, rows_b):
                     d = _judge(rows_a.get(name), rows_b.get(name), mode.bitwise, j, loss_dtype)
-                    if d is not None:
+                    if d is not None and d[0] is None:  # agrees: (None, gap, eps)
+                        _keep_closest(closest, d[1], d[2], f"{name}, {phase.format(step=sa)}")
+                    elif d is not None:
                         what, gap, block = d
                         here.append(Departure(sa, sb, phase.format(step=sa), label, name,
                                               what, gap, block))  # fmt: skip
@@ -111,7 +116,13 @@ def compare_recordings(a: Recording, b: Recording, align_step: int | None = None
         steps_a=(steps_a.start, steps_a.stop - 1), steps_b=(steps_b.start, steps_b.stop - 1),
         first=found[0] if found else None, following=tuple(following),
         departing_steps=departing, compared_steps=len(steps_b), notes=tuple(notes),
+        closest=closest[0] if closest else None,
     )  # fmt: skip
+
+
+def _keep_closest(closest: list, gap: float, limit: float, what: str) -> None:
+    if limit > 0 and (not closest or gap / limit > closest[0][0]):
+        closest[:] = [(gap / limit, gap, limit, what)]
 
 
 def _same_model(a: Table, b: Table) -> None:
@@ -155,7 +166,8 @@ def _names(rows_a: dict, rows_b: dict) -> list[str]:
 
 
 def _judge(ra: Row | None, rb: Row | None, bitwise: bool, j: int, loss_dtype: str):
-    """None when B's entry agrees with A's; else (what, gap, block)."""
+    """None when B's entry agrees with A's (in tolerance mode, (None, gap, eps)); else
+    (what, gap, block)."""
     if ra is None or rb is None:
         return (f"{'absent' if ra is None else 'present'} in the recording, "
                 f"{'absent' if rb is None else 'present'} in this run", None, None)  # fmt: skip
@@ -178,7 +190,7 @@ def _judge(ra: Row | None, rb: Row | None, bitwise: bool, j: int, loss_dtype: st
     dtype = ra.dtype if ra.dtype == rb.dtype else tolerance.coarsest({ra.dtype, rb.dtype})
     limit = tolerance.eps(dtype, j)
     if g[block] <= limit and limit > 0:
-        return None
+        return None, float(g[block]), limit
     return (f"norm {na:.7g} vs {nb:.7g}: relative difference at least {g[block]:.2g} "
             f"(tolerance {limit:.2g}), largest in {where}", float(g[block]), block)  # fmt: skip
 
@@ -193,8 +205,10 @@ def _judge_value(ra: Row, rb: Row, bitwise: bool, j: int, loss_dtype: str):
     scale = max(abs(va), abs(vb))
     gap = abs(va - vb) / scale if scale > 0 else 0.0
     limit = tolerance.eps(loss_dtype, j)
-    if gap <= limit or (np.isnan(va) and np.isnan(vb)):
+    if np.isnan(va) and np.isnan(vb):
         return None
+    if gap <= limit:
+        return None, gap, limit
     return f"{shown}: relative difference {gap:.2g} (tolerance {limit:.2g})", gap, None
 
 
