@@ -121,6 +121,10 @@ class AuditResult(Verdicted):
 def check_audit(options: AuditOptions) -> AuditResult:
     """Run the script under the watchdog with the audit on; write and return the report."""
     recording = bool(options.record or options.against)
+    if recording:
+        from verify.recording.command import check_record_folders
+
+        check_record_folders(options)
     run = run_watched_script(
         options, command="audit", audit_every=options.audit_every, record=recording
     )

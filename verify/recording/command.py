@@ -39,8 +39,6 @@ class CompareOptions(Options):
         if len(self.recordings) != 2:
             raise ValueError("compare needs two recordings: compare DIR_A DIR_B (folders "
                              "written by audit --record)")  # fmt: skip
-        for folder in self.recordings:
-            store.check(folder)
 
 
 def verdict_of(c: Comparison) -> str:
@@ -66,12 +64,16 @@ class CompareResult(Verdicted):
 
 
 def run_compare(options: CompareOptions) -> CompareResult:
+    """Raises `NotARecording` (one line, exit 2) for a folder that is not a recording."""
+    for folder in options.recordings:
+        store.check(folder)
     a, b = (store.read(folder) for folder in options.recordings)
     return CompareResult(options, compare_recordings(a, b, options.align_step))
 
 
 def check_record_options(options) -> None:
-    """`audit`'s --record/--against/--align-step, checked before any rank starts."""
+    """`audit`'s --record/--against/--align-step, checked as the options are built (what
+    the flags say; the folders are checked by `check_record_folders`)."""
     if options.record and options.against:
         raise ValueError("--record and --against cannot be used together (record a run, then "
                          "run again --against its folder)")  # fmt: skip
@@ -80,6 +82,11 @@ def check_record_options(options) -> None:
                          "--audit-every at 1")  # fmt: skip
     if options.align_step is not None and not options.against:
         raise ValueError("--align-step needs --against DIR")
+
+
+def check_record_folders(options) -> None:
+    """`audit`'s --record/--against folders, checked before any rank starts (one line, exit
+    2): a recording is never overwritten; --against names a recording of this format."""
     if options.record and os.path.exists(os.path.join(options.record, "manifest.json")):
         raise ValueError(f"{options.record} already holds a recording: choose a new folder "
                          "(a recording is never overwritten)")  # fmt: skip
