@@ -287,3 +287,21 @@ def verdict_problems(base: Path) -> list[str]:
 def test_verdict_problems_idle(tmp_path):
     """The load test's cases (`verdict_problems`) give these verdicts on an idle machine."""
     assert not verdict_problems(tmp_path)
+
+
+def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
+    """`python benchmarks/record_cost.py` (not timed here: the numbers are the maintainer's,
+    docs/compare.md): on a tiny model it pairs the two arms, writes a recording and projects
+    its size for 100M parameters x 1,000 steps."""
+    from benchmarks import record_cost
+
+    argv = ["--device", "cpu", "--model-size", "0.5", "--repeats", "2", "--json"]
+    assert record_cost.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "pass" and len(doc["recorded_s"]) == len(doc["audited_s"]) == 2
+    wall, cpu = doc["bars"]
+    assert wall["what"] == "recorded / audited step" and "CPU time" in cpu["what"]
+    for bar in (wall, cpu):
+        assert bar["low"] <= bar["value"] <= bar["high"] and bar["goal"] == 1.02
+    assert doc["rows"] > 0 and doc["bytes_on_disk"] > 0
+    assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6

@@ -103,7 +103,11 @@ def record_cost(result) -> str:
     if not result.ok:
         return failed("bench-record", result)
     o = result.options
-    what, r, goal, decided = result.bars()[0]
+    bars = [
+        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})"
+        for what, r, goal, decided in result.bars()
+    ]
     med = {k: statistics.median(v) * 1e3 for k, v in
            (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
     mb = result.projected_bytes / 1e6
@@ -116,8 +120,7 @@ def record_cost(result) -> str:
         f"time inside the recorder: {result.recorder_s_per_step * 1e3:.1f} ms a recorded step "
         f"(rank 0), {result.recorder_s_per_step * 1e3 / med['audited']:.2%} of the audited "
         "step's median",
-        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})",
+        *bars,
         f"recording: {result.rows} rows over {result.recorded_steps} steps, "
         f"{result.bytes_on_disk} bytes on disk ({result.bytes_per_row:.0f} bytes a row)",
         f"projected: a 100M-parameter model of this family ({result.projected_tensors} "

@@ -29,7 +29,7 @@ from verify.recording.align import Alignment, align
 from verify.recording.sketch import BLOCKS, block_size, gaps, totals
 from verify.recording.store import LOSS, Recording
 from verify.recording.table import ORDER, Row, Table
-from verify.script_audit.phases import PARAMS_AFTER, PARAMS_FIRST, STATE
+from verify.script_audit.phases import PARAMS_FIRST, STATE
 
 
 class Mismatch(ValueError):
@@ -244,6 +244,6 @@ def _notes(a: Table, b: Table, steps_a: range, steps_b: range, al: Alignment) ->
     for which, t in (("the recording", a), ("this run", b)):
         if t.rec.meta.get("stopped"):
             notes.append(f"{which} stopped recording early: {t.rec.meta['stopped']}")
-    if PARAMS_AFTER and not any(a.after(0, s) for s in steps_a):
+    if steps_a and not any(a.after(0, s) for s in steps_a):
         notes.append("no parameters recorded after a compared step")
     return notes
