@@ -24,7 +24,7 @@ import torch
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli import main
 from verify.recording import store
-from verify.recording.sketch import BLOCKS, gaps, sketch
+from verify.recording.sketch import BLOCKS, COLUMNS, gaps, sketch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "compare"
@@ -131,7 +131,7 @@ def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
     assert manifest["world_size"] == 2 and manifest["micro_steps"] == [1] * 6
     rec = store.read(str(folder))
     assert rec.steps == 6 and rec.optimizers == ["AdamW"]
-    assert rec.tensors["blocks"].shape[1:] == (BLOCKS, 3)
+    assert rec.tensors["blocks"].shape[1:] == (BLOCKS, COLUMNS)
     assert runs["full"].verdict == "pass" and runs["tokens"].verdict == "pass"  # 1 rank: exit 0
 
 
@@ -237,7 +237,7 @@ def test_record_refuses_a_folder_holding_a_recording(runs):
 
 def test_a_sketch_is_the_same_size_for_any_tensor_and_finds_the_changed_block():
     for n in (1, 7, 16, 1000, 1 << 20):
-        assert sketch(torch.randn(n)).shape == (BLOCKS, 3)
+        assert sketch(torch.randn(n)).shape == (BLOCKS, COLUMNS)
     a = torch.randn(64, 50)
     b = a.clone()
     b[40:44] *= 1.01  # rows 40..43: elements 2000..2199, in block 11 of 16 (200 a block)

@@ -29,7 +29,7 @@ import torch
 
 from verify.recording import store
 from verify.recording.loss import LossTap
-from verify.recording.sketch import BLOCKS, sketch
+from verify.recording.sketch import BLOCKS, COLUMNS, sketch
 from verify.replica_audit.fingerprint import fingerprints, text_bits, value_bits
 
 RECORD_ENV = "DDP_VERIFY_RECORD"  # set by `audit --record/--against` in the ranks' environment
@@ -158,7 +158,7 @@ class Recorder:
             "optimizer": t[:, 0].astype(np.int16), "step": t[:, 1].astype(np.int32),
             "phase": t[:, 2].astype(np.int16), "key": t[:, 3].astype(np.int32),
             "numel": t[:, 4], "hash": t[:, 5],
-            "blocks": np.stack(self.blocks) if self.blocks else np.zeros((0, BLOCKS, 3), np.float32),
+            "blocks": np.stack(self.blocks) if self.blocks else np.zeros((0, BLOCKS, COLUMNS), np.float32),
         }  # fmt: skip
         values = {
             "optimizer": np.array([r[0] for r in v], dtype=np.int16),

@@ -4,14 +4,16 @@ fingerprint (`verify/replica_audit/fingerprint.py`, the engine's one fingerprint
 The fingerprint answers "bitwise equal?"; the sketch answers "how close, and where?" when the
 two runs cannot be bitwise equal. Its size does not depend on the tensor's: the flattened
 tensor is cut into `BLOCKS` contiguous blocks of ceil(n / BLOCKS) elements (fewer blocks when
-the tensor has fewer elements), and each block keeps three numbers, in float32:
+the tensor has fewer elements), and each block keeps two numbers, in float32:
 
     sum        its elements' sum
     norm       its L2 norm
-    max_abs    its largest |element|
 
-The whole tensor's count, sum, norm and largest |element| follow from its blocks (in float64,
-`totals`). From two sketches of tensors A and B, for each block,
+The whole tensor's sum and norm follow from its blocks (in float64, `totals`); its count is
+kept beside the sketch. A block's largest |element| is not kept: on the CPU it costs as much
+again as the sum and the norm together (two more passes over memory, amax and amin), and the
+sketch is what the recording costs a step (benchmarks/record_cost.py); the norm already
+bounds it. From two sketches of tensors A and B, for each block,
 
     |norm(A_b) - norm(B_b)| <= ||A_b - B_b||        (triangle inequality)
     |sum(A_b) - sum(B_b)|   <= sqrt(n_b) ||A_b - B_b||   (Cauchy-Schwarz)
@@ -32,15 +34,16 @@ import math
 import numpy as np
 import torch
 
-BLOCKS = 16  # blocks per tensor: 16 x 3 float32 = 192 bytes, whatever the tensor's size
-SUM, NORM, MAX_ABS = 0, 1, 2  # the columns of a block row
+BLOCKS = 16  # blocks per tensor: 16 x 2 float32 = 128 bytes, whatever the tensor's size
+SUM, NORM = 0, 1  # the columns of a block row
+COLUMNS = 2
 
 
 def sketch(tensor: torch.Tensor) -> np.ndarray:
-    """The [BLOCKS, 3] float32 sketch of `tensor` (module docstring); unused blocks are zero.
+    """The [BLOCKS, COLUMNS] float32 sketch of `tensor` (module docstring); unused blocks are zero.
     Its element count is kept beside it (the recording's `numel`): block b holds elements
     [b * size, (b + 1) * size) of the flattened tensor, size = ceil(numel / BLOCKS)."""
-    out = np.zeros((BLOCKS, 3), dtype=np.float32)
+    out = np.zeros((BLOCKS, COLUMNS), dtype=np.float32)
     x = tensor.detach().reshape(-1)
     n = x.numel()
     if n == 0:
@@ -64,21 +67,11 @@ def sketch(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _reduce(blocks: torch.Tensor) -> torch.Tensor:
-    """[rows, 3]: each row's sum, L2 norm and largest |element|, in float32; four
-    memory-bound passes, no temporary as large as the tensor (a float32 accumulator for
-    16-bit inputs). The largest |element| is max(amax, -amin): on CPU the infinity norm's
-    own kernel, or `abs()` then `amax`, runs 30 to 70 times slower than these (measured on
-    4M elements: benchmarks/record_cost.py's figure went from 13% of a step to ...)."""
+    """[rows, 2]: each row's sum and L2 norm, in float32: two passes over memory, no
+    temporary as large as the tensor (a float32 accumulator for 16-bit inputs)."""
     wide = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
-    largest = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg()).to(wide)
-    return torch.stack(
-        [
-            blocks.sum(dim=1, dtype=wide),
-            torch.linalg.vector_norm(blocks, dim=1, dtype=wide),
-            largest,
-        ],
-        dim=1,
-    ).float()
+    sums = blocks.sum(dim=1, dtype=wide)
+    return torch.stack([sums, torch.linalg.vector_norm(blocks, dim=1, dtype=wide)], 1).float()
 
 
 def block_size(numel: int) -> int:
@@ -93,14 +86,10 @@ def block_counts(numel: int) -> np.ndarray:
     return np.clip(numel - starts, 0, size)
 
 
-def totals(blocks: np.ndarray) -> tuple[float, float, float]:
-    """(sum, L2 norm, largest |element|) of the whole tensor, from its blocks, in float64."""
+def totals(blocks: np.ndarray) -> tuple[float, float]:
+    """(sum, L2 norm) of the whole tensor, from its blocks, in float64."""
     b = blocks.astype(np.float64)
-    return (
-        float(b[:, SUM].sum()),
-        float(np.sqrt((b[:, NORM] ** 2).sum())),
-        float(b[:, MAX_ABS].max()),
-    )
+    return float(b[:, SUM].sum()), float(np.sqrt((b[:, NORM] ** 2).sum()))
 
 
 def gaps(a: np.ndarray, b: np.ndarray, numel: int) -> np.ndarray:
@@ -113,8 +102,7 @@ def gaps(a: np.ndarray, b: np.ndarray, numel: int) -> np.ndarray:
     used = counts > 0
     d_norm = np.abs(a64[:, NORM] - b64[:, NORM])
     d_sum = np.abs(a64[:, SUM] - b64[:, SUM]) / np.sqrt(np.maximum(counts, 1))
-    d_max = np.abs(a64[:, MAX_ABS] - b64[:, MAX_ABS])  # ||.||_inf <= ||.||_2
-    bound = np.maximum(np.maximum(d_norm, d_sum), d_max)
+    bound = np.maximum(d_norm, d_sum)
     whole = max(totals(a)[1], totals(b)[1])
     floor = whole / math.sqrt(max(int(used.sum()), 1))
     scale = np.maximum(np.maximum(a64[:, NORM], b64[:, NORM]), floor)

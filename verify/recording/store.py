@@ -6,13 +6,13 @@
                         shape), the phases
     DIR/tensors.npz     one row per tensor, phase and optimizer step: optimizer, step, phase,
                         key, element count, the engine's fingerprint (bitwise), the sketch
-                        (`sketch.py`: 16 blocks x 3 float32)
+                        (`sketch.py`: 16 blocks x 2 float32)
     DIR/values.npz      one row per setting (param_groups[g].lr, ...), scalar state entry
                         and loss, per step: optimizer, step, phase, key, the value (float64;
                         NaN for a text setting) and its exact bits
 
 Numbers are little-endian numpy arrays (no pickle: `np.load(allow_pickle=False)`). A row is
-about 230 bytes whatever the tensor's size; what is recorded per step is in
+about 160 bytes whatever the tensor's size; what is recorded per step is in
 docs/compare.md ("What a recording holds"). A folder without a manifest of this format is
 not a recording: `read` raises `NotARecording` with one line naming it.
 """
