@@ -186,3 +186,34 @@ def _sanitize_matrix(result) -> str:
             "that differ between the arms, or between rounds, are a race",
         ]
     )
+
+
+def record_cost(result) -> str:
+    """`python benchmarks/record_cost.py`: recorded / audited step, and the recording's size."""
+    if not result.ok:
+        return failed("bench-record", result)
+    o = result.options
+    bars = [
+        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})"
+        for what, r, goal, decided in result.bars()
+    ]
+    med = {k: statistics.median(v) * 1e3 for k, v in
+           (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
+    mb = result.projected_bytes / 1e6
+    return "\n".join([
+        f"audit --record cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter "
+        f"transformer, world size {o.world_size}, {o.repeats} interleaved rounds",
+        f"machine: {result.machine}",
+        f"audited step: median {med['audited']:.1f} ms; recorded step: median "
+        f"{med['recorded']:.1f} ms",
+        f"time inside the recorder: {result.recorder_s_per_step * 1e3:.1f} ms a recorded step "
+        f"(rank 0), {result.recorder_s_per_step * 1e3 / med['audited']:.2%} of the audited "
+        "step's median",
+        *bars,
+        f"recording: {result.rows} rows over {result.recorded_steps} steps, "
+        f"{result.bytes_on_disk} bytes on disk ({result.bytes_per_row:.0f} bytes a row)",
+        f"projected: a 100M-parameter model of this family ({result.projected_tensors} "
+        f"parameter tensors) over 1000 steps: {mb:.1f} MB (goal <= 100 MB: "
+        f"{'met' if mb <= 100 else 'missed'})",
+    ])  # fmt: skip

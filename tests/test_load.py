@@ -1,6 +1,7 @@
 """Verdicts that hold under load: with a CPU hog on every core, the hang scenarios,
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
-run, two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+run, `audit --record/--against` (a student's accumulation loop right and wrong, a resume:
+tests/test_compare.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
 (tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
@@ -43,6 +44,7 @@ import pytest
 
 from tests import (
     test_agreement,
+    test_compare,
     test_evidence,
     test_hang,
     test_hints,
@@ -163,6 +165,16 @@ def test_verdicts_hold_with_every_core_busy(tmp_path):
     ]
     pids += audited.run.pids.values()
     assert pids and not [p for p in pids + hog_pids if alive(p)]
+
+
+@pytest.mark.alone
+def test_compare_verdicts_hold_with_every_core_busy(tmp_path):
+    """`audit --record/--against` under load: a student's accumulation loop right (within
+    tolerance) and wrong (departs at step 0, the loss), a resume (bitwise, aligned at its
+    step): the verdicts of an idle machine (tests/test_compare.py)."""
+    with hogs():
+        problems = test_compare.verdict_problems(tmp_path)
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.alone

@@ -87,12 +87,15 @@ def refuse_under_torchrun(command: str, entry: str, guide: str) -> None:
         )
 
 
-def run_watched_script(options, *, command: str, audit_every: int | None = None) -> ScriptRun:
+def run_watched_script(
+    options, *, command: str, audit_every: int | None = None, record: bool = False
+) -> ScriptRun:
     """Run `options.script` in `options.nproc` ranks under the watchdog (module docstring).
 
     `options`: a command's options with the script knobs (`script`, `nproc`, `backend`,
     `stall_timeout_s`, `timeout_s`, `threads_per_rank`, `console`, `sanitize`, `out`).
-    `command` names the report folder (`hang_train.py_2xcpu_<stamp>`).
+    `command` names the report folder (`hang_train.py_2xcpu_<stamp>`). `record`: the audit
+    also writes a recording into `<report folder>/recording` (`verify/recording/`).
     """
     name = os.path.basename(options.script[0])
     device = "gpu" if options.backend == "nccl" else "cpu"
@@ -103,7 +106,7 @@ def run_watched_script(options, *, command: str, audit_every: int | None = None)
     run = run_script(
         options.script, nproc=options.nproc, report_dir=report_dir,
         stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
-        env=capture.backend_env(options.backend, report_dir),
+        env={**capture.backend_env(options.backend, report_dir), **_record_env(record)},
         threads_per_rank=options.threads_per_rank, console=console, sanitize=options.sanitize,
         audit_every=audit_every,
     )  # fmt: skip
@@ -123,6 +126,12 @@ def run_watched_script(options, *, command: str, audit_every: int | None = None)
         races=races_of(report_dir, options.nproc) if options.sanitize else (),
         audit=None if audit_every is None else audit_of(report_dir, options.nproc),
     )  # fmt: skip
+
+
+def _record_env(record: bool) -> dict[str, str]:
+    from verify.recording.recorder import RECORD_ENV
+
+    return {RECORD_ENV: "1"} if record else {}
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:

@@ -49,6 +49,13 @@ class AuditOptions(ThreadOptions, OutputOptions):
     )  # fmt: skip
     sanitize: bool = knob(False, "also run the script under the race sanitizer (docs/races.md)")
     console: str = knob("stdout", "where a script's output is echoed", cli=False)
+    # Two runs of a script compared step by step (verify/recording/, docs/compare.md).
+    record: str | None = knob(None, "record every optimizer step into this new folder "
+                              "(compare a later run with it: --against)")  # fmt: skip
+    against: str | None = knob(None, "compare this run, step by step, with the recording in "
+                               "this folder (written by --record): where it first departs")  # fmt: skip
+    align_step: int | None = knob(None, "with --against: this run's step 0 is the recording's "
+                                  "step K (default: found from the parameters)", minimum=0)  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +64,10 @@ class AuditOptions(ThreadOptions, OutputOptions):
             raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
         if not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
+        if self.record or self.against or self.align_step is not None:
+            from verify.recording.command import check_record_options
+
+            check_record_options(self)
 
 
 @dataclass(frozen=True)
@@ -104,9 +115,20 @@ class AuditResult(Verdicted):
 
 def check_audit(options: AuditOptions) -> AuditResult:
     """Run the script under the watchdog with the audit on; write and return the report."""
-    run = run_watched_script(options, command="audit", audit_every=options.audit_every)
+    recording = bool(options.record or options.against)
+    if recording:
+        from verify.recording.command import check_record_folders
+
+        check_record_folders(options)
+    run = run_watched_script(
+        options, command="audit", audit_every=options.audit_every, record=recording
+    )
     result = AuditResult(options, run)
     runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
+    if recording:  # --record DIR / --against DIR (verify/recording/command.py)
+        from verify.recording.command import with_recording
+
+        return with_recording(result)
     return result
 
 

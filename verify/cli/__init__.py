@@ -102,6 +102,8 @@ def _add_command_flags(p: argparse.ArgumentParser, command: Command) -> None:
         )  # fmt: skip
     if command.script:
         p.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py ARGS")
+    if command.positional:
+        p.add_argument(command.positional, nargs="*", help="DIR_A DIR_B")
 
 
 def main(argv: list[str] | None = None, *, alone: Command | None = None, prog: str = "") -> int:
@@ -159,7 +161,7 @@ def parse(
     options_class = command.options_class()
     if options_class is None:
         return command, None, args
-    typed = given(args) - {"command", "json", "progress", "script"}
+    typed = given(args) - {"command", "json", "progress", "script", command.positional}
     for a, b in command.conflicts:
         if a in typed and b in typed:
             raise UsageError(f"{_flag(command, a)} and {_flag(command, b)} cannot be used together")
@@ -168,6 +170,8 @@ def parse(
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
+    if command.positional:
+        fixed[command.positional] = tuple(getattr(args, command.positional) or ())
     return command, options_from(args, options_class, **fixed), args
 
 

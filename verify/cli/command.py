@@ -42,6 +42,8 @@ class Command:
         script: takes a script and its arguments after `--` (`hang --nproc N -- train.py`).
         fixed: options the CLI sets from other flags: `fixed(args) -> dict` (e.g. where a
             script's output goes under --json).
+        positional: the options field that takes the positional arguments
+            (`compare DIR_A DIR_B`: `recordings`), None: none.
         report: the name of the text report the CLI writes into the result's folder
             (`report_dir`, else `run_dir`) as `<report>.txt`: what the command printed, kept
             beside the `<report>.json` the run wrote. None: no folder, no file.
@@ -56,6 +58,7 @@ class Command:
     script: bool = False
     fixed: Callable[[Any], dict] | None = None
     report: str | None = None
+    positional: str | None = None
 
     def options_class(self) -> type | None:
         """The options dataclass (imported now), or None for a command without options."""

@@ -69,10 +69,18 @@ CHECK_COMMANDS: tuple[Command, ...] = (
         "run your script; find the first step and tensor where replicas disagree",
         "verify.checks.script_audit:AuditOptions",
         "verify.checks.script_audit:check_audit",
-        "verify.cli.text_audit:audit",
+        "verify.cli.text_compare:audit",  # text_audit's, plus --record/--against's lines
         script=True,
         fixed=_hang_fixed,
         report="report",
+    ),
+    Command(
+        "compare",
+        "compare two recordings of audit --record step by step: where does B depart from A?",
+        "verify.recording.command:CompareOptions",
+        "verify.recording.command:run_compare",
+        "verify.cli.text_compare:compare",
+        positional="recordings",
     ),
     Command(
         "list", "list implementations and workloads", None, None, "verify.cli.text_list:listing"

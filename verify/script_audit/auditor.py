@@ -52,6 +52,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from verify.recording.recorder import recorder_for
 from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
@@ -103,6 +104,9 @@ class Auditor:
         self.stopped: str | None = None
         self._handles: list = []
         self._scaler_init = None
+        # `audit --record/--against`: every audit point's entries also become rows of a
+        # recording (verify/recording/), at world size 1 too, where nothing is compared
+        self.recorder = recorder_for(settings)
 
     # ------------------------------------------------------------ set-up
 
@@ -112,6 +116,8 @@ class Auditor:
         self.modules.install()
         self.joins.install()
         self.attach()
+        if self.recorder is not None:
+            self.recorder.install()
         from torch.amp import grad_scaler
 
         original, scalers = grad_scaler.GradScaler.__init__, self.scalers
@@ -141,6 +147,8 @@ class Auditor:
         self.modules.remove()
         self.joins.remove()
         self.detach()
+        if self.recorder is not None:
+            self.recorder.remove()
         if self._scaler_init is not None:
             from torch.amp import grad_scaler
 
@@ -227,7 +235,12 @@ class Auditor:
             self._guard(self._audit_after, opt, step)
 
     def _due(self, step: int) -> bool:
-        return self.stopped is None and step % self.settings.every == 0 and self.group.ready()
+        alone_recording = self.recorder is not None  # one rank: recorded, not compared
+        return (
+            self.stopped is None
+            and step % self.settings.every == 0
+            and (self.group.ready() or alone_recording)
+        )
 
     def _audit_before(self, opt: torch.optim.Optimizer, step: int) -> None:
         self.collect.sharded = 0
@@ -249,7 +262,7 @@ class Auditor:
         self._check(opt, step, BEFORE, entries)
 
     def _audit_after(self, opt: torch.optim.Optimizer, step: int) -> None:
-        self.audited_steps += 1
+        self.audited_steps += self.group.ready()  # (alone, a recorded step is not audited)
         self.collect.sharded = 0
         self.modules.refresh()
         params = self._check(opt, step, AFTER, self.collect.parameters(opt, report.PARAMS_AFTER))
@@ -267,6 +280,9 @@ class Auditor:
         """The optimizer state: who holds what first (`owners.py`), then what every rank
         holds, bitwise. State held by one rank by design (an owner-rank optimizer, ZeRO's
         local optimizer, FSDP2's shards) is counted for the report's note."""
+        if not self.group.ready():  # alone, recording: no one to split ownership with
+            self._check(opt, step, STATE, self.collect.state(opt))
+            return
         dtensors = self.collect.sharded
         per_param = self.collect.state_by_param(opt)
         names = [n for n, _ in self.collect.params(opt)]
@@ -284,6 +300,11 @@ class Auditor:
 
     def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
+        if self.recorder is not None:
+            roots = self.modules.roots() if point == BEFORE else ()
+            self.recorder.add(self.group, roots, index, label, step, point, entries)
+            if not self.group.ready():
+                return Outcome()
         outcome = compare(
             self.group, entries, (index, step, point),
             known=lambda e: self.book.known(label, e.phase, e.name), sizes=self.sizes,
@@ -333,5 +354,8 @@ class Auditor:
             self.report(finished).write(self.settings.path)
 
     def finish(self) -> None:
-        """The script ended: write the final report."""
+        """The script ended: write the final report (and the recording, if one is made)."""
         self.write(finished=True)
+        if self.recorder is not None:
+            self.recorder.stopped = self.stopped
+            self.recorder.finish()

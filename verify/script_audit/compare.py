@@ -105,14 +105,16 @@ def compare(
 
 
 def _fingerprints(entries: list[Entry]) -> list[int]:
-    tensors = [e.tensor for e in entries if e.tensor is not None]
+    # An entry's own fingerprint, when it has one, was computed already by the same function
+    # (a buffer at DDP's forward; a tensor that `audit --record` fingerprinted on rank 0).
+    tensors = [e.tensor for e in entries if e.tensor is not None and e.fingerprint is None]
     computed = iter(fingerprints(tensors))
     out = []
     for e in entries:
-        if e.tensor is not None:
-            out.append(next(computed))
-        elif e.fingerprint is not None:
+        if e.fingerprint is not None:
             out.append(e.fingerprint)
+        elif e.tensor is not None:
+            out.append(next(computed))
         elif isinstance(e.setting, float):
             out.append(value_bits(e.setting))
         elif isinstance(e.setting, str):

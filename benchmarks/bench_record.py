@@ -1,0 +1,159 @@
+"""`python benchmarks/record_cost.py`: what `audit --record` adds to an audited training step,
+and how large a recording grows.
+
+In one launch, on the script audit's benchmark (`bench_script_audit.py`: the one trainer's
+transformer, ~50M parameters by default, AdamW, the audit installed as in a script's rank),
+two arms take turns every round, the order rotating (the skeleton of `costs.py`):
+
+- audited: one training step under `audit --nproc`'s step hooks;
+- recorded: the same step with the recorder on as well (`verify/recording/recorder.py`:
+  rank 0 fingerprints and sketches the gradients, the parameters and, at the audit's state
+  points, the optimizer state; every rank adds its loss to one all-gather).
+
+The ratio recorded / audited is paired per round (goal at most 1.02), in wall time and in
+rank 0's CPU time (which the load of other processes on a shared machine distorts far less). The recording of the
+recorded rounds is then written and measured on disk: bytes per row, rows per step, and the
+size projected for a 100M-parameter model of the same family over 1,000 steps (its tensors
+counted on the meta device; goal at most 100 MB).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+
+from benchmarks.bench_audit import AuditBenchOptions
+from benchmarks.costs import goal_bar, run_cost, take_turns
+from verify.launching import RankContext
+from verify.perf.base import Measured, next_step, parameters
+from verify.perf.timing import timed
+from verify.recording.recorder import Recorder
+from verify.script_audit import Auditor, AuditSettings
+from verify.script_audit.report import STATE_EVERY
+from verify.training.trainer import Trainer
+
+GOAL = 1.02
+GOAL_MB = 100.0
+PROJECTED_PARAMS_M, PROJECTED_STEPS = 100.0, 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordBenchOptions(AuditBenchOptions):
+    """The script audit benchmark's knobs (model size, batch, rounds)."""
+
+    command: ClassVar[str] = "bench-record"
+
+
+@dataclass(frozen=True)
+class RecordBenchResult(Measured):
+    options: RecordBenchOptions
+    verdict: str
+    parameters: int = 0
+    audited_s: tuple[float, ...] = ()
+    recorded_s: tuple[float, ...] = ()
+    rows: int = 0
+    recorded_steps: int = 0
+    bytes_on_disk: int = 0
+    projected_tensors: int = 0  # parameter tensors of the 100M model
+    projected_bytes: float = 0.0
+    recorder_s_per_step: float = 0.0  # time inside the recorder a recorded step (rank 0)
+    # CPU time of rank 0's process a step, per arm (the load of other processes on the
+    # machine stretches wall times; CPU time far less)
+    audited_cpu_s: tuple[float, ...] = ()
+    recorded_cpu_s: tuple[float, ...] = ()
+    machine: str = ""
+    torch_version: str = ""
+    failure: str | None = None
+
+    def bars(self):
+        return [
+            goal_bar("recorded / audited step", self.recorded_s, self.audited_s, GOAL),
+            goal_bar("the same, CPU time of rank 0", self.recorded_cpu_s, self.audited_cpu_s, GOAL),
+        ]
+
+    @property
+    def bytes_per_row(self) -> float:
+        return self.bytes_on_disk / max(self.rows, 1)
+
+    def to_dict(self) -> dict:
+        d = {**asdict(self), "ok": self.ok}
+        if self.ok:
+            d["bars"] = [{"what": w, **r.to_dict(), "goal": g, "decision": dec}
+                         for w, r, g, dec in self.bars()]  # fmt: skip
+        return d
+
+
+def run_record_bench(options: RecordBenchOptions) -> RecordBenchResult:
+    return run_cost(options, record_bench_on_rank, RecordBenchResult)
+
+
+def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
+    """The two arms (module docstring), after a warm-up step of each."""
+    folder = tempfile.mkdtemp(prefix="bench-record-")
+    auditor = Auditor(AuditSettings(every=1, path=None))
+    recorder = Recorder(os.path.join(folder, "recording"))
+    auditor.install()  # before the model exists, as in a script's rank
+    recorder.install()
+    try:
+        trainer = Trainer(ctx, options.train_spec())
+        auditor.recorder = recorder
+        trainer.step(1)  # warm-up: state allocated, the side group made, both arms' paths
+        auditor.recorder = None
+        trainer.step(2)
+
+        cpu: dict[bool, list[float]] = {False: [], True: []}
+
+        def step(recorded: bool) -> float:
+            auditor.recorder = recorder if recorded else None
+            start = time.process_time()
+            wall = timed(lambda: next_step(trainer), ctx.device)
+            cpu[recorded].append(time.process_time() - start)
+            return wall
+
+        arms = {"audited": lambda: step(False), "recorded": lambda: step(True)}
+        warm = recorder.seconds
+        samples = take_turns(ctx, arms, options.repeats, "bench-record")
+        inside = (recorder.seconds - warm) / options.repeats
+        rows = len(recorder.tensor_rows) + len(recorder.value_rows)
+        recorder.finish()  # rank 0 writes
+        on_disk = sum(os.path.getsize(os.path.join(recorder.folder, f))
+                      for f in os.listdir(recorder.folder)) if ctx.rank == 0 else 0  # fmt: skip
+        steps = len(recorder.micro_steps)
+    finally:
+        recorder.remove()
+        auditor.remove()
+    tensors, per_step = _projected_rows(rows, steps, trainer)
+    return {
+        "parameters": parameters(trainer.model),
+        "audited_s": tuple(samples["audited"]),
+        "recorded_s": tuple(samples["recorded"]),
+        "rows": rows,
+        "recorded_steps": steps,
+        "bytes_on_disk": on_disk,
+        "projected_tensors": tensors,
+        "recorder_s_per_step": inside,
+        "audited_cpu_s": tuple(cpu[False]),
+        "recorded_cpu_s": tuple(cpu[True]),
+        "projected_bytes": per_step * PROJECTED_STEPS * on_disk / max(rows, 1),
+    }
+
+
+def _projected_rows(rows: int, steps: int, trainer: Trainer) -> tuple[int, float]:
+    """(parameter tensors of the 100M model, rows a step of it records): the rows of a step
+    here, scaled by its tensors over this model's (settings and loss do not scale: counted
+    once), with the state's rows spread over STATE_EVERY steps as recorded."""
+    from verify.training.language import GPT, GPTConfig
+
+    with torch.device("meta"):
+        big = len(list(GPT(GPTConfig.with_params(PROJECTED_PARAMS_M)).parameters()))
+    here = len(list(trainer.model.parameters()))
+    # here: per step 2 rows per tensor (gradients, parameters after), state 3 rows per tensor
+    # (AdamW: step, exp_avg, exp_avg_sq) every STATE_EVERY steps, and the first step's
+    # parameters; project the same shape
+    per_step = big * (2 + 3 / STATE_EVERY) + (rows / max(steps, 1) - here * 2)
+    return big, max(per_step, big * 2)

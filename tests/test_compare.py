@@ -1,0 +1,307 @@
+"""`audit --record DIR`, `audit --against DIR` and `compare DIR_A DIR_B`: two runs of a script
+compared step by step (verify/recording/, docs/compare.md).
+
+Real runs: every script runs in spawned ranks over gloo and writes real folders. The runs are
+shared by the module (`runs`): the recordings first, side by side, then every run against
+them, side by side; each test reads what it needs. The scripts are tests/fixtures/compare/
+(a token-normalized LM with accumulation, a resumable AdamW + schedule loop, a GAN with two
+optimizers) and, written here, a student's first accumulation loop, right and wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verify.checks.script_audit import AuditOptions, check_audit
+from verify.cli import main
+from verify.recording import store
+from verify.recording.sketch import BLOCKS, COLUMNS, gaps, sketch
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "compare"
+TOKENS = str(FIXTURES / "train_tokens.py")
+RESUME = str(FIXTURES / "train_resume.py")
+GAN = str(FIXTURES / "two_optimizers.py")
+
+# A student's first gradient accumulation, written fresh: one flag divides the loss by the
+# accumulation steps, as the course notes say; the other forgets to.
+STUDENT = """
+import os, sys
+import torch, torch.nn as nn
+import torch.distributed as dist
+
+accum = int(sys.argv[1])
+forgot_to_divide = len(sys.argv) > 2
+world = int(os.environ["WORLD_SIZE"])
+if world > 1:
+    dist.init_process_group("gloo")
+rank = int(os.environ["RANK"])
+
+torch.manual_seed(42)
+model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+if world > 1:
+    model = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+X = torch.linspace(-1, 1, 24 * 3).reshape(24, 3)
+Y = torch.stack([X.sum(1), X[:, 0] * X[:, 1]], dim=1)
+
+for epoch in range(3):
+    batch_x = X[rank::world]          # my share of the 24 samples
+    batch_y = Y[rank::world]
+    chunk = len(batch_x) // accum
+    opt.zero_grad()
+    for i in range(accum):
+        out = model(batch_x[i * chunk:(i + 1) * chunk])
+        loss = ((out - batch_y[i * chunk:(i + 1) * chunk]) ** 2).mean()
+        if not forgot_to_divide:
+            loss = loss / accum
+        loss.backward()
+    opt.step()
+"""
+
+
+def audit(script, *args, nproc: int, out: str, **flags):
+    return check_audit(AuditOptions(script=(script, *args), nproc=nproc, out=out,
+                                    console="none", **flags))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of the module: the recordings, then each run against them."""
+    base = tmp_path_factory.mktemp("compare")
+    out, rec = str(base / "runs"), base / "rec"
+    student = base / "student.py"
+    student.write_text(STUDENT)
+    ck = str(base / "ck.pt")
+    recordings = {
+        "tokens": lambda: audit(TOKENS, "--accum", "4", nproc=1, out=out, record=str(rec / "t")),
+        "full": lambda: audit(RESUME, "--steps", "6", "--save-at", "3", "--checkpoint", ck,
+                              nproc=2, out=out, record=str(rec / "full")),
+        "student": lambda: audit(str(student), "1", nproc=1, out=out, record=str(rec / "s")),
+        "gan": lambda: audit(GAN, nproc=1, out=out, record=str(rec / "gan")),
+    }  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        done = {
+            k: f.result() for k, f in {k: pool.submit(fn) for k, fn in recordings.items()}.items()
+        }
+    saved = torch.load(ck)  # the checkpoint a save function wrote without the scheduler
+    del saved["scheduler"]
+    bad = str(base / "ck_without_scheduler.pt")
+    torch.save(saved, bad)
+    against = {
+        "split": lambda: audit(TOKENS, "--accum", "2", nproc=2, out=out, against=str(rec / "t")),
+        "bug": lambda: audit(TOKENS, "--accum", "2", "--mean-per-micro-batch", nproc=2, out=out,
+                             against=str(rec / "t")),
+        "resume": lambda: audit(RESUME, "--steps", "6", "--resume", ck, nproc=2, out=out,
+                                against=str(rec / "full")),
+        "no_sched": lambda: audit(RESUME, "--steps", "6", "--resume", bad, nproc=2, out=out,
+                                  against=str(rec / "full")),
+        "student_ok": lambda: audit(str(student), "2", nproc=2, out=out, against=str(rec / "s")),
+        "student_bug": lambda: audit(str(student), "2", "x", nproc=2, out=out,
+                                     against=str(rec / "s")),
+    }  # fmt: skip
+    with ThreadPoolExecutor(3) as pool:
+        done |= {
+            k: f.result() for k, f in {k: pool.submit(fn) for k, fn in against.items()}.items()
+        }
+    return {"dir": rec, "base": base, "student": str(student), **done}
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(list(argv))
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
+    folder = runs["dir"] / "full"
+    assert sorted(os.listdir(folder)) == ["manifest.json", "tensors.npz", "values.npz"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["format"], manifest["version"]) == (store.FORMAT, store.VERSION)
+    assert manifest["world_size"] == 2 and manifest["micro_steps"] == [1] * 6
+    rec = store.read(str(folder))
+    assert rec.steps == 6 and rec.optimizers == ["AdamW"]
+    assert rec.tensors["blocks"].shape[1:] == (BLOCKS, COLUMNS)
+    assert runs["full"].verdict == "pass" and runs["tokens"].verdict == "pass"  # 1 rank: exit 0
+
+
+def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance(runs):
+    """1 rank x 4 micro-steps against 2 ranks x 2: the gradients are summed in another order,
+    so not bitwise; within eps (tolerance.py) at every step, the loss too."""
+    c = runs["split"].comparison
+    assert runs["split"].verdict == "pass", c
+    assert not c.bitwise and "world size 1 vs 2" in c.mode_reason
+    assert "micro-steps per step 4 vs 2" in c.mode_reason
+    assert c.compared_steps == 4 and c.offset == 0
+
+
+def test_the_accumulation_normalization_bug_departs_at_step_0_at_the_loss(runs):
+    c = runs["bug"].comparison
+    assert runs["bug"].verdict == "fault"
+    assert (c.first.step, c.first.name) == (0, "loss"), c.first
+    assert "tolerance" in c.first.what
+    assert c.departing_steps == c.compared_steps == 4
+
+
+def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs):
+    c = runs["resume"].comparison
+    assert runs["resume"].verdict == "pass", c.first
+    assert c.bitwise and c.offset == 3 and c.steps_a == (3, 5) and c.steps_b == (0, 2)
+    assert "equal, bitwise, the recording's after step 2" in c.alignment
+
+
+def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_scheduler_sets(runs):
+    """The first resumed step (3) runs with the lr saved in the optimizer's state_dict, which
+    is right; the restarted scheduler then sets 1/(1+1) instead of 1/(1+4) of the base lr:
+    the departure is the lr before step 4, this run's step 1."""
+    c = runs["no_sched"].comparison
+    assert runs["no_sched"].verdict == "fault"
+    assert c.offset == 3 and (c.first.step, c.first.step_b) == (4, 1)
+    assert c.first.name == "param_groups[0].lr" and c.first.phase.startswith("optimizer settings")
+    assert "0.002 in the recording, 0.005 in this run" in c.first.what
+
+
+def test_a_students_accumulation_is_judged_right_and_wrong(runs):
+    """Fresh code: 2 ranks x 2 micro-steps against 1 rank x 1; dividing by the accumulation
+    steps agrees within tolerance, forgetting to departs at step 0 (the loss, twice as big)."""
+    assert runs["student_ok"].verdict == "pass", runs["student_ok"].comparison.first
+    bad = runs["student_bug"].comparison
+    assert runs["student_bug"].verdict == "fault"
+    assert (bad.first.step, bad.first.name) == (0, "loss")
+
+
+def test_compare_offline_gives_the_same_verdicts(runs):
+    rec = runs["dir"]
+    resumed = runs["resume"].recording
+    code, out, _ = cli("compare", str(rec / "full"), resumed)
+    assert code == 0 and "AGREE bitwise" in out and "recording's step 3" in out
+    code, out, _ = cli("compare", str(rec / "full"), runs["no_sched"].recording)
+    assert code == 1
+    assert "FIRST DEPARTURE: step 4 (this run's step 1), optimizer settings before step 4" in out
+    code, out, _ = cli("compare", str(rec / "full"), resumed, "--align-step", "2")
+    assert code == 1 and "by --align-step 2" in out
+
+
+def test_the_audit_report_names_the_first_departure(runs):
+    from verify.cli.text_compare import audit as text
+
+    lines = text(runs["bug"]).splitlines()
+    first = next(line for line in lines if line.startswith("FIRST DEPARTURE"))
+    assert first.startswith("FIRST DEPARTURE: step 0, loss of step 0, AdamW: loss: ")
+    assert any(line.startswith("  then gradients before step 0") for line in lines)
+    assert any(line.startswith("DEPART: ") for line in lines)
+
+
+@pytest.mark.parametrize("case", ["missing", "not a recording", "other version"])
+def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(runs, tmp_path, case):
+    folder = tmp_path / "rec"
+    if case != "missing":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("hello")
+    if case == "other version":
+        (folder / "manifest.json").write_text(json.dumps({"format": store.FORMAT, "version": 99}))
+    for argv in (
+        ("audit", "--nproc", "1", "--against", str(folder), "--", TOKENS),
+        ("compare", str(runs["dir"] / "t"), str(folder)),
+    ):
+        code, out, err = cli(*argv)
+        assert code == 2 and out == "", (argv, out)
+        assert len(err.strip().splitlines()) == 1 and str(folder) in err, err
+        assert "Traceback" not in err
+
+
+def test_recordings_of_different_models_or_optimizers_are_exit_2(runs):
+    rec = runs["dir"]
+    code, _, err = cli("compare", str(rec / "t"), str(rec / "full"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "different models: AdamW's parameter 0 is 0.weight [32, 16] in the recording, " \
+           "0.weight [32, 10] in this run" in err  # fmt: skip
+    code, _, err = cli("compare", str(rec / "t"), str(rec / "gan"))
+    assert code == 2 and "different numbers of optimizers: 1 in the recording" in err
+
+
+def test_record_refuses_a_folder_holding_a_recording(runs):
+    code, _, err = cli("audit", "--nproc", "1", "--record", str(runs["dir"] / "t"), "--", TOKENS)
+    assert code == 2 and "already holds a recording" in err
+
+
+def test_a_sketch_is_the_same_size_for_any_tensor_and_finds_the_changed_block():
+    for n in (1, 7, 16, 1000, 1 << 20):
+        assert sketch(torch.randn(n)).shape == (BLOCKS, COLUMNS)
+    a = torch.randn(64, 50)
+    b = a.clone()
+    b[40:44] *= 1.01  # rows 40..43: elements 2000..2199, in block 11 of 16 (200 a block)
+    g = gaps(sketch(a), sketch(b), a.numel())
+    assert int(np.argmax(g)) == 10 and g.max() > 1e-3
+    assert gaps(sketch(a), sketch(a.clone()), a.numel()).max() == 0
+
+
+def verdict_problems(base: Path) -> list[str]:
+    """A student's loop recorded on one rank, then run on two ranks x 2 micro-steps, right
+    and wrong; and a resume against a full run, bitwise: what is wrong with their verdicts
+    (empty: none). Shared with the load test (tests/test_load.py)."""
+    out, student = str(base / "runs"), base / "student.py"
+    student.write_text(STUDENT)
+    ck = str(base / "ck.pt")
+    with ThreadPoolExecutor(2) as pool:
+        first = [
+            pool.submit(audit, str(student), "1", nproc=1, out=out, record=str(base / "s")),
+            pool.submit(audit, RESUME, "--steps", "4", "--save-at", "2", "--checkpoint", ck,
+                        nproc=2, out=out, record=str(base / "full")),
+        ]  # fmt: skip
+        problems = [f"recording: {r.verdict}" for r in (f.result() for f in first)
+                    if r.verdict != "pass"]  # fmt: skip
+        runs = {
+            "right": pool.submit(audit, str(student), "2", nproc=2, out=out,
+                                 against=str(base / "s")),
+            "wrong": pool.submit(audit, str(student), "2", "x", nproc=2, out=out,
+                                 against=str(base / "s")),
+            "resume": pool.submit(audit, RESUME, "--steps", "4", "--resume", ck, nproc=2,
+                                  out=out, against=str(base / "full")),
+        }  # fmt: skip
+        got = {k: f.result() for k, f in runs.items()}
+    expected = {"right": "pass", "wrong": "fault", "resume": "pass"}
+    for k, want in expected.items():
+        c = got[k].comparison
+        if got[k].verdict != want:
+            problems.append(f"{k}: {got[k].verdict}, first departure {c and c.first}")
+    c = got["wrong"].comparison
+    if c is not None and c.first is not None and (c.first.step, c.first.name) != (0, "loss"):
+        problems.append(f"wrong: departs first at {c.first}")
+    c = got["resume"].comparison
+    if c is not None and not (c.bitwise and c.offset == 2):
+        problems.append(f"resume: bitwise {c.bitwise}, offset {c.offset}")
+    return problems
+
+
+def test_verdict_problems_idle(tmp_path):
+    """The load test's cases (`verdict_problems`) give these verdicts on an idle machine."""
+    assert not verdict_problems(tmp_path)
+
+
+def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
+    """`python benchmarks/record_cost.py` (not timed here: the numbers are the maintainer's,
+    docs/compare.md): on a tiny model it pairs the two arms, writes a recording and projects
+    its size for 100M parameters x 1,000 steps."""
+    from benchmarks import record_cost
+
+    argv = ["--device", "cpu", "--model-size", "0.5", "--repeats", "2", "--json"]
+    assert record_cost.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "pass" and len(doc["recorded_s"]) == len(doc["audited_s"]) == 2
+    wall, cpu = doc["bars"]
+    assert wall["what"] == "recorded / audited step" and "CPU time" in cpu["what"]
+    for bar in (wall, cpu):
+        assert bar["low"] <= bar["value"] <= bar["high"] and bar["goal"] == 1.02
+    assert doc["rows"] > 0 and doc["bytes_on_disk"] > 0
+    assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6

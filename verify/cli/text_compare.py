@@ -1,0 +1,93 @@
+"""The reports of `compare DIR_A DIR_B` and of `audit --record/--against`, as text: formatting
+only, every verdict is decided by `verify/recording/` (`departure.py`, `command.py`)."""
+
+from __future__ import annotations
+
+from verify.checks.verdict import FAULT, PASS
+from verify.cli import text_audit
+from verify.recording.command import CompareResult, RecordedAudit
+from verify.recording.departure import Comparison
+
+
+def compare(result: CompareResult) -> str:
+    a, b = result.options.recordings
+    lines = [f"compare: {b} (this run) against {a} (the recording)"]
+    return "\n".join(lines + comparison_lines(result.comparison, result.verdict))
+
+
+def audit(result) -> str:
+    """`audit`'s report (`text_audit.audit`); under --record/--against (a `RecordedAudit`),
+    then the recording's or the comparison's lines and verdict."""
+    if not isinstance(result, RecordedAudit):
+        return text_audit.audit(result)
+    plain = text_audit.audit(result.audit_result).split("\n")
+    report = plain.pop()  # "report: <folder>"
+    if plain and plain[-1].startswith("NOTHING AUDITED") and result.options.nproc == 1:
+        plain.pop()  # one rank: nothing to compare across ranks, which is no fault here
+        plain.append("one rank: no replicas to compare (recorded only)")
+    own = result.audit_result.verdict
+    if own not in (PASS, "nothing audited"):  # the run's own fault is the verdict
+        return "\n".join(plain + [report])
+    if result.comparison is not None:
+        plain += [f"against {result.options.against}:"]
+        plain += comparison_lines(result.comparison, result.verdict)
+    elif result.recording is not None:
+        plain.append(f"RECORDED: {result.steps_recorded} optimizer steps into "
+                     f"{result.recording} (compare a run with it: audit --against "
+                     f"{result.recording} -- ...)")  # fmt: skip
+    else:
+        plain.append("NOTHING RECORDED: the script took no optimizer step (exit 2)")
+    return "\n".join(plain + [report])
+
+
+def comparison_lines(c: Comparison, verdict: str) -> list[str]:
+    mode = "bitwise" if c.bitwise else "within the tolerance of docs/compare.md"
+    lines = [
+        f"aligned: {c.alignment}",
+        f"compared: {mode} ({c.mode_reason})",
+    ]
+    lines += [f"note: {n}" for n in c.notes]
+    steps = f"steps {_range(c.steps_a)} of the recording, {_range(c.steps_b)} of this run"
+    if c.compared_steps == 0:
+        return lines + ["NOTHING COMPARED: the runs share no optimizer step (exit 2)"]
+    d = c.first
+    if d is None or verdict == PASS:
+        how = "bitwise" if c.bitwise else "within tolerance"
+        if c.closest is not None:
+            ratio, gap, limit, what = c.closest
+            lines.append(f"closest to its tolerance: {what}: relative difference at least "
+                         f"{gap:.2g}, {ratio:.1%} of the tolerance {limit:.2g}")  # fmt: skip
+        return lines + [f"AGREE {how} at every compared step ({steps})"]
+    at = f"step {d.step}" + (f" (this run's step {d.step_b})" if d.step_b != d.step else "")
+    lines.append(f"FIRST DEPARTURE: {at}, {d.phase}, {d.optimizer}: {d.name}: {d.what}")
+    lines += _following(c, d.step)
+    lines.append(f"DEPART: this run departs from the recording at {c.departing_steps} of "
+                 f"{c.compared_steps} compared steps ({steps}), first at {at}: "
+                 f"{d.phase}, {d.name}")  # fmt: skip
+    assert verdict == FAULT
+    return lines
+
+
+def _following(c: Comparison, first: int) -> list[str]:
+    """What follows the first departure: the rest of its step, entry by entry; then each
+    later departing step in one line (the first few)."""
+    lines = []
+    same = [f for f in c.following if f[0] == first]
+    for _, phase, n, names in same:
+        more = ", ..." if n > len(names) else ""
+        lines.append(f"  then {phase}: {n} {'entry' if n == 1 else 'entries'} "
+                     f"({', '.join(names)}{more})")  # fmt: skip
+    later: dict[int, list[str]] = {}
+    for step, phase, n, _ in c.following:
+        if step != first:
+            later.setdefault(step, []).append(f"{phase.replace(f' {step}', '')} ({n})")
+    for step, phases in list(later.items())[:3]:
+        lines.append(f"  then at step {step}: {', '.join(phases)}")
+    left = c.departing_steps - 1 - min(len(later), 3)
+    if left > 0:
+        lines.append(f"  and {left} more departing step{'s' if left > 1 else ''}")
+    return lines
+
+
+def _range(r: tuple[int, int]) -> str:
+    return f"{r[0]}..{r[1]}" if r[1] > r[0] else str(r[0])

@@ -1,0 +1,16 @@
+"""Two runs of a script compared step by step (`audit --record DIR`, `audit --against DIR`,
+`compare DIR_A DIR_B`; docs/compare.md).
+
+    sketch.py     a tensor's fixed-size numeric sketch (beside the engine's fingerprint)
+    loss.py       the loss, where the script's backward shows it
+    recorder.py   inside a rank: rows at the script audit's points, written by rank 0
+    store.py      the folder's format (manifest + numpy arrays), its version, its check
+    table.py      a recording's rows by (optimizer, step, phase, name); the phase order
+    align.py      which step of one run is which of the other (a resume)
+    tolerance.py  bitwise, or within a tolerance derived from the dtype and the order
+    departure.py  the first departure and what follows
+    command.py    the `compare` command, and what `audit --record/--against` add
+
+The recorder is called by the script audit's `Auditor` (`verify/script_audit/auditor.py`) at
+the points it audits, with the entries it collected and named (`collect.py`, `naming.py`).
+"""

@@ -1,0 +1,152 @@
+"""`python -m verify compare DIR_A DIR_B`: two recordings of `audit --record`, compared offline
+with the report of `audit --against` (`departure.py`); and what `audit --record/--against`
+add to the audit's result (`with_recording`).
+
+Verdicts: "pass" (exit 0) when B agrees with A at every step they share (bitwise, or within
+the tolerance, as the report says); "fault" (exit 1) when it departs; "nothing compared"
+(exit 2, not a pass) when they share no step. Bad input is one line, exit 2: a folder that
+is missing or not a recording, recordings of different models or numbers of optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from verify import runs
+from verify.checks.verdict import FAULT, PASS, Verdicted
+from verify.options import Options, knob
+from verify.recording import store
+from verify.recording.departure import Comparison, compare_recordings
+
+NOTHING_COMPARED = "nothing audited"  # exit 2 (verdict.EXIT_CODES): no step in common
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareOptions(Options):
+    """Two recordings (positional), and how to align them."""
+
+    recordings: tuple[str, ...] = knob((), "DIR_A DIR_B: two folders of audit --record", cli=False)
+    align_step: int | None = knob(
+        None, "B's step 0 is A's step K (default: found from the parameters, bitwise)",
+        minimum=0,
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.recordings) != 2:
+            raise ValueError("compare needs two recordings: compare DIR_A DIR_B (folders "
+                             "written by audit --record)")  # fmt: skip
+
+
+def verdict_of(c: Comparison) -> str:
+    if c.compared_steps == 0:
+        return NOTHING_COMPARED
+    return FAULT if c.departs else PASS
+
+
+@dataclass(frozen=True)
+class CompareResult(Verdicted):
+    """The comparison of B (the second folder) with A (the first)."""
+
+    options: CompareOptions
+    comparison: Comparison
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.comparison)
+
+    def to_dict(self) -> dict:
+        return {"check": "compare", "verdict": self.verdict, "passed": self.passed,
+                "options": asdict(self.options), "comparison": self.comparison.to_dict()}  # fmt: skip
+
+
+def run_compare(options: CompareOptions) -> CompareResult:
+    """Raises `NotARecording` (one line, exit 2) for a folder that is not a recording."""
+    for folder in options.recordings:
+        store.check(folder)
+    a, b = (store.read(folder) for folder in options.recordings)
+    return CompareResult(options, compare_recordings(a, b, options.align_step))
+
+
+def check_record_options(options) -> None:
+    """`audit`'s --record/--against/--align-step, checked as the options are built (what
+    the flags say; the folders are checked by `check_record_folders`)."""
+    if options.record and options.against:
+        raise ValueError("--record and --against cannot be used together (record a run, then "
+                         "run again --against its folder)")  # fmt: skip
+    if (options.record or options.against) and options.audit_every != 1:
+        raise ValueError("--record and --against record every optimizer step: leave "
+                         "--audit-every at 1")  # fmt: skip
+    if options.align_step is not None and not options.against:
+        raise ValueError("--align-step needs --against DIR")
+
+
+def check_record_folders(options) -> None:
+    """`audit`'s --record/--against folders, checked before any rank starts (one line, exit
+    2): a recording is never overwritten; --against names a recording of this format."""
+    if options.record and os.path.exists(os.path.join(options.record, "manifest.json")):
+        raise ValueError(f"{options.record} already holds a recording: choose a new folder "
+                         "(a recording is never overwritten)")  # fmt: skip
+    if options.against:
+        store.check(options.against)
+
+
+def with_recording(result):
+    """The audit's result once the run ended: its recording moved to `--record DIR`, or
+    compared with `--against DIR` (raises `Mismatch`, exit 2, for a different model)."""
+    o = result.options
+    made = os.path.join(result.report_dir, "recording")
+    if not os.path.isfile(os.path.join(made, "manifest.json")):
+        return RecordedAudit(result, None, None)
+    if o.record:
+        Path(o.record).parent.mkdir(parents=True, exist_ok=True)
+        if os.path.exists(o.record):  # an empty folder the user made: fill it
+            _into(made, o.record)
+        else:
+            shutil.move(made, o.record)
+        return RecordedAudit(result, o.record, None)
+    comparison = compare_recordings(store.read(o.against), store.read(made), o.align_step)
+    out = RecordedAudit(result, made, comparison)
+    runs.write_json(Path(result.report_dir) / "report.json", out.to_dict())
+    return out
+
+
+def _into(made: str, folder: str) -> None:
+    for name in os.listdir(made):
+        shutil.move(os.path.join(made, name), os.path.join(folder, name))
+
+
+@dataclass(frozen=True)
+class RecordedAudit(Verdicted):
+    """An audit's result, with where its recording went and, under --against, the
+    comparison. Its verdict: the audit's fault or failure first; else the comparison's."""
+
+    audit_result: object
+    recording: str | None
+    comparison: Comparison | None
+
+    def __getattr__(self, name):  # the audit's result's fields (options, run, report_dir)
+        return getattr(self.__dict__["audit_result"], name)
+
+    @property
+    def steps_recorded(self) -> int:
+        if self.recording is None:
+            return 0
+        return store.read(self.recording).steps
+
+    @property
+    def verdict(self) -> str:
+        own = self.audit_result.verdict
+        if own not in (PASS, "nothing audited"):
+            return own
+        if self.comparison is not None:
+            return verdict_of(self.comparison)
+        return PASS if self.steps_recorded else NOTHING_COMPARED
+
+    def to_dict(self) -> dict:
+        return {**self.audit_result.to_dict(), "verdict": self.verdict, "passed": self.passed,
+                "recording": self.recording,
+                "comparison": None if self.comparison is None else self.comparison.to_dict()}  # fmt: skip

@@ -1,0 +1,174 @@
+"""The recorder inside a rank of `audit --record DIR` (and `--against DIR`): at the points the
+script audit already audits (`verify/script_audit/auditor.py` calls `add` with the entries it
+collected, `collect.py`, named as `naming.py` names them), it keeps per entry one row.
+
+What is kept per optimizer step, and why (docs/compare.md, "What a recording holds"):
+
+- before the step: every param group's settings (exact values); the loss of the step
+  (`loss.py`); the gradients and buffers (fingerprint + sketch); at the first step, the
+  parameters (what a resumed run is aligned by);
+- after the step: the parameters (fingerprint + sketch); the optimizer state at the points
+  the audit reads it (the first step and every STATE_EVERY-th): AdamW's moments are twice the
+  parameters, and a state that differs shows in the next step's parameters.
+
+Every rank takes part (the loss is averaged over the ranks, one all-gather of two numbers at
+the step, over the audit's own group); only the owner, rank 0, computes the fingerprints
+and sketches and writes the folder, at the end of the script (`finish`, also after a crash).
+Sharded tensors are skipped as the audit skips them (`Collector.replicated`): they are not
+replicated, and rank 0's shard is not the model's tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from verify.recording import store
+from verify.recording.loss import LossTap
+from verify.recording.sketch import BLOCKS, COLUMNS, sketch
+from verify.replica_audit.fingerprint import fingerprints, text_bits, value_bits
+
+RECORD_ENV = "DDP_VERIFY_RECORD"  # set by `audit --record/--against` in the ranks' environment
+BEFORE = 0  # the audit point before a step (`auditor.py`)
+
+
+def recorder_for(settings) -> Recorder | None:
+    """A recorder when the parent asked for one (`RECORD_ENV`), writing beside the rank's
+    audit report (`<report folder>/recording`); else None."""
+    if not os.environ.get(RECORD_ENV) or not getattr(settings, "path", None):
+        return None
+    return Recorder(os.path.join(os.path.dirname(settings.path), "recording"))
+
+
+class Recorder:
+    """Rows of one run (module docstring), written to `folder` by `finish()`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.tap = LossTap()
+        self.keys: dict[tuple, int] = {}
+        self.phases: dict[str, int] = {}
+        self.optimizers: dict[int, str] = {}
+        self.steps: dict[int, int] = {}
+        self.tensor_rows: list[tuple] = []
+        self.blocks: list[np.ndarray] = []
+        self.value_rows: list[tuple] = []
+        self.micro_steps: list[int] = []
+        self.world_size = 1
+        self.owner = True
+        self.compiled = False
+        self.device = "cpu"
+        self.stopped: str | None = None
+        # the owner's time fingerprinting and sketching, in all (the benchmark's figure; the
+        # loss's all-gather is left out: its wait is the slower rank's, which the audit's own
+        # agreement would wait for anyway)
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        self.tap.install()
+
+    def remove(self) -> None:
+        self.tap.remove()
+
+    def add(self, group, roots, index: int, label: str, step: int, point: int, entries) -> None:
+        """The entries of one audit point of optimizer `index` (`label`) at `step`; `group` is
+        the audit's side group, `roots` the script's root modules. Called on every rank in
+        the same order (the loss's all-gather is a collective)."""
+        alone = not group.ready()
+        self.world_size = 1 if alone else group.size
+        self.owner = alone or group.rank == 0
+        self.optimizers[index] = label
+        self.steps[index] = max(self.steps.get(index, 0), step + 1)
+        if point == BEFORE:
+            self._loss(group, alone, index, step)
+            self.compiled = self.compiled or any(
+                type(m).__name__ == "OptimizedModule" for m in roots
+            )
+        if not self.owner:
+            return
+        start = time.perf_counter()
+        try:
+            self._rows(index, step, entries)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _rows(self, index: int, step: int, entries) -> None:
+        tensors = [e for e in entries if e.tensor is not None]
+        prints = fingerprints([e.tensor for e in tensors])
+        for e, fp in zip(tensors, prints):
+            e.fingerprint = fp  # the audit's comparison, next, uses it rather than recompute
+            t = e.tensor
+            key = self._key(e.name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            self.tensor_rows.append((index, step, self._phase(e.phase), key, t.numel(), fp))
+            self.blocks.append(sketch(t))
+            self.device = t.device.type
+        for e in entries:
+            if e.tensor is None and e.setting is not None:
+                self._value(index, step, e.phase, e.name, e.setting)
+
+    def _loss(self, group, alone: bool, index: int, step: int) -> None:
+        total, calls = self.tap.take()
+        if not alone:  # every rank's (sum, calls): one all-gather of two numbers
+            rows = group.gather_tensor(torch.tensor([total, float(calls)], dtype=torch.float64))
+            sums = [float(r[0]) for r in rows]
+            total = sum(sums) / len(sums)
+        if calls and self.owner:
+            self._value(index, step, store.LOSS, "loss", total)
+        if index == 0:
+            self.micro_steps.append(calls)
+
+    def _value(self, index: int, step: int, phase: str, name: str, value) -> None:
+        text = isinstance(value, str)
+        key = self._key(name, "text" if text else "float64", ())
+        number = float("nan") if text else float(value)
+        bits = text_bits(value) if text else value_bits(value)
+        self.value_rows.append((index, step, self._phase(phase), key, number, bits))
+
+    def _key(self, name: str, dtype: str, shape: tuple) -> int:
+        return self.keys.setdefault((name, dtype, shape), len(self.keys))
+
+    def _phase(self, phase: str) -> int:
+        return self.phases.setdefault(phase, len(self.phases))
+
+    def finish(self) -> None:
+        """Write the folder (the owner only); called once the script ended or crashed."""
+        if not self.owner or not self.optimizers:
+            return
+        self.recording().write(self.folder)
+
+    def recording(self) -> store.Recording:
+        t = np.array(self.tensor_rows, dtype=np.int64).reshape(-1, 6)
+        v = self.value_rows
+        meta = {
+            "world_size": self.world_size,
+            "micro_steps": self.micro_steps,
+            "steps": [self.steps[i] for i in sorted(self.steps)],
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": self.device,
+            "compiled": self.compiled,
+            "argv": list(sys.argv),
+            "stopped": self.stopped,
+        }
+        tensors = {
+            "optimizer": t[:, 0].astype(np.int16), "step": t[:, 1].astype(np.int32),
+            "phase": t[:, 2].astype(np.int16), "key": t[:, 3].astype(np.int32),
+            "numel": t[:, 4], "hash": t[:, 5],
+            "blocks": np.stack(self.blocks) if self.blocks else np.zeros((0, BLOCKS, COLUMNS), np.float32),
+        }  # fmt: skip
+        values = {
+            "optimizer": np.array([r[0] for r in v], dtype=np.int16),
+            "step": np.array([r[1] for r in v], dtype=np.int32),
+            "phase": np.array([r[2] for r in v], dtype=np.int16),
+            "key": np.array([r[3] for r in v], dtype=np.int32),
+            "value": np.array([r[4] for r in v], dtype=np.float64),
+            "hash": np.array([r[5] for r in v], dtype=np.int64),
+        }
+        keys = sorted(self.keys, key=self.keys.get)
+        phases = sorted(self.phases, key=self.phases.get)
+        optimizers = [self.optimizers[i] for i in sorted(self.optimizers)]
+        return store.Recording(meta, keys, phases, optimizers, tensors, values)
