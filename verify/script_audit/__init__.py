@@ -5,6 +5,7 @@ on every rank?
     auditor.py     the global optimizer step hooks; what is audited when
     closures.py    when a step's gradients are final (`step(closure)`: when the closure returns)
     naming.py      the modules the script built; a tensor's name in its model
+    buffers.py     the buffers as DDP broadcast them at a forward, until the audit takes them
     collect.py     the replicated entries of a phase (sharded tensors skipped)
     side_group.py  the audit's own gloo group, beside the script's
     compare.py     one audit point: agree on the layout, then the fingerprints, then detail

@@ -46,20 +46,19 @@ import traceback
 import weakref
 
 import torch
-from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
 from verify.recording.recorder import recorder_for
-from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
+from verify.script_audit.buffers import BroadcastBuffers
 from verify.script_audit.collect import Collector, Entry
 from verify.script_audit.compare import Outcome, compare
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
-from verify.script_audit.naming import Modules, broadcasts_now, strip, syncs_buffers
+from verify.script_audit.naming import Modules
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
 
@@ -82,10 +81,8 @@ class Auditor:
         self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (index, label)
         self.started: weakref.WeakSet = weakref.WeakSet()  # first audited step seen
-        self.snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP -> entries
-        # DDPs that ran a forward without broadcasting since their last audit, and no
-        # snapshot: their buffers are this rank's own at the step (`broadcasts_now`)
-        self.unbroadcast: weakref.WeakSet = weakref.WeakSet()
+        self.buffers = BroadcastBuffers(self._guard)  # as DDP broadcast them (`buffers.py`)
+        self.buffers.active = lambda: self.stopped is None
         self.optimizers = 0  # optimizers seen so far: numbers them in the order they step
         self.finished_steps: dict[str, int] = {}  # label -> steps, also of dropped optimizers
         # label -> steps taken under join() that not every rank took (or may not have): never
@@ -95,7 +92,6 @@ class Auditor:
         self._skip: str | None = None  # why the step in progress is not every rank's
         # the "before" point of the step in progress, waiting for its closure (`closures.py`)
         self._deferred: closures.Deferred | None = None
-        self._in_ddp_forward: set[int] = set()
         self.depth = 0
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
         self.seconds = 0.0  # time spent inside the audit, in all
@@ -112,7 +108,7 @@ class Auditor:
 
     def install(self) -> None:
         """Note the modules and GradScalers the script builds, and audit its steps."""
-        self.modules.on_wrap = self._on_wrap
+        self.modules.on_wrap = self.buffers.on_wrap
         self.modules.install()
         self.joins.install()
         self.attach()
@@ -153,39 +149,6 @@ class Auditor:
             from torch.amp import grad_scaler
 
             grad_scaler.GradScaler.__init__ = self._scaler_init
-
-    def _on_wrap(self, wrapper: nn.Module, model: nn.Module) -> None:
-        """A module took another as `module`: if it is DDP, fingerprint the buffers inside its
-        forward, after its broadcast and before the model's forward updates them."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(wrapper, DistributedDataParallel):
-            return
-        inside, key = self._in_ddp_forward, id(wrapper)
-        wrapper.register_forward_pre_hook(lambda m, args: inside.add(key))
-        wrapper.register_forward_hook(lambda m, args, out: inside.discard(key))
-        ref = weakref.ref(wrapper)
-
-        def snapshot(module, args):
-            ddp = ref()
-            if ddp is None or key not in inside or ddp in self.snapshots or not syncs_buffers(ddp):
-                return
-            if not broadcasts_now(ddp):  # DDP skipped its broadcast: nothing synced to compare
-                self.unbroadcast.add(ddp)
-                return
-            if self.stopped is None:
-                self._guard(fingerprint_buffers, ddp)
-
-        def fingerprint_buffers(ddp: nn.Module) -> None:
-            named = [(strip(ddp, n), b) for n, b in ddp.named_buffers()]
-            prints = fingerprints([b for _, b in named])
-            self.snapshots[ddp] = [
-                Entry(report.BUFFERS_SYNCED, n, fingerprint=fp,
-                      key_extra=f"{b.dtype}|{tuple(b.shape)}")
-                for (n, b), fp in zip(named, prints)
-            ]  # fmt: skip
-
-        model.register_forward_pre_hook(snapshot)
 
     # ------------------------------------------------------------ the hooks
 
@@ -252,12 +215,7 @@ class Auditor:
         entries += self.collect.settings(opt)
         entries += self.collect.scalers(list(self.scalers))
         for root in self.modules.owners_of([p for _, p in self.collect.params(opt)]):
-            unbroadcast = root in self.unbroadcast
-            self.unbroadcast.discard(root)
-            if syncs_buffers(root) and (root in self.snapshots or not unbroadcast):
-                entries += self.snapshots.pop(root, [])
-            else:  # no wrapper synchronized them since the last audit: kept per rank, a note
-                entries += self.collect.buffers([root], report.BUFFERS_LOCAL)
+            entries += self.buffers.entries(root, self.collect)
         entries += self.collect.gradients(opt)
         self._check(opt, step, BEFORE, entries)
 
