@@ -23,7 +23,7 @@ from verify.checks.script import ScriptRun, run_watched_script
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
 from verify.launching.torchrun import joining
-from verify.options import OutputOptions, ThreadOptions, knob
+from verify.options import OutputOptions, ThreadOptions, knob, refuse_on_cpu
 from verify.script_audit import AuditReport, Finding
 
 
@@ -49,6 +49,11 @@ class AuditOptions(ThreadOptions, OutputOptions):
         "itself always talks over a gloo group of its own", choices=("gloo", "nccl"),
     )  # fmt: skip
     sanitize: bool = knob(False, "also run the script under the race sanitizer (docs/races.md)")
+    on_cpu: bool = knob(
+        False, "rehearse a script written for CUDA on CPU ranks over gloo, unmodified: CUDA "
+        "devices map to the CPU, nccl to gloo, and the report lists each call mapped "
+        "(docs/audit.md)",
+    )  # fmt: skip
     console: str = knob("stdout", "where a script's output is echoed", cli=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,7 @@ class AuditOptions(ThreadOptions, OutputOptions):
             raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
         if not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
+        refuse_on_cpu(self.on_cpu, self.backend)
 
 
 @dataclass(frozen=True)
