@@ -31,6 +31,7 @@ import torch
 
 from tests.processes import alive
 from tests.test_load import hogs
+from tests.torchrun_jobs import one_node
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "tests" / "fixtures" / "cuda_scripts"
@@ -235,6 +236,20 @@ def test_each_cuda_call_has_a_cpu_stand_in():
     assert {"Tensor.pin_memory()", "torch.cuda.Event()", "default device cuda",
             "GradScaler(cuda)", "autocast(cuda, float16)"} <= calls, calls  # fmt: skip
     assert mapped["refused"] is None
+
+
+def test_a_torchrun_job_is_rehearsed_under_verify_audit_run(tmp_path):
+    """`torchrun ... -m verify.audit_run --on-cpu gpt_train.py accum-bug`: the same rehearsal
+    in a rank torchrun started (`script_main`), the same fault as under --nproc, and rank 0
+    prints what its rank mapped."""
+    node = one_node(tmp_path, "--on-cpu", str(CUDA / "gpt_train.py"), "accum-bug",
+                    module="verify.audit_run")  # fmt: skip
+    assert node.returncode != 0 and not node.leftover, node.stderr[-3000:]
+    text = node.stdout + node.stderr
+    assert "REPLICAS DIVERGED: first at" in text, text[-3000:]
+    line = line_of("gpt_train.py", "torch.cuda.set_device(device)")
+    assert f"gpt_train.py:{line}: torch.cuda.set_device() -> no-op (1x)" in text, text[-3000:]
+    assert "on-cpu: CUDA calls mapped to the CPU on rank 0" in text
 
 
 def _rank_pids(folder: Path) -> list[int]:

@@ -48,10 +48,15 @@ def lines(on_cpu: dict) -> list[str]:
     if not mapped:
         return ["on-cpu: the script made no CUDA call to map"]
     calls = sum(sum(m["per_rank"].values()) for m in mapped) // max(world, 1)
-    out = [f"on-cpu: CUDA calls mapped to the CPU, {len(mapped)} sites, ~{calls} calls a rank:"]
+    whose = f" on rank {on_cpu['rank']}" if "rank" in on_cpu else ""
+    out = [
+        f"on-cpu: CUDA calls mapped to the CPU{whose}, {len(mapped)} sites, ~{calls} calls a rank:"
+    ]
     for m in mapped:
         counts = list(m["per_rank"].values())
-        if len(counts) == world and min(counts) == max(counts):
+        if world == 1:  # one rank's own report (a torchrun rank under verify.audit_run)
+            times = f"{counts[0]}x"
+        elif len(counts) == world and min(counts) == max(counts):
             times = f"{counts[0]}x on each rank"
         elif len(counts) == 1:
             times = f"{counts[0]}x on rank {next(iter(m['per_rank']))} only"
