@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import audit_cost, sanitize_cost, tracer_cost
+from benchmarks import audit_cost, on_cpu_cost, sanitize_cost, tracer_cost
 from tests.processes import alive, descendants
 from verify.checks.verdict import EXIT_CODES
 from verify.cli import (
@@ -41,7 +41,8 @@ from verify.options import flag_of
 ROOT = Path(__file__).resolve().parent.parent
 SURFACE = ROOT / "tests" / "cli_surface.json"
 BENCHMARKS = {
-    m.__name__.split(".")[-1]: m.COMMAND for m in (audit_cost, tracer_cost, sanitize_cost)
+    m.__name__.split(".")[-1]: m.COMMAND
+    for m in (audit_cost, tracer_cost, sanitize_cost, on_cpu_cost)
 }
 
 

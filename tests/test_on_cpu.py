@@ -171,14 +171,22 @@ def test_cuda_scripts_verdicts_hold_with_every_core_busy(tmp_path):
 
 def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
     """A CUDA graph: exit 2 and one line naming the call and its line, whether the script dies
-    of the refusal or catches it and trains on; and without --on-cpu the CUDA script is the
-    usage error it was, naming --on-cpu."""
+    of the refusal or catches it and trains on; without --on-cpu the CUDA script is the
+    usage error it was, naming --on-cpu; and `hang --on-cpu` rehearses as `audit` does."""
     script = CUDA / "graphed_train.py"
     with ThreadPoolExecutor(max_workers=3) as pool:
         runs = {
             "graph": pool.submit(audit, tmp_path / "a", script, "graph"),
             "fallback": pool.submit(audit, tmp_path / "b", script, "fallback"),
             "plain": pool.submit(audit, tmp_path / "c", CUDA / "gpt_train.py", on_cpu=False),
+            "hang": pool.submit(
+                audit,
+                tmp_path / "d",
+                CUDA / "ddp_series_train.py",
+                "1",
+                str(tmp_path / "none.pt"),
+                command="hang",
+            ),  # fmt: skip
         }
         done = {name: job.result() for name, job in runs.items()}
     line = line_of("graphed_train.py", "torch.cuda.CUDAGraph()")
@@ -195,6 +203,11 @@ def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
         plain.stderr
     )
     assert "with --on-cpu" in plain.stderr and "Traceback" not in plain.stderr
+    hang = done["hang"]
+    doc = json.loads(hang.stdout)
+    assert hang.returncode == 0 and doc["verdict"] == "pass", hang.stderr[-3000:]
+    calls = {m["call"] for m in doc["on_cpu"]["mapped"]}
+    assert {"torch.cuda.set_device()", "init_process_group(backend='nccl')"} <= calls, calls
 
 
 @pytest.mark.parametrize(
@@ -250,6 +263,21 @@ def test_a_torchrun_job_is_rehearsed_under_verify_audit_run(tmp_path):
     line = line_of("gpt_train.py", "torch.cuda.set_device(device)")
     assert f"gpt_train.py:{line}: torch.cuda.set_device() -> no-op (1x)" in text, text[-3000:]
     assert "on-cpu: CUDA calls mapped to the CPU on rank 0" in text
+
+
+def test_the_cost_benchmark_decides_against_its_goal(capsys):
+    """benchmarks/on_cpu_cost.py (a maintainer's script, run through its `main`), tiny: both
+    arms timed every round, the rehearsed one really mapped calls, and the paired ratio has
+    an interval and one of the three decisions."""
+    from benchmarks import on_cpu_cost
+
+    assert on_cpu_cost.main(["--width", "16", "--repeats", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "pass" and len(doc["plain_s"]) == len(doc["on_cpu_s"]) == 2
+    assert doc["sites_mapped"] >= 3  # x.to(device), the autocast, synchronize()
+    bar = doc["bar"]
+    assert bar["goal"] == 1.02 and bar["low"] <= bar["value"] <= bar["high"], bar
+    assert bar["decision"] in ("met", "missed", "undecided")
 
 
 def _rank_pids(folder: Path) -> list[int]:

@@ -89,12 +89,19 @@ class Ledger:
             os.replace(tmp, self.path)
 
 
+_USER_SITES: dict[tuple, str] = {}  # (code, line) of a user's frame -> "path:line"
+
+
 def _site(direct: bool) -> str | None:
     """`path:line` of the user's frame that led here (module docstring); with `direct`, None
     unless the first frame outside this package is the user's."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back
+    if frame is not None:  # the common case, a call in the script itself: answered once a line
+        known = _USER_SITES.get((frame.f_code, frame.f_lineno))
+        if known is not None:
+            return known
     if direct:
         if frame is None or path_kind(frame.f_code.co_filename) != USER:
             return None
@@ -104,7 +111,9 @@ def _site(direct: bool) -> str | None:
         name = frame.f_code.co_filename
         kind = TORCH_OR_TOOL if name.startswith("<") else path_kind(name)
         if kind == USER:
-            return f"{shown(name)}:{frame.f_lineno}"
+            where = f"{shown(name)}:{frame.f_lineno}"
+            _USER_SITES[frame.f_code, frame.f_lineno] = where
+            return where
         if kind == LIBRARY and fallback is None:
             fallback = f"{shown(name)}:{frame.f_lineno}"
         frame = frame.f_back
