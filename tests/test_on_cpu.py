@@ -265,6 +265,21 @@ def test_a_torchrun_job_is_rehearsed_under_verify_audit_run(tmp_path):
     assert "on-cpu: CUDA calls mapped to the CPU on rank 0" in text
 
 
+def test_torch_compile_is_left_to_torch():
+    """torch.compile under the rehearsal: torch asking torch.cuda gets the CPU build's
+    answers, so inductor compiles for the CPU (told it had a GPU, it failed planning for
+    one)."""
+    code = (
+        "import runpy, sys, verify.oncpu as o\n"
+        "o.install(None, 0)\n"
+        "runpy.run_path(sys.argv[1], run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code, str(CUDA / "compiled_step.py")], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 0 and "compiled ok torch.bfloat16 torch" in p.stdout, p.stderr[-3000:]
+
+
 def test_the_cost_benchmark_decides_against_its_goal(capsys):
     """benchmarks/on_cpu_cost.py (a maintainer's script, run through its `main`), tiny: both
     arms timed every round, the rehearsed one really mapped calls, and the paired ratio has

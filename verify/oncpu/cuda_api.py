@@ -4,9 +4,12 @@ On a CPU-only torch, `torch.cuda.set_device` raises (`torch._C` has no `_cuda_se
 `synchronize()` raises "Torch not compiled with CUDA enabled", a Stream or an Event cannot be
 made, `is_available()` is False. Under a rehearsal:
 
-- questions get a GPU node's answers: `is_available()` True, `device_count()` the ranks on
-  this node (LOCAL_WORLD_SIZE), `current_device()` what `set_device` chose, a device name,
-  capability 8.0 (bf16 supported), memory figures of 0 (nothing is held on a GPU);
+- the script's questions (and those of the libraries it calls) get a GPU node's answers:
+  `is_available()` True, `device_count()` the ranks on this node (LOCAL_WORLD_SIZE),
+  `current_device()` what `set_device` chose, a device name, capability 8.0 (bf16
+  supported), memory figures of 0 (nothing is held on a GPU); torch asking itself gets the
+  CPU build's answers, so that its own choices stay CPU ones (`torch.compile`'s inductor
+  would otherwise plan for a GPU);
 - calls that order or free GPU work are no-ops: `set_device`, `synchronize`, `empty_cache`,
   the peak-memory resets, NVTX ranges; a Stream, an Event and `torch.cuda.stream(s)` do
   nothing (every CPU op is complete when it returns), and an Event's `elapsed_time` is
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -41,8 +45,11 @@ def install(ledger: Ledger, patches: Patches) -> None:
 
     def answer(name, value):
         shown = repr(value) if len(repr(value)) <= 24 else "a GPU's figures"
+        original = getattr(cuda, name)
 
         def call(*args, **kwargs):
+            if _torch_asks():  # torch runs as the CPU torch it is (module docstring)
+                return original(*args, **kwargs)
             ledger.mapped(f"torch.cuda.{name}()", shown, direct=True)
             return value
 
@@ -61,11 +68,17 @@ def install(ledger: Ledger, patches: Patches) -> None:
         state["device"] = int(device) if device is not None and device >= 0 else 0
 
     def current_device():
+        if _torch_asks():
+            return 0
         ledger.mapped("torch.cuda.current_device()", "the device set", direct=True)
         return state["device"]
 
     def seed(name, how):
+        original = getattr(cuda, name)
+
         def call(*args, **kwargs):
+            if _torch_asks():  # torch.manual_seed seeds CUDA's too: a no-op in a CPU torch
+                return original(*args, **kwargs)
             ledger.mapped(f"torch.cuda.{name}()", "the CPU generator", direct=True)
             return how(*args, **kwargs)
 
@@ -123,6 +136,23 @@ def install(ledger: Ledger, patches: Patches) -> None:
     patches.set(cuda.jiterator, "_create_jit_fn", refuse("jiterator._create_jit_fn", jit))
     patches.set(cuda.jiterator, "_create_multi_output_jit_fn", refuse("jiterator", jit))
     _extensions(ledger, patches)
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _torch_asks() -> bool:
+    """Whether torch itself (or this tool) asks, rather than the script or a library it
+    calls: torch keeps the answers of the CPU build it is, so that its own choices
+    (inductor's, the RNG's fork) stay CPU ones."""
+    from verify.launching.needs_cuda import TORCH_OR_TOOL, path_kind
+
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith("<"):
+        return False
+    return path_kind(frame.f_code.co_filename) == TORCH_OR_TOOL
 
 
 def _streams(ledger: Ledger, patches: Patches) -> None:
