@@ -217,3 +217,30 @@ def record_cost(result) -> str:
         f"parameter tensors) over 1000 steps: {mb:.1f} MB (goal <= 100 MB: "
         f"{'met' if mb <= 100 else 'missed'})",
     ])  # fmt: skip
+
+
+def on_cpu(result) -> str:
+    """`benchmarks/on_cpu_cost.py`: the CUDA script's step under the rehearsal against the CPU
+    copy's, side by side."""
+    o = result.options
+    if not result.ok:
+        return failed("bench-on-cpu", result)
+    rows = [
+        [name, f"{statistics.median(v) * 1e3:.1f}", f"{min(v) * 1e3:.1f}"]
+        for name, v in [("plain step (the CPU copy)", result.plain_s),
+                        ("--on-cpu step (the CUDA script)", result.on_cpu_s)]
+    ]  # fmt: skip
+    what, r, goal, decided = result.bar()
+    c = result.cpu_ratio
+    return "\n".join([
+        f"on-cpu cost: a GPT-style DDP step (width {o.width}), world size {o.world_size}, "
+        f"{o.repeats} interleaved rounds; {result.sites_mapped} call sites mapped a step",
+        f"machine: {result.machine}",
+        "",
+        tabulate(rows, headers=["what", "median ms", "min ms"]),
+        "",
+        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})",
+        f"the same in CPU time: {c.value:.4f}  95% interval {interval(c.low, c.high, fmt='.4f')}"
+        " (less swayed by other work on the machine)",
+    ])  # fmt: skip

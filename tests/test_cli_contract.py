@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import audit_cost, record_cost, sanitize_cost, tracer_cost
+from benchmarks import audit_cost, on_cpu_cost, record_cost, sanitize_cost, tracer_cost
 from tests.processes import alive, descendants
 from verify.checks.verdict import EXIT_CODES
 from verify.cli import (
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SURFACE = ROOT / "tests" / "cli_surface.json"
 BENCHMARKS = {
     m.__name__.split(".")[-1]: m.COMMAND
-    for m in (audit_cost, tracer_cost, sanitize_cost, record_cost)
+    for m in (audit_cost, tracer_cost, sanitize_cost, record_cost, on_cpu_cost)
 }
 
 

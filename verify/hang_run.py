@@ -1,5 +1,5 @@
-"""`python -m verify.hang_run train.py ARGS`: run a training script as one traced rank of a
-torchrun job (for jobs that span machines; on one machine `python -m verify hang --nproc N --
+"""`python -m verify.hang_run [--on-cpu] train.py ARGS`: run a training script as one traced rank
+of a torchrun job (for jobs that span machines; on one machine `python -m verify hang --nproc N --
 train.py ARGS` starts and watches the ranks itself):
 
     torchrun --nnodes 2 --nproc-per-node 8 ... -m verify.hang_run train.py ARGS
@@ -22,4 +22,5 @@ if __name__ == "__main__":
     if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if sys.argv[1:] else 2)
-    script_main(sys.argv[1:])
+    on_cpu = sys.argv[1] == "--on-cpu"  # a CUDA script rehearsed on CPU ranks (docs/audit.md)
+    script_main(sys.argv[2 if on_cpu else 1 :], on_cpu=on_cpu)

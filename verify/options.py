@@ -166,6 +166,23 @@ class PlacementOptions(Options):
         return gpus.device_for(self.device, self.backend)
 
 
+def refuse_on_cpu(on_cpu: bool, backend: str, device: str | None = None) -> None:
+    """`--on-cpu` runs the ranks on the CPU over gloo: a GPU placement beside it is a
+    contradiction, refused in one line before any rank starts."""
+    if not on_cpu:
+        return
+    if device == "cuda":
+        raise ValueError(
+            "--on-cpu rehearses a CUDA script on CPU ranks; --device cuda runs it on GPUs: "
+            "give one of them"
+        )
+    if backend == "nccl":
+        raise ValueError(
+            "--on-cpu rehearses a CUDA script on CPU ranks over gloo (its nccl becomes gloo); "
+            "--backend nccl needs GPUs: give one of them"
+        )
+
+
 def launch_knobs(options: Any) -> dict[str, Any]:
     """The launcher's keywords every command's options set alike: the time limit, the backend
     and the device (`PlacementOptions`), the thread budget, whether NCCL waits block (not for

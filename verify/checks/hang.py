@@ -36,7 +36,14 @@ from verify.checks.script import (
 )
 from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
-from verify.options import OutputOptions, PlacementOptions, RunOptions, knob, launch_knobs
+from verify.options import (
+    OutputOptions,
+    PlacementOptions,
+    RunOptions,
+    knob,
+    launch_knobs,
+    refuse_on_cpu,
+)
 from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
 from verify.training.trainer import Trainer, TrainSpec
@@ -72,9 +79,15 @@ class HangOptions(RunOptions, OutputOptions, PlacementOptions):
     sanitize: bool = knob(
         False, "with --nproc: run the script under the race sanitizer (docs/races.md)"
     )
+    on_cpu: bool = knob(
+        False, "with --nproc: rehearse a script written for CUDA on CPU ranks over gloo, unmodified: CUDA "
+        "devices map to the CPU, nccl to gloo, and the report lists each call mapped "
+        "(docs/audit.md)",
+    )  # fmt: skip
     console: str = knob("stdout", "where a script's output is echoed", cli=False)
 
     def __post_init__(self) -> None:
+        refuse_on_cpu(self.on_cpu, self.backend, self.device)  # before the GPU placement's check
         super().__post_init__()
         refuse_under_torchrun("hang", "hang_run", "docs/debugging.md")
         if self.nproc is not None and not self.script:
@@ -87,6 +100,8 @@ class HangOptions(RunOptions, OutputOptions, PlacementOptions):
             raise ValueError("give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS")
         if self.sanitize and not self.script:
             raise ValueError("--sanitize applies to a script: --nproc N --sanitize -- train.py")
+        if self.on_cpu and not self.script:
+            raise ValueError("--on-cpu applies to a script: --nproc N --on-cpu -- train.py")
         if self.impl:
             resolve(self.impl, kinds=HANG_KINDS, command="hang")
         if self.script and not os.path.isfile(self.script[0]):

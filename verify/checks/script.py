@@ -25,6 +25,8 @@ from verify.checks.sanitizing import race_hint
 from verify.launching import run_script
 from verify.launching.needs_cuda import NeedsCuda
 from verify.launching.torchrun import joining
+from verify.oncpu import report as on_cpu_report
+from verify.oncpu.unmappable import CannotMap
 from verify.script_audit import AuditReport
 from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
@@ -44,6 +46,7 @@ class WatchedRun:
     notes: tuple[str, ...] = ()
     threads: str = ""
     races: tuple[dict, ...] = ()  # --sanitize: every rank's race findings
+    on_cpu: dict | None = None  # --on-cpu: the ranks, each call site mapped (oncpu/report.py)
 
     @property
     def watched_verdict(self) -> str:
@@ -67,6 +70,7 @@ class WatchedRun:
             "diagnosis": hinted_diagnosis(self.diagnosis),  # each finding with its hint
             "notes": list(self.notes),
             "races": [{**r, "hint": race_hint(r)} for r in self.races],
+            "on_cpu": self.on_cpu,
         }
 
 
@@ -93,7 +97,8 @@ def run_watched_script(
     """Run `options.script` in `options.nproc` ranks under the watchdog (module docstring).
 
     `options`: a command's options with the script knobs (`script`, `nproc`, `backend`,
-    `stall_timeout_s`, `timeout_s`, `threads_per_rank`, `console`, `sanitize`, `out`).
+    `stall_timeout_s`, `timeout_s`, `threads_per_rank`, `console`, `sanitize`, `on_cpu`,
+    `out`).
     `command` names the report folder (`hang_train.py_2xcpu_<stamp>`). `record`: the audit
     also writes a recording into `<report folder>/recording` (`verify/recording/`).
     """
@@ -108,10 +113,11 @@ def run_watched_script(
         stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
         env={**capture.backend_env(options.backend, report_dir), **_record_env(record)},
         threads_per_rank=options.threads_per_rank, console=console, sanitize=options.sanitize,
-        audit_every=audit_every,
+        audit_every=audit_every, on_cpu=options.on_cpu,
     )  # fmt: skip
     elapsed = time.monotonic() - start
     files, pids = finish_report(report_dir, options.nproc)
+    mapped = _rehearsed(run, report_dir, options) if options.on_cpu else None
     needs = [o.value for o in run.outcomes if isinstance(o.value, NeedsCuda)]
     if needs and not run.ok:  # written for GPUs, run without: a usage error (needs_cuda.py)
         first = min(needs, key=lambda n: n.where)
@@ -125,6 +131,7 @@ def run_watched_script(
         threads=run.threads,
         races=races_of(report_dir, options.nproc) if options.sanitize else (),
         audit=None if audit_every is None else audit_of(report_dir, options.nproc),
+        on_cpu=mapped,
     )  # fmt: skip
 
 
@@ -132,6 +139,19 @@ def _record_env(record: bool) -> dict[str, str]:
     from verify.recording.recorder import RECORD_ENV
 
     return {RECORD_ENV: "1"} if record else {}
+
+
+def _rehearsed(run, report_dir: str, options) -> dict:
+    """What `--on-cpu` mapped on every rank; a ValueError (exit 2, no verdict) naming the
+    first call it could not map, whether the rank died of it or the script caught it."""
+    mapped, refused = on_cpu_report.read(report_dir, range(options.nproc))
+    raised = [o.value for o in run.outcomes if isinstance(o.value, CannotMap)]
+    first = refused or min(raised, key=lambda c: c.where, default=None)
+    if first is not None:
+        raise ValueError(
+            f"{first.message()}; what was mapped before it: {report_dir}/rank<r>.on_cpu.json"
+        )
+    return {"ranks": options.nproc, "mapped": list(mapped)}
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:
@@ -145,7 +165,7 @@ def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int
         if trace is not None:
             pids[r] = trace.pid
         kinds = ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json",
-                 "audit.json")  # fmt: skip
+                 "audit.json", on_cpu_report.REPORT_SUFFIX)  # fmt: skip
         for kind in kinds:
             path = os.path.join(report_dir, f"rank{r}.{kind}")
             if os.path.exists(path) and os.path.getsize(path) > 0:

@@ -22,7 +22,7 @@ from verify import runs
 from verify.checks.script import ScriptRun, refuse_under_torchrun, run_watched_script
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
-from verify.options import OutputOptions, ThreadOptions, knob
+from verify.options import OutputOptions, ThreadOptions, knob, refuse_on_cpu
 from verify.script_audit import AuditReport, Finding
 
 
@@ -48,6 +48,11 @@ class AuditOptions(ThreadOptions, OutputOptions):
         "itself always talks over a gloo group of its own", choices=("gloo", "nccl"),
     )  # fmt: skip
     sanitize: bool = knob(False, "also run the script under the race sanitizer (docs/races.md)")
+    on_cpu: bool = knob(
+        False, "rehearse a script written for CUDA on CPU ranks over gloo, unmodified: CUDA "
+        "devices map to the CPU, nccl to gloo, and the report lists each call mapped "
+        "(docs/audit.md)",
+    )  # fmt: skip
     console: str = knob("stdout", "where a script's output is echoed", cli=False)
     # Two runs of a script compared step by step (verify/recording/, docs/compare.md).
     record: str | None = knob(None, "record every optimizer step into this new folder "
@@ -64,6 +69,7 @@ class AuditOptions(ThreadOptions, OutputOptions):
             raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
         if not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
+        refuse_on_cpu(self.on_cpu, self.backend)
         if self.record or self.against or self.align_step is not None:
             from verify.recording.command import check_record_options
 

@@ -145,12 +145,16 @@ def hang(result: HangResult | ScenariosResult) -> str:
 
 
 def watched_tail(run) -> list[str]:
-    """The races `--sanitize` found, the launcher's notes and the thread budget of a run
-    under the watchdog (`hang`, `audit`)."""
+    """The races `--sanitize` found, what `--on-cpu` mapped, the launcher's notes and the
+    thread budget of a run under the watchdog (`hang`, `audit`)."""
     lines = []
     if run.races:
         lines.append(f"RACES: {len(run.races)} found by --sanitize:")
         lines += [f"  - {r['message']}" for r in run.races[:10]]
+    if run.on_cpu is not None:  # --on-cpu: what the rehearsal mapped, by call site
+        from verify.oncpu import report
+
+        lines += report.lines(run.on_cpu)
     lines += [f"note: {n}" for n in run.notes]
     if run.threads:
         lines.append(f"note: ranks ran with {run.threads}")

@@ -5,7 +5,9 @@ local_rank)`, `init_process_group("nccl")`). On a machine without CUDA each rank
 from inside torch (`module 'torch._C' has no attribute '_cuda_setDevice'`, `Distributed
 package doesn't have NCCL built in`); that says nothing about the script's correctness, so
 `hang` and `audit` exit 2 with one line: the call, its file:line, why it cannot run here, and
-what to do (`run_watched_script`, `checks/script.py`).
+what to do (`run_watched_script`, `checks/script.py`): among others, rehearse it as it is with
+`--on-cpu` (`verify/oncpu/`). The script's own `assert torch.cuda.is_available()` is the
+same error in its words.
 
 A rank recognizes the error (`classify`: only where this process has no usable CUDA, so a
 CUDA error on a GPU machine stays a crash) and hands a `NeedsCuda` to the parent as the
@@ -15,6 +17,7 @@ to its stderr file only.
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 import traceback
@@ -46,7 +49,8 @@ class NeedsCuda:
         text = (
             f"{self.where}: `{self.call}` needs CUDA, and {self.why}: run the script where "
             "each rank has a GPU, or let it choose its device and backend by "
-            "torch.cuda.is_available() (cpu and gloo without GPUs)"
+            "torch.cuda.is_available() (cpu and gloo without GPUs), or rehearse it on CPU ranks "
+            "as it is with --on-cpu"
         )
         if self.backend and backend_flag and backend_flag != self.backend:
             text += (
@@ -64,9 +68,10 @@ def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None
     import torch.distributed as dist
 
     text = str(exc)
-    if not any(sign in text for sign in _SIGNS):
+    asserted = _asserts_cuda(exc)
+    if not (says_cuda_missing(exc) or asserted):
         return None
-    nccl = "NCCL" in text
+    nccl = "NCCL" in text and not asserted
     if nccl and dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available():
         return None
     if not nccl and torch.cuda.is_available():
@@ -77,30 +82,62 @@ def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None
         why = "this machine has no usable GPU"
     else:
         why = "this torch has no NCCL"
-    frame = _user_frame(exc)
-    where = "?" if frame is None else f"{_shown(frame.filename)}:{frame.lineno}"
+    frame = user_frame(exc)
+    where = "?" if frame is None else f"{shown(frame.filename)}:{frame.lineno}"
     call = (frame.line or "").strip() if frame is not None else ""
     asked = str(backend).lower() if backend is not None else None
     return NeedsCuda(call or text, where, why, asked if asked and "nccl" in asked else None)
 
 
-def _user_frame(exc: BaseException):
-    """The innermost frame in the user's code: not torch's, not this tool's, not Python's."""
+def _asserts_cuda(exc: BaseException) -> bool:
+    """The script's own `assert torch.cuda.is_available()` failed (3 of 5 public DDP scripts
+    have one): the same usage error as a CUDA call, in the script's words."""
+    if not isinstance(exc, AssertionError):
+        return False
+    frame = user_frame(exc)
+    return frame is not None and "cuda.is_available()" in (frame.line or "")
+
+
+def says_cuda_missing(exc: BaseException) -> bool:
+    """Whether `exc` is torch saying CUDA or NCCL is missing from this build or machine (what
+    a CPU-only torch raises at a CUDA call: `--on-cpu` names the calls it could not map by
+    the same words, `verify/oncpu/unmappable.py`)."""
+    text = str(exc)
+    return any(sign in text for sign in _SIGNS)
+
+
+USER, LIBRARY, TORCH_OR_TOOL = 0, 1, 2  # whose code a file is (`path_kind`)
+
+
+@functools.lru_cache(maxsize=4096)
+def path_kind(path: str) -> int:
+    """USER for the user's code; LIBRARY for Python's own and installed packages;
+    TORCH_OR_TOOL for torch and this tool."""
     import torch
 
     import verify
 
-    skip = [os.path.dirname(torch.__file__), os.path.dirname(verify.__file__)]
-    skip += [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
+    path = os.path.abspath(path)
+    mine = (os.path.dirname(torch.__file__), os.path.dirname(verify.__file__))
+    if any(path.startswith(s + os.sep) for s in mine):
+        return TORCH_OR_TOOL
+    libraries = [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
+    return LIBRARY if any(path.startswith(s + os.sep) for s in libraries) else USER
+
+
+def user_frame(exc: BaseException):
+    """The innermost frame in the user's code: not torch's, not this tool's, not Python's;
+    else the innermost outside torch and this tool (a library the script called)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
-    for tool_too in (False, True):  # else the innermost outside torch and this tool
+    for worst in (USER, LIBRARY):
         for frame in reversed(frames):
-            path = os.path.abspath(frame.filename)
-            if not any(path.startswith(s + os.sep) for s in skip[: 2 if tool_too else None]):
+            if path_kind(frame.filename) <= worst:
                 return frame
     return None
 
 
-def _shown(path: str) -> str:
+@functools.lru_cache(maxsize=4096)
+def shown(path: str) -> str:
+    """`path` as the user reads it: relative to the working folder when under it."""
     rel = os.path.relpath(os.path.abspath(path))
     return rel if not rel.startswith("..") else path

@@ -53,6 +53,9 @@ class RankJob:
     # node watchdog it is up: `node_ranks.rank_up`); never pickled
     on_up: Callable[[], None] | None = None
     audit: AuditSettings | None = None  # audit the script's replicas at its optimizer steps
+    # rehearse a script written for CUDA on this CPU rank (`verify/oncpu/`); its mapping
+    # report goes to this file. None: the script runs as written.
+    on_cpu_path: str | None = None
 
 
 def error_report(exc: BaseException) -> RankReport:

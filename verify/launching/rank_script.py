@@ -21,6 +21,7 @@ import traceback
 from verify.launching import needs_cuda, process
 from verify.launching.outcome import RankReport, Up
 from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
+from verify.oncpu.report import REPORT_SUFFIX
 from verify.script_audit.report import AuditSettings
 
 
@@ -35,11 +36,13 @@ def script_job(
     argv: tuple[str, ...],
     sanitize: bool = False,
     audit_every: int | None = None,
+    on_cpu: bool = False,
 ) -> RankJob:
     """The job of one rank of a user's script, its files in `report_dir` (the same for the
     tool's own launch, `script.py`, and a torchrun job's rank, `torchrun.script_main`): a
     traced rank with its stack and helper files, the race sanitizer when asked, the replica
-    audit every `audit_every` optimizer steps when asked."""
+    audit every `audit_every` optimizer steps when asked, and with `on_cpu` a script written
+    for CUDA rehearsed on this CPU rank (`verify/oncpu/`)."""
     at = lambda name: os.path.join(report_dir, f"rank{rank}.{name}")  # noqa: E731
     return RankJob(
         kind="script",
@@ -54,6 +57,7 @@ def script_job(
         argv=tuple(argv),
         races_path=at("races.json") if sanitize else None,
         audit=None if audit_every is None else AuditSettings(audit_every, at("audit.json")),
+        on_cpu_path=at(REPORT_SUFFIX) if on_cpu else None,
     )
 
 
@@ -77,6 +81,7 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
 
         spawned.install(job.helper_dir, job.rank)
     _report_up_after_init(dist, fd, job)
+    rehearsal = _rehearse(job)  # over the wrappers above: they see gloo, not nccl
     start_helper(job)
     sanitizer = _sanitize(job)
     auditor = _audit(job)
@@ -90,7 +95,10 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
             process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
-        needs = needs_cuda.classify(exc, _ASKED.get("backend"))
+        if rehearsal is not None:  # a call the rehearsal could not map: no verdict, exit 2
+            needs = rehearsal.finish(exc)
+        else:
+            needs = needs_cuda.classify(exc, _ASKED.get("backend"))
         if needs is not None:  # a usage error, said once by the parent (needs_cuda.py)
             with contextlib.suppress(Exception):
                 exc.partial = needs
@@ -104,7 +112,18 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
     finally:
         _save_races(sanitizer, job)
         _finish_audit(auditor)
+        if rehearsal is not None:
+            rehearsal.finish()
     process.send(fd, _SCRIPT_OK)
+
+
+def _rehearse(job: RankJob):
+    """A script written for CUDA, on this CPU rank (`verify/oncpu/`), when the job says so."""
+    if job.on_cpu_path is None:
+        return None
+    from verify import oncpu
+
+    return oncpu.install(job.on_cpu_path, job.rank)
 
 
 def _print_traceback(job: RankJob, quiet: bool) -> None:

@@ -43,6 +43,7 @@ def run_script(
     console: TextIO | None = None,
     sanitize: bool = False,
     audit_every: int | None = None,
+    on_cpu: bool = False,
 ) -> LaunchResult:
     """Run `python argv[0] argv[1:]` as `nproc` ranks under the watchdog; see the docstring.
 
@@ -59,6 +60,8 @@ def run_script(
             `rank<r>.races.json` in the report folder.
         audit_every: audit the replicas at every K-th optimizer step (`verify/script_audit/`);
             each rank's report goes to `rank<r>.audit.json`. None: no audit.
+        on_cpu: rehearse a script written for CUDA on CPU ranks (`verify/oncpu/`); what
+            each rank mapped goes to `rank<r>.on_cpu.json`.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -89,6 +92,7 @@ def run_script(
                 argv=tuple(argv),
                 sanitize=sanitize,
                 audit_every=audit_every,
+                on_cpu=on_cpu,
             )
             for r in range(nproc)
         ]

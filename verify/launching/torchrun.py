@@ -161,10 +161,17 @@ def script_report_dir() -> str:
     )
 
 
-def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bool = False) -> str:
+def script_main(
+    argv: list[str],
+    *,
+    audit_every: int | None = None,
+    sanitize: bool = False,
+    on_cpu: bool = False,
+) -> str:
     """One traced rank of a torchrun job running the user's script (module docstring), with
-    the replica audit every `audit_every` optimizer steps (`verify.audit_run`) and the race
-    sanitizer when asked. Returns the report folder."""
+    the replica audit every `audit_every` optimizer steps (`verify.audit_run`), the race
+    sanitizer when asked, and with `on_cpu` a CUDA script rehearsed on this CPU rank
+    (`verify/oncpu/`, its report `rank<r>.on_cpu.json`). Returns the report folder."""
     rank = int(os.environ.get("RANK", "0"))
     report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
@@ -179,6 +186,7 @@ def script_main(argv: list[str], *, audit_every: int | None = None, sanitize: bo
         argv=tuple(argv),
         sanitize=sanitize,
         audit_every=audit_every,
+        on_cpu=on_cpu,
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
     # One verdict for the whole job (`jobwide.py`), one node or several.

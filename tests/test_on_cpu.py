@@ -1,0 +1,302 @@
+"""`--on-cpu` (verify/oncpu/): a script written for CUDA, rehearsed unmodified on CPU ranks,
+gets the verdict its hand-edited CPU copy gets, idle and with every core busy.
+
+The CUDA scripts (tests/fixtures/cuda_scripts/) are written the way public ones are: a
+build-nanogpt-style GPT loop (bf16 autocast, micro-steps that sync on the last one, fused
+AdamW), an llm.c-style one (argparse, float16 with a GradScaler, ZeRO-1), a pytorch/examples
+DDP-series one (a Trainer class, a DistributedSampler, a snapshot loaded onto "this rank's
+GPU"); each clean and with a bug of its own (an off-by-one sync flag, the lr scaled on the
+master only, clipping on rank 0 only). The CPU copy is made here by the hand edits the issue
+counts on twelve public scripts (`cpu_copy`), so both are real scripts and both really run.
+
+Also: the mapping report names each call with its file:line and counts; a call that cannot
+be mapped (a CUDA graph, also when the script catches the refusal and goes on) is one line,
+exit 2, no verdict; without `--on-cpu` the CUDA script is still the one-line usage error,
+now naming `--on-cpu`; `--on-cpu` beside a GPU placement is refused before any rank starts.
+Each case is the real command in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.processes import alive
+from tests.test_load import hogs
+from tests.torchrun_jobs import one_node
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = ROOT / "tests" / "fixtures" / "cuda_scripts"
+
+# The hand edits that made twelve public DDP scripts run on a CPU (issue 30), as (pattern,
+# replacement) over the script's lines; a removed statement becomes `pass` (a block may hold
+# nothing else) on the same line, so the copy's line numbers are the script's.
+EDITS = (
+    (r"""f["']cuda:\{[^}]+\}["']""", '"cpu"'),  # cuda:{LOCAL_RANK} -> cpu (5 of 5)
+    (r",\s*device_ids=\[[^\]]*\]", ""),  # DDP(model, device_ids=[...]) (5/5)
+    (r"^(\s*)torch\.cuda\.set_device\(.*\)$", r"\1pass"),  # (5/5)
+    (r"""(["'])nccl\1""", '"gloo"'),  # (4/5)
+    (r"^(\s*)assert torch\.cuda\.is_available\(\).*$", r"\1pass"),  # (3/5)
+    (r"^(\s*)torch\.cuda\.synchronize\(\)$", r"\1pass"),  # bare (2/5)
+)
+
+VERDICTS = {  # name -> (script, its arguments, the exit both runs must have)
+    "gpt": ("gpt_train.py", (), 0),
+    "gpt-accum-bug": ("gpt_train.py", ("accum-bug",), 1),
+    "llmc": ("llmc_train.py", (), 0),
+    "llmc-lr-bug": ("llmc_train.py", ("--lr_bug",), 1),
+    "series": ("ddp_series_train.py", ("2", "{snapshot}"), 0),
+    "series-clip": ("ddp_series_train.py", ("2", "{snapshot}", "clip-on-master"), 1),
+}
+UNDER_LOAD = ("gpt", "gpt-accum-bug", "series-clip")
+
+
+def cpu_copy(script: Path, folder: Path) -> Path:
+    """The script with the issue's hand edits (`EDITS`), written into `folder`."""
+    lines = script.read_text().splitlines()
+    for pattern, replacement in EDITS:
+        lines = [re.sub(pattern, replacement, line) for line in lines]
+    copy = folder / f"cpu_{script.name}"
+    copy.write_text("\n".join(lines) + "\n")
+    return copy
+
+
+def snapshot(path: Path) -> str:
+    """A snapshot of the DDP-series model as rank 0 saved it two epochs ago, for the
+    script to resume from (a fresh copy a run: the script overwrites it)."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 1))  # fmt: skip
+    torch.save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": 0}, path)
+    return str(path)
+
+
+def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit"):
+    argv = [sys.executable, "-m", "verify", command, "--nproc", "2", "--json", "--out",
+            str(out), "--stall-timeout", "5", *(["--on-cpu"] if on_cpu else []), "--",
+            str(script), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def run_cases(tmp: Path, names) -> dict:
+    """Each named case twice: the CUDA script under --on-cpu, its CPU copy without."""
+    jobs = {}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for name in names:
+            script, args, _ = VERDICTS[name]
+            for arm in ("cuda", "cpu"):
+                folder = tmp / name / arm
+                folder.mkdir(parents=True)
+                at = [a.format(snapshot=snapshot(folder / "snapshot.pt")) for a in args]
+                path = CUDA / script if arm == "cuda" else cpu_copy(CUDA / script, folder)
+                jobs[name, arm] = pool.submit(audit, folder, path, *at, on_cpu=arm == "cuda")
+        return {key: job.result() for key, job in jobs.items()}
+
+
+def verdict(p: subprocess.CompletedProcess) -> tuple:
+    """(exit, verdict, where the first divergence is) of one run."""
+    try:
+        doc = json.loads(p.stdout)
+    except ValueError:
+        return (p.returncode, None, None)
+    faults = [f for f in (doc.get("audit") or {}).get("findings", ()) if f["fault"]]
+    return (p.returncode, doc["verdict"], faults[0]["where"] if faults else None)
+
+
+def verdict_problems(done: dict, names) -> list[str]:
+    found = []
+    for name in names:
+        cuda, cpu = verdict(done[name, "cuda"]), verdict(done[name, "cpu"])
+        want = VERDICTS[name][2]
+        if cuda != cpu or cuda[0] != want:
+            tail = done[name, "cuda"].stderr[-2500:] + done[name, "cpu"].stderr[-2500:]
+            found.append(f"{name}: --on-cpu {cuda}, CPU copy {cpu}, want exit {want}\n{tail}")
+    return found
+
+
+def line_of(script: str, text: str) -> int:
+    """The line of `script` that holds `text` (the fixture's, not a number written twice)."""
+    lines = (CUDA / script).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def test_cuda_scripts_get_their_cpu_copies_verdicts_and_the_mapping_is_reported(tmp_path):
+    done = run_cases(tmp_path, VERDICTS)
+    problems = verdict_problems(done, VERDICTS)
+    assert not problems, "\n\n".join(problems)
+    # the mapping report of the nanoGPT-style script: each call, its line, how many times
+    doc = json.loads(done["gpt", "cuda"].stdout)
+    sites = {(m["call"], m["where"]): m["per_rank"] for m in doc["on_cpu"]["mapped"]}
+    at = lambda text: f"tests/fixtures/cuda_scripts/gpt_train.py:{line_of('gpt_train.py', text)}"  # noqa: E731
+    steps, micro = 4, 2  # max_steps; grad_accum_steps at 2 ranks
+    expected = {
+        ("torch.cuda.set_device()", at("torch.cuda.set_device(device)")): 1,
+        ("init_process_group(backend='nccl')", at('backend="nccl"')): 1,
+        ("DDP(device_ids=...)", at("device_ids=[ddp_local_rank]")): 1,
+        ("Module.to(cuda)", at("model.to(device)")): 1,
+        ("torch.Generator(device=cuda)", at("torch.Generator(device=device)")): 1,
+        ("torch.cuda.is_available()", at("assert torch.cuda.is_available()")): 1,
+        ("Tensor.to(cuda)", at("x, y = x.to(device), y.to(device)")): 2 * steps * micro,
+        ("autocast(cuda, bfloat16)", at("torch.autocast(device_type")): steps * micro,
+        ("torch.cuda.synchronize()", at("torch.cuda.synchronize()")): steps,
+    }
+    for key, n in expected.items():
+        assert sites.get(key) == {"0": n, "1": n}, (key, sites.get(key), sorted(sites))
+    report_dir = Path(doc["report_dir"])
+    for r in (0, 1):  # each rank's own report file
+        mine = json.loads((report_dir / f"rank{r}.on_cpu.json").read_text())
+        assert mine["rank"] == r and mine["refused"] is None and len(mine["mapped"]) == len(sites)
+    # the CPU copy maps nothing and says so by having no report
+    assert json.loads(done["gpt", "cpu"].stdout)["on_cpu"] is None
+    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+
+
+@pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
+def test_cuda_scripts_verdicts_hold_with_every_core_busy(tmp_path):
+    with hogs():
+        done = run_cases(tmp_path, UNDER_LOAD)
+    problems = verdict_problems(done, UNDER_LOAD)
+    assert not problems, "\n\n".join(problems)
+    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+
+
+def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
+    """A CUDA graph: exit 2 and one line naming the call and its line, whether the script dies
+    of the refusal or catches it and trains on; without --on-cpu the CUDA script is the
+    usage error it was, naming --on-cpu; and `hang --on-cpu` rehearses as `audit` does."""
+    script = CUDA / "graphed_train.py"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {
+            "graph": pool.submit(audit, tmp_path / "a", script, "graph"),
+            "fallback": pool.submit(audit, tmp_path / "b", script, "fallback"),
+            "plain": pool.submit(audit, tmp_path / "c", CUDA / "gpt_train.py", on_cpu=False),
+            "hang": pool.submit(
+                audit,
+                tmp_path / "d",
+                CUDA / "ddp_series_train.py",
+                "1",
+                str(tmp_path / "none.pt"),
+                command="hang",
+            ),  # fmt: skip
+        }
+        done = {name: job.result() for name, job in runs.items()}
+    line = line_of("graphed_train.py", "torch.cuda.CUDAGraph()")
+    for name in ("graph", "fallback"):
+        p = done[name]
+        assert p.returncode == 2, (name, p.returncode, p.stderr[-3000:])
+        said = [s for s in p.stderr.splitlines() if s.startswith("verify: error:")]
+        assert len(said) == 1 and f"graphed_train.py:{line}: `torch.cuda.CUDAGraph`" in said[0]
+        assert "--on-cpu cannot rehearse" in said[0] and "Traceback" not in p.stderr + p.stdout
+        assert not p.stdout.strip(), "no verdict document"
+    plain = done["plain"]
+    assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr[-3000:]
+    assert f"gpt_train.py:{line_of('gpt_train.py', 'assert torch.cuda')}: `assert torch.cuda" in (
+        plain.stderr
+    )
+    assert "with --on-cpu" in plain.stderr and "Traceback" not in plain.stderr
+    hang = done["hang"]
+    doc = json.loads(hang.stdout)
+    assert hang.returncode == 0 and doc["verdict"] == "pass", hang.stderr[-3000:]
+    calls = {m["call"] for m in doc["on_cpu"]["mapped"]}
+    assert {"torch.cuda.set_device()", "init_process_group(backend='nccl')"} <= calls, calls
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["hang", "--nproc", "2", "--on-cpu", "--device", "cuda"], "--device cuda runs it on GPUs"),
+        (["audit", "--nproc", "2", "--on-cpu", "--backend", "nccl"], "--backend nccl needs GPUs"),
+        (["hang", "--impl", "naive", "--on-cpu"], "--on-cpu applies to a script"),
+    ],
+)
+def test_on_cpu_beside_a_gpu_placement_is_refused(argv, said):
+    script = str(CUDA / "gpt_train.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    tail = ["--", script] if "--impl" not in argv else []
+    p = subprocess.run([sys.executable, "-m", "verify", *argv, *tail], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and said in p.stderr, p.stderr
+
+
+def test_each_cuda_call_has_a_cpu_stand_in():
+    """The calls of the brief, one by one, in a process of their own with the rehearsal
+    installed (no ranks: the calls that need a group are the verdict tests' above)."""
+    probe = CUDA / "cuda_calls.py"
+    code = (
+        "import runpy, sys, verify.oncpu as o\n"
+        "r = o.install(sys.argv[1], 0)\n"
+        "runpy.run_path(sys.argv[2], run_name='__main__')\n"
+        "r.finish()\n"
+    )
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"on_cpu_calls_{os.getpid()}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_WORLD_SIZE": "4"}
+    p = subprocess.run([sys.executable, "-c", code, str(out), str(probe)], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "all calls ran" in p.stdout, p.stdout
+    mapped = json.loads(out.read_text())
+    out.unlink()
+    calls = {m["call"] for m in mapped["mapped"]}
+    assert {"Tensor.pin_memory()", "torch.cuda.Event()", "default device cuda",
+            "GradScaler(cuda)", "autocast(cuda, float16)"} <= calls, calls  # fmt: skip
+    assert mapped["refused"] is None
+
+
+def test_a_torchrun_job_is_rehearsed_under_verify_audit_run(tmp_path):
+    """`torchrun ... -m verify.audit_run --on-cpu gpt_train.py accum-bug`: the same rehearsal
+    in a rank torchrun started (`script_main`), the same fault as under --nproc, and rank 0
+    prints what its rank mapped."""
+    node = one_node(tmp_path, "--on-cpu", str(CUDA / "gpt_train.py"), "accum-bug",
+                    module="verify.audit_run")  # fmt: skip
+    assert node.returncode != 0 and not node.leftover, node.stderr[-3000:]
+    text = node.stdout + node.stderr
+    assert "REPLICAS DIVERGED: first at" in text, text[-3000:]
+    line = line_of("gpt_train.py", "torch.cuda.set_device(device)")
+    assert f"gpt_train.py:{line}: torch.cuda.set_device() -> no-op (1x)" in text, text[-3000:]
+    assert "on-cpu: CUDA calls mapped to the CPU on rank 0" in text
+
+
+def test_torch_compile_is_left_to_torch():
+    """torch.compile under the rehearsal: torch asking torch.cuda gets the CPU build's
+    answers, so inductor compiles for the CPU (told it had a GPU, it failed planning for
+    one)."""
+    code = (
+        "import runpy, sys, verify.oncpu as o\n"
+        "o.install(None, 0)\n"
+        "runpy.run_path(sys.argv[1], run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code, str(CUDA / "compiled_step.py")], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 0 and "compiled ok torch.bfloat16 torch" in p.stdout, p.stderr[-3000:]
+
+
+def test_the_cost_benchmark_decides_against_its_goal(capsys):
+    """benchmarks/on_cpu_cost.py (a maintainer's script, run through its `main`), tiny: both
+    arms timed every round, the rehearsed one really mapped calls, and the paired ratio has
+    an interval and one of the three decisions."""
+    from benchmarks import on_cpu_cost
+
+    assert on_cpu_cost.main(["--width", "16", "--repeats", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "pass" and len(doc["plain_s"]) == len(doc["on_cpu_s"]) == 2
+    assert doc["sites_mapped"] >= 3  # x.to(device), the autocast, synchronize()
+    bar = doc["bar"]
+    assert bar["goal"] == 1.02 and bar["low"] <= bar["value"] <= bar["high"], bar
+    assert bar["decision"] in ("met", "missed", "undecided")
+
+
+def _rank_pids(folder: Path) -> list[int]:
+    pids = []
+    for path in folder.glob("**/report.json"):
+        pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
+    return pids
