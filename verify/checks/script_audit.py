@@ -22,6 +22,7 @@ from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
+from verify.launching.command import is_command
 from verify.launching.torchrun import joining
 from verify.options import OutputOptions, ThreadOptions, knob
 from verify.script_audit import AuditReport, Finding
@@ -59,8 +60,11 @@ class AuditOptions(ThreadOptions, OutputOptions):
                 "ARGS` (see docs/audit.md); `audit` spawns and watches its own ranks"
             )
         if not self.script:
-            raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
-        if not os.path.isfile(self.script[0]):
+            raise ValueError(
+                "audit needs a script or a command: audit --nproc N -- train.py ARGS, or "
+                "audit -- torchrun ... train.py ARGS"
+            )
+        if not is_command(self.script) and not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
 
 
