@@ -61,7 +61,7 @@ CASES = {
     "torchrun": (torchrun("torchrun_clean.py"), torchrun("torchrun_buggy.py"),
                  ("gradients before step {step}", "2.bias", 0)),
     "accelerate": (accelerate("accelerate_clean.py"), accelerate("accelerate_buggy.py"),
-                   ("parameters before step {step}", "2.bias", 0)),
+                   ("parameters before step {step} (the first audited)", "2.bias", 0)),
     "lightning": (python("lightning_clean.py"), python("lightning_buggy.py"),
                   ("parameters after step {step}", "layer.weight", 1)),
     "mp.spawn": (python("spawn_clean.py"), python("spawn_buggy.py"),
@@ -149,3 +149,41 @@ def test_nproc_is_for_a_script_not_a_command(run_cli):
     ran = run_cli("hang", "--nproc", "2", "--", "torchrun", "train.py")
     assert ran.returncode == 2
     assert "drop --nproc" in ran.stderr
+
+
+def launcher_problems(folder: str) -> list[str]:
+    """Three launches at once, through the check functions (`tests/test_load.py` runs them
+    under CPU hogs): torchrun's buggy script (rank 1's un-averaged 2.bias, at step 0),
+    mp.spawn's clean one (a pass), and the hang through torchrun (rank 1 named); nothing
+    left running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verify.checks.hang import HangOptions, check_hang
+    from verify.checks.script_audit import AuditOptions, check_audit
+
+    os.environ["SPAWN_PORT"] = free_port()
+
+    def audit(command, name):
+        return check_audit(AuditOptions(script=tuple(command), out=f"{folder}/{name}",
+                                        console="none", timeout_s=600))  # fmt: skip
+
+    hang = HangOptions(script=tuple(torchrun("torchrun_hang.py")), stall_timeout_s=3.0,
+                       out=f"{folder}/hang", console="none", timeout_s=600)  # fmt: skip
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        buggy = pool.submit(audit, torchrun("torchrun_buggy.py"), "buggy")
+        clean = pool.submit(audit, python("spawn_clean.py"), "clean")
+        hung = pool.submit(check_hang, hang)
+        buggy, clean, hung = buggy.result(), clean.result(), hung.result()
+    problems = []
+    first = buggy.faults[0] if buggy.faults else None
+    if first is None or (first.tensor, first.step, tuple(first.ranks)) != ("2.bias", 0, (1,)):
+        problems.append(f"torchrun buggy: {buggy.verdict}: {first}")
+    if clean.verdict != "pass" or clean.audit.audited_steps != 3:
+        problems.append(f"mp.spawn clean: {clean.verdict}: {clean.run.diagnosis.text()}")
+    d = hung.diagnosis
+    if (hung.verdict, d.verdict, d.culprit) != ("fault", "hang", 1):
+        problems.append(f"torchrun hang: {hung.verdict}: {d.text()}")
+    pids = [p for r in (buggy.run, clean.run, hung) for p in r.pids.values()]
+    if len(pids) != 6 or [p for p in pids if alive(p)]:
+        problems.append(f"ranks: {pids}, alive: {[p for p in pids if alive(p)]}")
+    return problems
