@@ -87,5 +87,5 @@ def headline(own: OwnRanks, *, stalled: bool) -> str:
         f"rank {own.rank} started ranks of its own ({own.describe()}), which joined no process "
         f"group the tool watches{still}: under --nproc a script that starts its own ranks is "
         "not watched or audited; run it as its own launcher, without --nproc (`-- python "
-        "script.py ARGS`), and every process that joins a group is"
+        "script.py ARGS`): every process that joins a group is then watched and audited"
     )
