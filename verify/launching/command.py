@@ -93,7 +93,6 @@ def run_command(
     # The launcher's output as it is (one stream for all its ranks): on the console, on
     # stderr when stdout is for --json, nowhere when nothing is echoed.
     out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
-    spared = tree.children(os.getpid())  # what this process ran before: not the command's
     launcher = subprocess.Popen(list(argv), env=child_env, stdout=out)
     watch = _Watch(os.path.abspath(report_dir), stall_timeout_s)
     try:
@@ -107,7 +106,8 @@ def run_command(
         if polite and launcher.poll() is None:
             _wait(launcher, END_WAIT_S)
         pids = list(watch.local.pids.values())
-        tree.end_all(pids, launcher, GRACE_S if polite else 0.0, spared=spared)
+        marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
+        tree.end_all(pids, launcher, GRACE_S if polite else 0.0, marker)
     if not watch.local.ranks:
         raise ValueError(
             f"nothing joined a process group: {' '.join(argv)} exited with code "

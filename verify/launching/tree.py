@@ -5,7 +5,8 @@ A launcher owns its processes, and some leave its process group: torchrun's agen
 (`start_new_session=True`), so a signal to the launcher's group, or a Ctrl-C at the terminal,
 never reaches them. They stay the tool's descendants, though: the tool makes itself the
 subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`), so a worker whose launcher died
-is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all.
+is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all;
+the run's folder in their environment tells them from the processes of another run.
 """
 
 from __future__ import annotations
@@ -27,19 +28,13 @@ def become_subreaper() -> None:
             ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def children(pid: int) -> set[int]:
-    """The live children of `pid`."""
-    return {p for p, pp in _parents().items() if pp == pid}
-
-
-def descendants(root: int, spared: set[int] = frozenset()) -> list[int]:
-    """Every live process below `root` (children first), but `spared` and those below them."""
+def descendants(root: int) -> list[int]:
+    """Every live process below `root` (children first), read from /proc (Linux)."""
     parent_of = _parents()
     below, todo = [], [root]
     while todo:
         pid = todo.pop(0)
         kids = [p for p, pp in parent_of.items() if pp == pid and p not in below]
-        kids = [p for p in kids if p not in spared]
         below += kids
         todo += kids
     return below
@@ -62,55 +57,63 @@ def _parents() -> dict[int, int]:
     return parent_of
 
 
-def end_all(pids: list[int], launcher, grace_s: float, spared: set[int] = frozenset()) -> None:
-    """End the launcher `launcher` (a Popen), the processes `pids` and everything below this
-    process but the `spared` (what it ran before the launcher): with a `grace_s`, SIGTERM to the launcher first (it tears its workers down its
-    own way) and that long to do it; then SIGKILL to the launcher (without a grace: before it
-    sees its workers die and prints its own report of it) and to every one left, and reap
-    those that are this process's children."""
+def carries(pid: int, marker: bytes) -> bool:
+    """Whether process `pid` started with `marker` (`NAME=value`) in its environment: every
+    process of one launch inherits the run's folder, so runs side by side in one process (a
+    test's threads) never end each other's processes."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
+    """End the launcher `launcher` (a Popen), the processes `pids` (its ranks) and every
+    process of the launch: those below the launcher, and those below this process that carry
+    `marker` (a launcher's workers re-parented here once it died). With a `grace_s`, SIGTERM
+    to the launcher first (it tears its workers down its own way) and that long to do it;
+    then SIGKILL to the launcher (without a grace: before it sees its workers die and prints
+    its own report of it) and to every one left, and reap those that were this process's
+    children."""
     if grace_s > 0 and launcher.poll() is None:
         with contextlib.suppress(OSError):
             launcher.send_signal(signal.SIGTERM)
         with contextlib.suppress(Exception):
             launcher.wait(grace_s)
+    below = descendants(launcher.pid) if launcher.poll() is None else []
     with contextlib.suppress(OSError):
         launcher.kill()
-    me = os.getpid()
+    me, killed = os.getpid(), set()
     for _ in range(3):  # a process forked while we were killing is caught next round
-        left = set(pids) | set(descendants(me, spared))
-        left.discard(me)
+        left = set(pids) | set(below) | {p for p in descendants(me) if carries(p, marker)}
+        left -= {me, launcher.pid} | killed
+        left = {p for p in left if _live(p)}
         if not left:
             break
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        killed |= left
+        below = []
         with contextlib.suppress(Exception):
             launcher.wait(2.0)
-        reap(spared)
         time.sleep(0.05)
-    reap(spared)
+        _reap(killed)
+    _reap(killed)
 
 
-def reap(spared: set[int] = frozenset()) -> None:
-    """Collect the exit status of this process's dead children (orphans it adopted), but of
-    the `spared`, whose owners collect theirs."""
-    for pid in set(descendants_of_me_dead()) - set(spared):
+def _live(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect the exit status of those of `pids` that were this process's children (orphans
+    it adopted as their subreaper); the others are somebody else's to reap."""
+    for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
-
-
-def descendants_of_me_dead() -> list[int]:
-    """This process's children that are zombies."""
-    me, dead = str(os.getpid()).encode(), []
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[0] == b"Z" and fields[1] == me:
-                dead.append(int(name))
-    return dead
