@@ -145,10 +145,12 @@ def test_a_command_whose_processes_never_join_a_group(run_cli, tmp_path):
     assert len(ran.stderr.strip().splitlines()) == 1
 
 
-def test_nproc_is_for_a_script_not_a_command(run_cli):
-    ran = run_cli("hang", "--nproc", "2", "--", "torchrun", "train.py")
+@pytest.mark.parametrize("command", ["hang", "audit"])
+def test_nproc_is_for_a_script_not_a_command(command, run_cli):
+    ran = run_cli(command, "--nproc", "2", "--", "torchrun", "train.py")
     assert ran.returncode == 2
-    assert "drop --nproc" in ran.stderr
+    assert ran.stderr.startswith("verify: error: --nproc applies to a script"), ran.stderr
+    assert "drop --nproc" in ran.stderr and len(ran.stderr.splitlines()) == 1
 
 
 def launcher_problems(folder: str) -> list[str]:

@@ -19,6 +19,7 @@ import sys
 import time
 
 _PR_SET_CHILD_SUBREAPER = 36
+GONE_S = 10.0  # how long a SIGKILLed process may take to be gone
 
 
 def become_subreaper() -> None:
@@ -98,7 +99,12 @@ def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
         below = []
         with contextlib.suppress(Exception):
             launcher.wait(2.0)
-        time.sleep(0.05)
+        # A SIGKILLed process is gone only once it has been scheduled to exit (seconds on a
+        # loaded machine): none may be left when the tool returns.
+        end = time.monotonic() + GONE_S
+        while any(_live(p) for p in left) and time.monotonic() < end:
+            _reap(killed)
+            time.sleep(0.02)
         _reap(killed)
     _reap(killed)
 
