@@ -5,12 +5,16 @@ tool's share from the launcher's, the same command run with no tool at all.
 Each repeat runs the three, in turns (the order rotates, so that a slow moment of a shared
 machine does not always fall on the same one), each a fresh `python -m verify` process (or
 torchrun alone) timed from its start to its exit: what a user waits. The figures are paired
-by repeat, and the median of the differences is reported.
+by repeat, and the median of the differences is reported. Beside the wall time, the CPU
+seconds of every process of the run (user + system of the reaped children: the tool, the
+launcher and the ranks), which a shared machine's load does not inflate: where the wall
+times are a loaded machine's, they say what the tool itself costs.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +50,7 @@ class LauncherBenchResult:
     options: LauncherBenchOptions
     walls: tuple[tuple[float, float, float], ...]
     codes: tuple[int, ...]
+    cpus: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def added_s(self) -> float:
@@ -64,13 +69,14 @@ class LauncherBenchResult:
     def to_dict(self) -> dict:
         return {"check": "bench-launcher", "verdict": self.verdict,
                 "options": asdict(self.options), "walls": self.walls, "codes": self.codes,
-                "added_s": self.added_s, "tool_s": self.tool_s, "goal_s": GOAL_S}  # fmt: skip
+                "cpus": self.cpus, "added_s": self.added_s, "tool_s": self.tool_s,
+                "goal_s": GOAL_S}  # fmt: skip
 
 
 def run_launcher_bench(options: LauncherBenchOptions) -> LauncherBenchResult:
     torchrun = ["torchrun", "--standalone", "--nproc-per-node", "2", options.script]
     tool = [sys.executable, "-m", "verify", "audit", "--out"]
-    walls, codes = [], []
+    walls, codes, cpus = [], [], []
     with tempfile.TemporaryDirectory() as out:
         argvs = (
             [*tool, out, "--nproc", "2", "--", options.script],
@@ -78,15 +84,22 @@ def run_launcher_bench(options: LauncherBenchOptions) -> LauncherBenchResult:
             torchrun,
         )
         for repeat in range(options.repeats):
-            wall = [0.0, 0.0, 0.0]
+            wall, cpu = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
             for i in range(3):
                 form = (i + repeat) % 3
-                start = time.perf_counter()
+                before, start = _children_cpu(), time.perf_counter()
                 done = subprocess.run(argvs[form], capture_output=True)
                 wall[form] = time.perf_counter() - start
+                cpu[form] = _children_cpu() - before
                 codes.append(done.returncode)
             walls.append(tuple(wall))
-    return LauncherBenchResult(options, tuple(walls), tuple(codes))
+            cpus.append(tuple(cpu))
+    return LauncherBenchResult(options, tuple(walls), tuple(codes), tuple(cpus))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def text(result: LauncherBenchResult) -> str:
@@ -96,6 +109,11 @@ def text(result: LauncherBenchResult) -> str:
     for n, (nproc, launcher, alone) in enumerate(result.walls):
         lines.append(
             f"{n:>6}  {nproc:>10.2f}  {launcher:>10.2f}  {alone:>14.2f}  {launcher - nproc:>+7.2f}"
+        )
+    for n, (nproc, launcher, alone) in enumerate(result.cpus):
+        lines.append(
+            f"{'cpu ' + str(n):>6}  {nproc:>10.2f}  {launcher:>10.2f}  {alone:>14.2f}  "
+            f"{launcher - nproc:>+7.2f}"
         )
     met = "met" if result.added_s <= GOAL_S else "MISSED"
     lines.append(
