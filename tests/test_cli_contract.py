@@ -142,12 +142,16 @@ def test_every_flag_has_one_line_of_help_with_its_default():
         (["equivalence", "--impl", "bucketed", "--lr", "-1"], "--lr must be > 0, got -1"),
         # hang: the three ways to name what runs, and its timeout
         (["hang", "--nproc", "2"], "--nproc needs a script"),
-        (["hang"], "give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS"),
+        (["hang"], "give either --impl NAME, --scenarios, --nproc N -- script.py ARGS, or -- COMMAND"),
         (["hang", "--impl", "nope"], "unknown implementation 'nope'"),
         (["hang", "--nproc", "2", "--", "missing.py"], "script missing.py does not exist"),
         (["hang", "--impl", "bucketed", "--stall-timeout", "0"], "--stall-timeout must be > 0"),
         # audit: a script to run
-        (["audit", "--nproc", "2"], "audit needs a script: audit --nproc N -- train.py ARGS"),
+        (
+            ["audit", "--nproc", "2"],
+            "audit needs a script or a command: audit --nproc N -- train.py ARGS, or audit -- "
+            "torchrun ... train.py ARGS",
+        ),
         (["audit", "--", "missing.py"], "script missing.py does not exist"),
         (["audit", "--audit-every", "0", "--", "tests/fixtures/audit_suite.py"],
          "--audit-every must be >= 1, got 0"),

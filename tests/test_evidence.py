@@ -211,6 +211,8 @@ def own_ranks_problems(out: str) -> list[str]:
             problems.append(f"{name}: {d.headline}")
         elif "spawn_workers.py:" not in (d.site or ""):
             problems.append(f"{name}: the call site is not named: {d.site}")
+        elif "run it as its own launcher, without --nproc" not in d.headline:
+            problems.append(f"{name}: the launcher form is not offered: {d.headline}")
     d = results["spawn"].run.diagnosis
     if (
         "used CPU for the stall timeout" not in d.headline

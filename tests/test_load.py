@@ -49,6 +49,7 @@ from tests import (
     test_hang,
     test_hints,
     test_join_audit,
+    test_launchers,
     test_matrix,
     test_procstat,
     test_replica_audit,
@@ -205,5 +206,18 @@ def test_the_audit_under_join_holds_with_every_core_busy(tmp_path):
     and nothing left running."""
     with hogs() as hog_pids:
         problems = test_join_audit.join_problems(str(tmp_path), ("fresh", "parked", "no-join"))
+    assert not problems, "\n".join(problems)
+    assert not [p for p in hog_pids if alive(p)]
+
+
+@pytest.mark.alone
+def test_the_launcher_form_holds_with_every_core_busy(tmp_path):
+    """Under the hogs: `audit -- torchrun ...` of a hand-written loop that leaves one gradient
+    un-averaged (named at step 0, rank 1), `audit -- python spawn_clean.py` (mp.spawn: a
+    pass, every step audited), and `hang -- torchrun ...` with a rank parked while its peer
+    waits in DDP's reducer (a HANG naming it): the verdicts of an idle machine
+    (`tests/test_launchers.py`), and nothing left running."""
+    with hogs() as hog_pids:
+        problems = test_launchers.launcher_problems(str(tmp_path))
     assert not problems, "\n".join(problems)
     assert not [p for p in hog_pids if alive(p)]

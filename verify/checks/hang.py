@@ -36,6 +36,7 @@ from verify.checks.script import (
 )
 from verify.checks.verdict import Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
+from verify.launching.command import is_command
 from verify.options import (
     OutputOptions,
     PlacementOptions,
@@ -92,20 +93,33 @@ class HangOptions(RunOptions, OutputOptions, PlacementOptions):
         refuse_under_torchrun("hang", "hang_run", "docs/debugging.md")
         if self.nproc is not None and not self.script:
             raise ValueError("--nproc needs a script: --nproc N -- train.py ARGS")
-        if self.script and self.nproc is None:
+        launcher = is_command(self.script)
+        if launcher and self.nproc is not None:
+            raise ValueError(
+                f"--nproc applies to a script (--nproc N -- train.py); {self.script[0]} is a "
+                "command, which starts its own ranks: drop --nproc"
+            )
+        if self.script and self.nproc is None and not launcher:
             raise ValueError(
                 f"unexpected arguments {' '.join(self.script)} (did you mean --nproc N --?)"
             )
         if sum([bool(self.impl), bool(self.script), self.scenarios]) != 1:
-            raise ValueError("give either --impl NAME, --scenarios, or --nproc N -- script.py ARGS")
+            raise ValueError(
+                "give either --impl NAME, --scenarios, --nproc N -- script.py ARGS, or -- COMMAND"
+            )
         if self.sanitize and not self.script:
             raise ValueError("--sanitize applies to a script: --nproc N --sanitize -- train.py")
         if self.on_cpu and not self.script:
             raise ValueError("--on-cpu applies to a script: --nproc N --on-cpu -- train.py")
         if self.impl:
             resolve(self.impl, kinds=HANG_KINDS, command="hang")
-        if self.script and not os.path.isfile(self.script[0]):
+        if self.script and not launcher and not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
+
+    @property
+    def launcher(self) -> bool:
+        """The script is a command that starts its own ranks (`launching/command.py`)."""
+        return is_command(self.script)
 
     @property
     def ranks(self) -> int:

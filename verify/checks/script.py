@@ -23,6 +23,7 @@ from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.launching import run_script
+from verify.launching.command import is_command, run_command
 from verify.launching.needs_cuda import NeedsCuda
 from verify.launching.torchrun import joining
 from verify.oncpu import report as on_cpu_report
@@ -102,22 +103,30 @@ def run_watched_script(
     `command` names the report folder (`hang_train.py_2xcpu_<stamp>`). `record`: the audit
     also writes a recording into `<report folder>/recording` (`verify/recording/`).
     """
-    name = os.path.basename(options.script[0])
+    launcher = is_command(options.script)
     device = "gpu" if options.backend == "nccl" else "cpu"
-    report_dir = str(runs.new_run_dir(options.out, f"{command}_{name}", options.nproc, device))
+    name, ranks = f"{command}_{_named(options.script)}", "N" if launcher else options.nproc
+    report_dir = str(runs.new_run_dir(options.out, name, ranks, device))
     runs.write_metadata(Path(report_dir), options.to_dict())
     start = time.monotonic()
     console = {"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console)
-    run = run_script(
-        options.script, nproc=options.nproc, report_dir=report_dir,
-        stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
+    knobs = dict(
+        report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
+        timeout_s=options.timeout_s,
         env={**capture.backend_env(options.backend, report_dir), **_record_env(record)},
-        threads_per_rank=options.threads_per_rank, console=console, sanitize=options.sanitize,
-        audit_every=audit_every, on_cpu=options.on_cpu,
+        console=console, sanitize=options.sanitize, audit_every=audit_every,
     )  # fmt: skip
+    if launcher:  # the command as given, its ranks its launcher's (`launching/command.py`)
+        run = run_command(options.script, **knobs)
+    else:
+        run = run_script(
+            options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,
+            on_cpu=options.on_cpu, **knobs,
+        )  # fmt: skip
     elapsed = time.monotonic() - start
-    files, pids = finish_report(report_dir, options.nproc)
-    mapped = _rehearsed(run, report_dir, options) if options.on_cpu else None
+    world = run.world_size
+    files, pids = finish_report(report_dir, world)
+    mapped = _rehearsed(run, report_dir, world) if options.on_cpu else None
     needs = [o.value for o in run.outcomes if isinstance(o.value, NeedsCuda)]
     if needs and not run.ok:  # written for GPUs, run without: a usage error (needs_cuda.py)
         first = min(needs, key=lambda n: n.where)
@@ -129,8 +138,8 @@ def run_watched_script(
         report_dir=report_dir, elapsed_s=elapsed, diagnosis=replace(run.diagnosis, files=files),
         failure=None if run.ok else run.summary(), files=files, pids=pids, notes=run.notes,
         threads=run.threads,
-        races=races_of(report_dir, options.nproc) if options.sanitize else (),
-        audit=None if audit_every is None else audit_of(report_dir, options.nproc),
+        races=races_of(report_dir, world) if options.sanitize else (),
+        audit=None if audit_every is None else audit_of(report_dir, world),
         on_cpu=mapped,
     )  # fmt: skip
 
@@ -141,17 +150,29 @@ def _record_env(record: bool) -> dict[str, str]:
     return {RECORD_ENV: "1"} if record else {}
 
 
-def _rehearsed(run, report_dir: str, options) -> dict:
+def _rehearsed(run, report_dir: str, world: int) -> dict:
     """What `--on-cpu` mapped on every rank; a ValueError (exit 2, no verdict) naming the
     first call it could not map, whether the rank died of it or the script caught it."""
-    mapped, refused = on_cpu_report.read(report_dir, range(options.nproc))
+    mapped, refused = on_cpu_report.read(report_dir, range(world))
     raised = [o.value for o in run.outcomes if isinstance(o.value, CannotMap)]
     first = refused or min(raised, key=lambda c: c.where, default=None)
     if first is not None:
         raise ValueError(
             f"{first.message()}; what was mapped before it: {report_dir}/rank<r>.on_cpu.json"
         )
-    return {"ranks": options.nproc, "mapped": list(mapped)}
+    return {"ranks": world, "mapped": list(mapped)}
+
+
+def _named(argv: tuple[str, ...]) -> str:
+    """What names a run's folder: the script (`train.py`), or the command's first script
+    (`torchrun_train.py`: `torchrun --nproc-per-node 2 train.py`)."""
+    base = os.path.basename(argv[0])
+    if not is_command(argv):
+        return base
+    script = next((os.path.basename(a) for a in argv[1:] if a.endswith(".py")), None)
+    if script is None:
+        return base
+    return script if base.startswith("python") else f"{base}_{script}"
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:

@@ -22,6 +22,7 @@ from verify import runs
 from verify.checks.script import ScriptRun, refuse_under_torchrun, run_watched_script
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching import DEFAULT_STALL_TIMEOUT_S
+from verify.launching.command import is_command
 from verify.options import OutputOptions, ThreadOptions, knob, refuse_on_cpu
 from verify.script_audit import AuditReport, Finding
 
@@ -66,8 +67,11 @@ class AuditOptions(ThreadOptions, OutputOptions):
         super().__post_init__()
         refuse_under_torchrun("audit", "audit_run", "docs/audit.md")
         if not self.script:
-            raise ValueError("audit needs a script: audit --nproc N -- train.py ARGS")
-        if not os.path.isfile(self.script[0]):
+            raise ValueError(
+                "audit needs a script or a command: audit --nproc N -- train.py ARGS, or "
+                "audit -- torchrun ... train.py ARGS"
+            )
+        if not is_command(self.script) and not os.path.isfile(self.script[0]):
             raise ValueError(f"script {self.script[0]} does not exist")
         refuse_on_cpu(self.on_cpu, self.backend)
         if self.record or self.against or self.align_step is not None:

@@ -170,6 +170,13 @@ def parse(
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
+        from verify.launching.command import is_command
+
+        if "nproc" in typed and is_command(script):  # audit's --nproc has a default: typed?
+            raise UsageError(
+                f"--nproc applies to a script (--nproc N -- train.py); {script[0]} is a "
+                "command, which starts its own ranks: drop --nproc"
+            )
     if command.positional:
         fixed[command.positional] = tuple(getattr(args, command.positional) or ())
     return command, options_from(args, options_class, **fixed), args

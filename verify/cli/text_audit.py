@@ -6,6 +6,7 @@ from __future__ import annotations
 from verify.checks.script_audit import AuditResult
 from verify.checks.verdict import NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
+from verify.launching.command import is_command
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
 
@@ -13,7 +14,8 @@ from verify.script_audit.report import SETTINGS, STATE_EVERY
 def audit(result: AuditResult) -> str:
     o, run = result.options, result.run
     every = "every optimizer step" if o.audit_every == 1 else f"every {o.audit_every}th step"
-    ranks = f"{o.nproc} rank{'s' if o.nproc != 1 else ''}"
+    n = len(run.pids) if is_command(o.script) else o.nproc  # a launcher's: those that joined
+    ranks = f"{n} rank{'s' if n != 1 else ''}"
     lines = [f"audit: {' '.join(o.script)}, {ranks}, {every} ({run.elapsed_s:.1f}s)"]
     lines += findings(result.audit)
     d = run.diagnosis

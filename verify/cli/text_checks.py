@@ -22,7 +22,8 @@ def header(o) -> str:
     adds its time after it): what ran, as the docs' examples show it."""
     if hasattr(o, "stall_timeout_s"):  # HangOptions
         what = o.impl or " ".join(o.script)
-        return f"hang check: {what}, world size {o.ranks}, stall timeout {o.stall_timeout_s:g}s"
+        world = "ranks its launcher starts" if o.launcher else f"world size {o.ranks}"
+        return f"hang check: {what}, {world}, stall timeout {o.stall_timeout_s:g}s"
     head = (
         f"{o.command}: {o.impl} on {o.workload}, world size {o.world_size}, "
         f"{_plural(o.steps, 'step')}{_bucket(o)}"

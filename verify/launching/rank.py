@@ -134,6 +134,17 @@ def call(fn, ctx: RankContext, args: tuple) -> RankReport:
 # ------------------------------------------------------------ common set-up
 
 
+def adopt(job: RankJob) -> tuple:
+    """Give a process a launcher started, which has just joined its process group, the set-up
+    of a rank of the tool's (`launched.py`): its stack file and the script rank's watching
+    and audit (`rank_script.watch_and_audit`). Not what the launcher decides: its parent (it
+    dies with its launcher, not with the tool) and its threads. Returns (sanitizer, auditor)."""
+    from verify.launching.rank_script import watch_and_audit
+
+    _enable_faulthandler(job.stack_path)
+    return watch_and_audit(job)
+
+
 def _die_with_parent(ppid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):

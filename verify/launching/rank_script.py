@@ -72,19 +72,14 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
     sys.argv = [path, *args]
     # As `python script.py` does: the script's directory first, not this tool's.
     sys.path[0] = os.path.dirname(os.path.abspath(path))
-    if job.trace_path is not None:  # before the script imports anything from torch.distributed
-        from verify.watching import tracer
-
-        tracer.install(job.trace_path, rank=job.rank)
     if job.helper_dir is not None:  # ranks the script starts itself are not watched: say so
         from verify.watching import spawned
 
         spawned.install(job.helper_dir, job.rank)
     _report_up_after_init(dist, fd, job)
+    # before the script imports anything from torch.distributed
+    sanitizer, auditor = watch_and_audit(job)
     rehearsal = _rehearse(job)  # over the wrappers above: they see gloo, not nccl
-    start_helper(job)
-    sanitizer = _sanitize(job)
-    auditor = _audit(job)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -124,6 +119,26 @@ def _rehearse(job: RankJob):
     from verify import oncpu
 
     return oncpu.install(job.on_cpu_path, job.rank)
+
+
+def watch_and_audit(job: RankJob) -> tuple:
+    """What every rank of a user's script gets, however it was started (the tool's own
+    launch, a torchrun job's rank, a rank a launcher command started: `launched.py`): its
+    collectives traced, the helper thread that answers the watchdog, the race sanitizer and
+    the replica audit when the job asks. Returns (sanitizer, auditor), each None when off;
+    `finish_rank` saves what they found."""
+    if job.trace_path is not None:
+        from verify.watching import tracer
+
+        tracer.install(job.trace_path, rank=job.rank)
+    start_helper(job)
+    return _sanitize(job), _audit(job)
+
+
+def finish_rank(job: RankJob, sanitizer, auditor) -> None:
+    """Save what the sanitizer and the audit found (also after a crash)."""
+    _save_races(sanitizer, job)
+    _finish_audit(auditor)
 
 
 def _print_traceback(job: RankJob, quiet: bool) -> None:

@@ -6,7 +6,8 @@ The processes it starts are not the tool's ranks: nothing traces them, watches t
 them, and they inherit the rank's environment, the tool's rendezvous variables among them
 (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), so an env:// `init_process_group`
 in them connects, as a client, to a store nobody serves for them, and waits. Until such
-scripts are audited for real, the rank says what it started (`install`: a file beside its
+scripts are run as their own launcher (`-- python script.py`, `launching/command.py`, which
+audits them), the rank says what it started (`install`: a file beside its
 trace, written when the call is made, with the user's call site and the number of
 processes), and the watchdog gives a diagnosis ("unwatched", exit 2) instead of running to
 the deadline: at once when the rank, which never joined a process group itself, and every
@@ -84,7 +85,7 @@ def headline(own: OwnRanks, *, stalled: bool) -> str:
     )
     return (
         f"rank {own.rank} started ranks of its own ({own.describe()}), which joined no process "
-        f"group the tool watches{still}: a script that starts its own ranks is not watched or "
-        "audited yet; write its worker as one rank per process (RANK and WORLD_SIZE from the "
-        "environment, as torchrun starts it) and run that with --nproc N"
+        f"group the tool watches{still}: under --nproc a script that starts its own ranks is "
+        "not watched or audited; run it as its own launcher, without --nproc (`-- python "
+        "script.py ARGS`): every process that joins a group is then watched and audited"
     )

@@ -1,0 +1,191 @@
+"""`audit -- COMMAND` and `hang -- COMMAND`: a job run as its owner launches it, by the real
+launchers (torchrun, `accelerate launch`, a Lightning Trainer that starts its own ranks, a
+script calling `mp.spawn`), each with a correct script and a buggy one written the way that
+launcher's users write them (tests/fixtures/launchers/), a hang through torchrun diagnosed,
+Ctrl-C ending workers that live in sessions of their own, and bad input.
+
+Lean in CPU: two ranks, two or three steps of a layer or two; the tool runs in the test's
+process (`run_cli`), so only the launcher and its ranks start interpreters. Lightning and
+accelerate cost seconds of imports per process: one clean and one buggy launch each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.processes import alive, descendants
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = "tests/fixtures/launchers"
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun(script: str) -> list[str]:
+    # --standalone: a rendezvous on a free port, so that runs at once never collide
+    return ["torchrun", "--standalone", "--nproc-per-node", "2", f"{FIXTURES}/{script}"]
+
+
+def accelerate(script: str) -> list[str]:
+    return ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+            "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", free_port(), f"{FIXTURES}/{script}"]  # fmt: skip
+
+
+def python(script: str) -> list[str]:
+    return [sys.executable, f"{FIXTURES}/{script}"]
+
+
+def audited(run_cli, tmp_path, monkeypatch, command: list[str]) -> tuple[int, dict]:
+    monkeypatch.setenv("SPAWN_PORT", free_port())  # the mp.spawn scripts' MASTER_PORT
+    ran = run_cli("audit", "--json", "--out", str(tmp_path), "--", *command)
+    assert ran.stdout, ran.stderr
+    return ran.returncode, json.loads(ran.stdout)
+
+
+CASES = {
+    # launcher: (clean script's command, buggy script's command, what the bug is)
+    "torchrun": (torchrun("torchrun_clean.py"), torchrun("torchrun_buggy.py"),
+                 ("gradients before step {step}", "2.bias", 0)),
+    "accelerate": (accelerate("accelerate_clean.py"), accelerate("accelerate_buggy.py"),
+                   ("parameters before step {step} (the first audited)", "2.bias", 0)),
+    "lightning": (python("lightning_clean.py"), python("lightning_buggy.py"),
+                  ("parameters after step {step}", "layer.weight", 1)),
+    "mp.spawn": (python("spawn_clean.py"), python("spawn_buggy.py"),
+                 ("optimizer settings before step {step}", "param_groups[0].lr", 0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", list(CASES))
+def test_a_clean_script_passes_and_a_buggy_one_is_named(launcher, run_cli, tmp_path, monkeypatch):
+    """Every rank the launcher starts is audited: the clean script passes with both ranks
+    audited at every step, the buggy one fails at the step, phase and tensor of its bug."""
+    clean, buggy, (phase, tensor, step) = CASES[launcher]
+    code, report = audited(run_cli, tmp_path / "clean", monkeypatch, clean)
+    assert (code, report["verdict"]) == (0, "pass"), report
+    assert sorted(report["pids"]) == ["0", "1"]
+    assert report["audit"]["audited_steps"] >= 2 and not report["audit"]["findings"]
+    code, report = audited(run_cli, tmp_path / "buggy", monkeypatch, buggy)
+    assert (code, report["verdict"]) == (1, "fault"), report
+    first = report["audit"]["findings"][0]
+    assert (first["phase"], first["tensor"], first["step"]) == (phase, tensor, step), first
+    assert first["ranks"] == [1]
+    for pid in report["pids"].values():
+        assert not alive(pid)
+
+
+def test_a_hang_through_torchrun_is_diagnosed(run_cli, tmp_path):
+    """Rank 1 parks outside any collective, rank 0 waits in DDP's reducer (where the trace
+    is blind): a HANG naming rank 1 and its line, within seconds of the stall timeout, and
+    no worker left running (torchrun's live in sessions of their own)."""
+    command = torchrun("torchrun_hang.py")
+    ran = run_cli("hang", "--json", "--stall-timeout", "3", "--out", str(tmp_path), "--", *command)
+    report = json.loads(ran.stdout)
+    assert (ran.returncode, report["verdict"]) == (1, "fault"), ran.stderr
+    diag = report["diagnosis"]
+    assert diag["verdict"] == "hang" and diag["culprit"] == 1, diag
+    assert "torchrun_hang.py:20" in diag["headline"], diag["headline"]
+    assert "blocked inside torch" in diag["headline"]
+    for pid in report["pids"].values():
+        assert not alive(pid)
+
+
+def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
+    """SIGINT to the tool alone (torchrun's workers are in sessions of their own, which a
+    terminal's Ctrl-C never reaches): exit 130, and none of the launcher's processes left."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = torchrun("torchrun_hang.py")
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "verify", "hang", "--stall-timeout", "300", "--out",
+         str(tmp_path), "--", *command],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tmp_path.glob("hang_*/rank*.joined"))) < 2:
+            assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
+            time.sleep(0.2)
+        below = descendants(tool.pid)
+        assert len(below) >= 3  # the agent and its two workers
+        tool.send_signal(signal.SIGINT)
+        out, err = tool.communicate(timeout=60)
+    finally:
+        tool.kill()
+    assert tool.returncode == 130, err
+    assert "verify: interrupted" in err
+    time.sleep(0.5)
+    assert [p for p in below if alive(p)] == []
+
+
+def test_a_command_that_is_not_there(run_cli, tmp_path):
+    ran = run_cli("audit", "--out", str(tmp_path), "--", "torchrunn", "train.py")
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines() == [ran.stderr.strip()]
+    assert "command 'torchrunn' not found" in ran.stderr
+
+
+def test_a_command_whose_processes_never_join_a_group(run_cli, tmp_path):
+    """It ran and ended without a process group: nothing was audited, nothing joined."""
+    ran = run_cli("hang", "--out", str(tmp_path), "--", sys.executable, "-c", "print('hi')")
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.strip().startswith("verify: error: nothing joined a process group")
+    assert len(ran.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["hang", "audit"])
+def test_nproc_is_for_a_script_not_a_command(command, run_cli):
+    ran = run_cli(command, "--nproc", "2", "--", "torchrun", "train.py")
+    assert ran.returncode == 2
+    assert ran.stderr.startswith("verify: error: --nproc applies to a script"), ran.stderr
+    assert "drop --nproc" in ran.stderr and len(ran.stderr.splitlines()) == 1
+
+
+def launcher_problems(folder: str) -> list[str]:
+    """Three launches at once, through the check functions (`tests/test_load.py` runs them
+    under CPU hogs): torchrun's buggy script (rank 1's un-averaged 2.bias, at step 0),
+    mp.spawn's clean one (a pass), and the hang through torchrun (rank 1 named); nothing
+    left running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verify.checks.hang import HangOptions, check_hang
+    from verify.checks.script_audit import AuditOptions, check_audit
+
+    os.environ["SPAWN_PORT"] = free_port()
+
+    def audit(command, name):
+        return check_audit(AuditOptions(script=tuple(command), out=f"{folder}/{name}",
+                                        console="none", timeout_s=600))  # fmt: skip
+
+    hang = HangOptions(script=tuple(torchrun("torchrun_hang.py")), stall_timeout_s=3.0,
+                       out=f"{folder}/hang", console="none", timeout_s=600)  # fmt: skip
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        buggy = pool.submit(audit, torchrun("torchrun_buggy.py"), "buggy")
+        clean = pool.submit(audit, python("spawn_clean.py"), "clean")
+        hung = pool.submit(check_hang, hang)
+        buggy, clean, hung = buggy.result(), clean.result(), hung.result()
+    problems = []
+    first = buggy.faults[0] if buggy.faults else None
+    if first is None or (first.tensor, first.step, tuple(first.ranks)) != ("2.bias", 0, (1,)):
+        problems.append(f"torchrun buggy: {buggy.verdict}: {first}")
+    if clean.verdict != "pass" or clean.audit.audited_steps != 3:
+        problems.append(f"mp.spawn clean: {clean.verdict}: {clean.run.diagnosis.text()}")
+    d = hung.diagnosis
+    if (hung.verdict, d.verdict, d.culprit) != ("fault", "hang", 1):
+        problems.append(f"torchrun hang: {hung.verdict}: {d.text()}")
+    pids = [p for r in (buggy.run, clean.run, hung) for p in r.pids.values()]
+    if len(pids) != 6 or [p for p in pids if alive(p)]:
+        problems.append(f"ranks: {pids}, alive: {[p for p in pids if alive(p)]}")
+    return problems

@@ -1,0 +1,131 @@
+"""Inside a process a launcher command started (`audit -- torchrun ...`, `command.py`): the
+moment it becomes a rank, and how it tells the tool it ended.
+
+The bootstrap (`bootstrap/sitecustomize.py`) wraps `init_process_group` in every Python
+process of the command; nothing happens in a process that never calls it. When the call
+returns, the process is rank `get_rank()` of `get_world_size()`, and is adopted: it gets the
+set-up of a rank of the tool's own (`rank.adopt`: stack file, collective trace, helper
+thread, the sanitizer and the audit when asked), its files in the run's report folder under
+its rank, as a torchrun job's rank under `verify.hang_run` (`node_ranks.py`): `rank<r>.up`,
+then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`).
+
+The script is the launcher's to run, so its end is seen from inside: an exception that
+reaches the top (`sys.excepthook`), or `sys.exit` with a non-zero code (how `mp.spawn`'s
+worker wrapper leaves after a raise, inside its `except`), is the rank's failure, reported
+before the traceback is printed; any other exit that runs `atexit` is a clean end. A rank
+that dies without either (a signal, `os._exit`) is seen dead by its process id, as a crash.
+Collectives the script bound before joining (`from torch.distributed import all_reduce`
+at the top) are not traced; `dist.all_reduce(...)` is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from dataclasses import replace
+
+from verify.launching.env import LAUNCHED_AUDIT_ENV, LAUNCHED_ENV, LAUNCHED_SANITIZE_ENV
+
+_adopted: dict = {}  # this process's job, sanitizer and auditor, once it joined
+
+
+def init_process_group(original, args: tuple, kwargs: dict):
+    """`torch.distributed.init_process_group` in a launched process: the call, then the
+    adoption (once a process; a failure to adopt never fails the script's call)."""
+    out = original(*args, **kwargs)
+    if not _adopted:
+        try:
+            _adopt()
+        except Exception as exc:  # the script runs on unwatched: say so where the tool looks
+            with contextlib.suppress(OSError):
+                folder = os.environ[LAUNCHED_ENV]
+                with open(os.path.join(folder, f"adopt.{os.getpid()}.error"), "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}\n")
+    return out
+
+
+def _adopt() -> None:
+    import torch.distributed as dist
+
+    from verify.launching import node_ranks
+    from verify.launching import rank as rank_side
+    from verify.launching.rank_script import script_job
+
+    folder = os.environ[LAUNCHED_ENV]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    every = os.environ.get(LAUNCHED_AUDIT_ENV) or None
+    job = script_job(
+        rank=rank,
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        ppid=os.getppid(),
+        threads=0,  # the launcher's to decide
+        report_dir=folder,
+        argv=tuple(sys.argv),
+        sanitize=os.environ.get(LAUNCHED_SANITIZE_ENV) == "1",
+        audit_every=None if every is None else int(every),
+    )
+    job = replace(job, on_failure=node_ranks.rank_failed(folder, rank))
+    sanitizer, auditor = rank_side.adopt(job)
+    _adopted.update(job=job, sanitizer=sanitizer, auditor=auditor, failed=False)
+    with open(os.path.join(folder, f"rank{rank}.joined.tmp"), "w") as f:
+        f.write(f"{world} {os.getpid()}\n")
+    os.replace(os.path.join(folder, f"rank{rank}.joined.tmp"), _joined(folder, rank))
+    node_ranks.rank_up(folder, rank)()
+    _hook_exits()
+
+
+def _joined(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.joined")
+
+
+def read_joined(folder: str, rank: int) -> tuple[int, int] | None:
+    """(world size, process id) of rank `rank`, once it joined (None: not yet)."""
+    try:
+        with open(_joined(folder, rank)) as f:
+            world, pid = f.read().split()
+        return int(world), int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _hook_exits() -> None:
+    excepthook, exit_ = sys.excepthook, sys.exit
+
+    def on_uncaught(kind, exc, tb):
+        _fail(exc)
+        excepthook(kind, exc, tb)
+
+    def on_exit(code=None):
+        if code not in (None, 0):
+            exc = sys.exc_info()[1]  # mp.spawn's worker exits 1 inside its `except`
+            _fail(exc if exc is not None else SystemExit(code))
+        exit_(code)
+
+    sys.excepthook, sys.exit = on_uncaught, on_exit
+    atexit.register(_at_exit)
+
+
+def _fail(exc: BaseException) -> None:
+    from verify.launching.rank_job import error_report
+    from verify.launching.rank_script import finish_rank
+
+    if _adopted["failed"]:
+        return
+    _adopted["failed"] = True
+    job = _adopted["job"]
+    finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])  # what it found so far
+    job.on_failure(error_report(exc))  # waits (bounded) for the tool's diagnosis
+
+
+def _at_exit() -> None:
+    from verify.launching import node_ranks
+    from verify.launching.rank_script import finish_rank
+
+    if _adopted["failed"]:
+        return
+    job = _adopted["job"]
+    finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])
+    node_ranks.rank_ended(job.helper_dir, job.rank, 0)

@@ -1,0 +1,125 @@
+"""The processes a launcher command started, wherever they went: what `command.py` ends.
+
+A launcher owns its processes, and some leave its process group: torchrun's agent (and
+`accelerate launch --multi_gpu`, which runs it) starts each worker in a session of its own
+(`start_new_session=True`), so a signal to the launcher's group, or a Ctrl-C at the terminal,
+never reaches them. They stay the tool's descendants, though: the tool makes itself the
+subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`), so a worker whose launcher died
+is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all;
+the run's folder in their environment tells them from the processes of another run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+_PR_SET_CHILD_SUBREAPER = 36
+GONE_S = 10.0  # how long a SIGKILLed process may take to be gone
+
+
+def become_subreaper() -> None:
+    """Orphans among this process's descendants become its children (Linux; else a no-op)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root` (children first), read from /proc (Linux)."""
+    parent_of = _parents()
+    below, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        kids = [p for p, pp in parent_of.items() if pp == pid and p not in below]
+        below += kids
+        todo += kids
+    return below
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (not zombies), from /proc."""
+    parent_of: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != b"Z":
+                parent_of[int(name)] = int(fields[1])
+    return parent_of
+
+
+def carries(pid: int, marker: bytes) -> bool:
+    """Whether process `pid` started with `marker` (`NAME=value`) in its environment: every
+    process of one launch inherits the run's folder, so runs side by side in one process (a
+    test's threads) never end each other's processes."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
+    """End the launcher `launcher` (a Popen), the processes `pids` (its ranks) and every
+    process of the launch: those below the launcher, and those below this process that carry
+    `marker` (a launcher's workers re-parented here once it died). With a `grace_s`, SIGTERM
+    to the launcher first (it tears its workers down its own way) and that long to do it;
+    then SIGKILL to the launcher (without a grace: before it sees its workers die and prints
+    its own report of it) and to every one left, and reap those that were this process's
+    children."""
+    if grace_s > 0 and launcher.poll() is None:
+        with contextlib.suppress(OSError):
+            launcher.send_signal(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            launcher.wait(grace_s)
+    below = descendants(launcher.pid) if launcher.poll() is None else []
+    with contextlib.suppress(OSError):
+        launcher.kill()
+    me, killed = os.getpid(), set()
+    for _ in range(3):  # a process forked while we were killing is caught next round
+        left = set(pids) | set(below) | {p for p in descendants(me) if carries(p, marker)}
+        left -= {me, launcher.pid} | killed
+        left = {p for p in left if _live(p)}
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= left
+        below = []
+        with contextlib.suppress(Exception):
+            launcher.wait(2.0)
+        # A SIGKILLed process is gone only once it has been scheduled to exit (seconds on a
+        # loaded machine): none may be left when the tool returns.
+        end = time.monotonic() + GONE_S
+        while any(_live(p) for p in left) and time.monotonic() < end:
+            _reap(killed)
+            time.sleep(0.02)
+        _reap(killed)
+    _reap(killed)
+
+
+def _live(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect the exit status of those of `pids` that were this process's children (orphans
+    it adopted as their subreaper); the others are somebody else's to reap."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
