@@ -20,13 +20,13 @@
 """
 
 import dataclasses
-import fcntl
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import machine_lock
 from verify.cli import main
 from verify.launching.threads import JOBS_ENV
 
@@ -89,10 +89,6 @@ def run_cli(capsys, monkeypatch):
 @pytest.fixture(autouse=True)
 def _share_the_machine(request, tmp_path_factory):
     """The session's lock: shared by every test, exclusive for one marked `alone`."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    with open(root / "machine.lock", "w") as lock:
-        alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
+    with machine_lock(tmp_path_factory, alone):
         yield
