@@ -19,13 +19,13 @@
   (`verify/launching/gpus.py`), but those of several workers would pile onto the first ones.
 """
 
-import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.consoles import Ran
 from tests.processes import machine_lock
 from verify.cli import main
 from verify.launching.threads import JOBS_ENV
@@ -64,13 +64,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@dataclasses.dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 @pytest.fixture
