@@ -9,10 +9,11 @@
 - Under `pytest -n auto` several workers launch ranks at once: each worker tells the tool how
   many jobs share the machine (DDP_VERIFY_JOBS), so every rank's thread budget is its share of
   the cores among all of them (`verify/launching/threads.py`), not of one worker's ranks.
-- Tests marked `alone` run while no other test does. The load test is one: its CPU hogs keep
-  every core busy for its whole run, which would slow every test of the other workers three
-  times over (a third of the suite's CPU went to the hogs). Every test holds a shared lock on
-  a file of the session; an `alone` test holds it exclusively. (Session- and module-scoped
+- Tests marked `alone` run while no other test does. Every test holds a shared lock on a file
+  of the session; an `alone` test holds it exclusively. The load test's hog window is alone
+  too (its module fixture takes the lock itself, `tests/processes.machine_lock`): its CPU
+  hogs keep every core busy while it lasts, which would slow every test of the other workers
+  three times over (a third of the suite's CPU went to the hogs). (Session- and module-scoped
   fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
   new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)
   Tests marked `gpu` run alone too: the ranks of one process are spread over the GPUs

@@ -153,14 +153,17 @@ class Window:
         return value
 
 
-def _timed(name: str, fn, *args):
+def _timed(name: str, since: float, fn, *args):
+    """`(True, fn(*args))`, or `(False, what it raised)`; prints when it started and took
+    (`pytest -s`: which jobs make the window long)."""
     start = time.monotonic()
     try:
         return True, fn(*args)
     except BaseException as exc:  # re-raised by the test that asserts on it
         return False, exc
     finally:
-        print(f"  {name:18s} {time.monotonic() - start:6.1f}s")
+        took = time.monotonic() - start
+        print(f"  {name:26s} from {start - since:6.1f}s for {took:6.1f}s")
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,7 @@ def window(request, tmp_path_factory) -> Window:
     start = time.monotonic()
     with machine_lock(tmp_path_factory, alone=True), hogs() as hog_pids:
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            futures = {name: pool.submit(_timed, name, *job) for name, job in jobs.items()}
+            futures = {name: pool.submit(_timed, name, start, *job) for name, job in jobs.items()}
             done = {name: f.result() for name, f in futures.items()}
     print(f"{len(jobs)} jobs under the hogs in {time.monotonic() - start:.1f}s")
     return Window(done, hog_pids, folder)
