@@ -10,9 +10,9 @@
   many jobs share the machine (DDP_VERIFY_JOBS), so every rank's thread budget is its share of
   the cores among all of them (`verify/launching/threads.py`), not of one worker's ranks.
 - Tests marked `alone` run while no other test does. Every test holds a shared lock on a file
-  of the session; an `alone` test holds it exclusively. The load test's hog window is alone
-  too (its module fixture takes the lock itself, `tests/processes.machine_lock`): its CPU
-  hogs keep every core busy while it lasts, which would slow every test of the other workers
+  of the session; an `alone` test holds it exclusively. The load test is one (one test, one hog
+  window for every loaded verdict, `tests/test_load.py`): its CPU hogs keep every core busy
+  while it lasts, which would slow every test of the other workers
   three times over (a third of the suite's CPU went to the hogs). (Session- and module-scoped
   fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
   new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)

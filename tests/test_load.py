@@ -26,20 +26,23 @@ So do the verdicts of `audit --nproc N -- train.py` on the scripts of
 tests/test_script_verdicts.py (a hang after five steps, nothing audited, Muon's owned state,
 right and wrong, and the usage errors of a script that needs CUDA).
 
-Every loaded verdict runs in one hog window (the `window` fixture), all at once: under the
-hogs each rank gets a fraction of a core, so everything is slower, and a rank that works must
-still read as working (its CPU time advances, or its thread is runnable), never as hung, and a
-hang must still be called. One window, not one per test: while it lasts nothing else of the
-run may (the fixture holds the machine alone, tests/conftest.py), and what the hogs burn is
-lost to the suite, so the windows' waits (stall timeouts, a rank computing for two of them)
-overlap each other rather than follow each other, with every core busy all the same. The
-hogs are started and killed by the fixture, bounded by the jobs' own time limits; each test
-then asserts on its jobs' results, and a test run alone (`-k`) runs only its own jobs.
+Every loaded verdict runs in one hog window, all at once, in one test marked `alone` (while it
+lasts no other test of the run does: tests/conftest.py): under the hogs each rank gets a
+fraction of a core, so everything is slower, and a rank that works must still read as working
+(its CPU time advances, or its thread is runnable), never as hung, and a hang must still be
+called. One window, not one per test: what the hogs burn is lost to the suite, so the
+windows' waits (stall timeouts, a rank computing for two of them) overlap each other rather
+than follow each other, with every core busy all the same. (One test, not several sharing a
+module fixture: xdist spread such tests over its workers, or set the fixture up again when a
+worker's queue ran dry, and the window ran three times.) The hogs are started and killed by
+the test, bounded by the jobs' own time limits; then each check (`CHECKS`) asserts on its
+jobs' results, and every check that fails is reported.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,7 +62,7 @@ from tests import (
     test_shard_layout,
 )
 from tests.fixtures import deadline_loops, sharded_styles
-from tests.processes import alive, hogs, machine_lock
+from tests.processes import alive, hogs
 from tests.test_script_audit import buggy_problems, run_buggy
 from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
@@ -73,8 +76,6 @@ SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
 DDP_SCRIPT = str(ROOT / "tests" / "fixtures" / "ddp_sleep_script.py")
 STALL_S = 3.0
 
-# One worker runs the module: its fixture, the window, runs once (tests/conftest.py).
-pytestmark = pytest.mark.xdist_group("load")
 
 # The window's pool: every job at once would start ~150 processes (the torchrun jobs' agents,
 # the matrices' ranks), and ranks starved that much are no longer what "every core busy"
@@ -97,19 +98,19 @@ def _script(out: str, *argv: str, path: str = SCRIPT):
 
 
 def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
-    """Each test's jobs: test name -> {job name: (callable, *args)}."""
+    """Each check's jobs: check name (`CHECKS`) -> {job name: (callable, *args)}."""
     out = str(folder)
     return {
-        "test_script_verdicts_hold_with_every_core_busy": {
+        "script verdicts": {
             f"script:{name}": (test_script_verdicts.run_cli, folder / "scripts", name)
             for name in test_script_verdicts.CASES
         },
-        "test_verdicts_where_the_trace_is_blind_hold_with_every_core_busy": {
+        "blind": {
             "blind": (test_hang.blind_jobs, folder / "blind", two_nodes),
             "uneven": (test_evidence.uneven_problems, str(folder / "uneven")),
             "own": (test_evidence.own_ranks_problems, str(folder / "own")),
         },
-        "test_verdicts_hold_with_every_core_busy": {
+        "verdicts": {
             "scenarios": (
                 check_hang, HangOptions(scenarios=True, stall_timeout_s=STALL_S, out=out, jobs=4)
             ),
@@ -133,14 +134,14 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "cut-short": (deadline_loops.verdict_problems,),
             "sharded": (sharded_styles.verdict_problems,),
         },
-        "test_the_audit_under_join_holds_with_every_core_busy": {
+        "join": {
             "join": (test_join_audit.join_problems, out, ("fresh", "parked", "no-join")),
         },
     }  # fmt: skip
 
 
 class Window:
-    """The results of one hog window's jobs (`window`): `window[name]` is a job's value, or
+    """The results of one hog window's jobs (`_run_window`): `window[name]` is a job's value, or
     raises what the job raised; `hogs` are the hogs' pids, `folder` the jobs' reports."""
 
     def __init__(self, done: dict, hog_pids: list[int], folder: Path) -> None:
@@ -166,28 +167,22 @@ def _timed(name: str, since: float, fn, *args):
         print(f"  {name:26s} from {start - since:6.1f}s for {took:6.1f}s")
 
 
-@pytest.fixture(scope="module")
-def window(request, tmp_path_factory) -> Window:
-    """The jobs of every test of this module that runs (`-k` picks some), all at once under
-    one set of hogs, with the machine held alone (module docstring)."""
-    here = {i.name for i in request.session.items if i.module is request.module}
-    folder = tmp_path_factory.mktemp("load")
-    tables = _jobs(folder)
-    jobs = {
-        name: job for test, table in tables.items() if test in here for name, job in table.items()
-    }
+def _run_window(folder: Path) -> Window:
+    """Every check's jobs at once under one set of hogs (module docstring)."""
+    jobs = {name: job for table in _jobs(folder).values() for name, job in table.items()}
     first = {name: i for i, name in enumerate(LONGEST)}
     jobs = dict(sorted(jobs.items(), key=lambda item: first.get(item[0], len(first))))
     start = time.monotonic()
-    with machine_lock(tmp_path_factory, alone=True), hogs() as hog_pids:
+    with hogs() as hog_pids:
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
             futures = {name: pool.submit(_timed, name, start, *job) for name, job in jobs.items()}
             done = {name: f.result() for name, f in futures.items()}
-    print(f"{len(jobs)} jobs under the hogs in {time.monotonic() - start:.1f}s")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    print(f"{len(jobs)} jobs under the hogs in {time.monotonic() - start:.1f}s ({worker})")
     return Window(done, hog_pids, folder)
 
 
-def test_verdicts_hold_with_every_core_busy(window):
+def _check_verdicts(window: Window) -> None:
     scenarios, computing, skipping = window["scenarios"], window["computing"], window["skipping"]
     problems = [
         f"{r.options.impl}: {r.diagnosis.verdict} ({r.diagnosis.headline})"
@@ -230,7 +225,7 @@ def test_verdicts_hold_with_every_core_busy(window):
     assert pids and not [p for p in pids + window.hogs if alive(p)]
 
 
-def test_verdicts_where_the_trace_is_blind_hold_with_every_core_busy(window):
+def _check_blind(window: Window) -> None:
     """Under the hogs: PyTorch DDP under torchrun on two nodes (a rank parked polling for a
     file while its peer waits inside DDP's C++ is a HANG naming both; a rank evaluating for
     twice the stall timeout while its peer waits there is no finding), uneven data (the rank
@@ -243,7 +238,7 @@ def test_verdicts_where_the_trace_is_blind_hold_with_every_core_busy(window):
     assert not [p for p in window.hogs if alive(p)]
 
 
-def test_the_audit_under_join_holds_with_every_core_busy(window):
+def _check_join(window: Window) -> None:
     """Under the hogs: `audit` of a fresh DDP script with uneven files under `Join([model])`
     on 3 ranks (a pass, the steps all ranks took audited, the others counted), the same with
     one rank parked inside the join (a HANG naming it), and uneven data without join() (the
@@ -254,7 +249,7 @@ def test_the_audit_under_join_holds_with_every_core_busy(window):
     assert not [p for p in window.hogs if alive(p)]
 
 
-def test_script_verdicts_hold_with_every_core_busy(window):
+def _check_script_verdicts(window: Window) -> None:
     """Under the hogs: every case of tests/test_script_verdicts.py gives its idle verdict, its
     exit code and its console, and no rank is left running."""
     cases = test_script_verdicts.CASES
@@ -263,3 +258,25 @@ def test_script_verdicts_hold_with_every_core_busy(window):
     assert not problems, "\n\n".join(problems)
     pids = test_script_verdicts.rank_pids(window.folder / "scripts")
     assert pids and not [p for p in pids if alive(p)], "a rank left running"
+
+
+CHECKS = {
+    "verdicts": _check_verdicts,
+    "blind": _check_blind,
+    "join": _check_join,
+    "script verdicts": _check_script_verdicts,
+}
+
+
+@pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
+def test_verdicts_hold_with_every_core_busy(tmp_path):
+    """One hog window for every loaded verdict (module docstring); each check's assertions on
+    its jobs, every failing one reported."""
+    window = _run_window(tmp_path)
+    failed = []
+    for name, check in CHECKS.items():
+        try:
+            check(window)
+        except Exception as exc:  # an assertion, or what a job raised
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    assert not failed, "\n\n".join(failed)
