@@ -9,24 +9,25 @@
 - Under `pytest -n auto` several workers launch ranks at once: each worker tells the tool how
   many jobs share the machine (DDP_VERIFY_JOBS), so every rank's thread budget is its share of
   the cores among all of them (`verify/launching/threads.py`), not of one worker's ranks.
-- Tests marked `alone` run while no other test does. The load test is one: its CPU hogs keep
-  every core busy for its whole run, which would slow every test of the other workers three
-  times over (a third of the suite's CPU went to the hogs). Every test holds a shared lock on
-  a file of the session; an `alone` test holds it exclusively. (Session- and module-scoped
+- Tests marked `alone` run while no other test does. Every test holds a shared lock on a file
+  of the session; an `alone` test holds it exclusively. The load test is one (one test, one hog
+  window for every loaded verdict, `tests/test_load.py`): its CPU hogs keep every core busy
+  while it lasts, which would slow every test of the other workers
+  three times over (a third of the suite's CPU went to the hogs). (Session- and module-scoped
   fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
   new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)
   Tests marked `gpu` run alone too: the ranks of one process are spread over the GPUs
   (`verify/launching/gpus.py`), but those of several workers would pile onto the first ones.
 """
 
-import dataclasses
-import fcntl
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.consoles import Ran
+from tests.processes import machine_lock
 from verify.cli import main
 from verify.launching.threads import JOBS_ENV
 
@@ -66,13 +67,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@dataclasses.dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
 def run_cli(capsys, monkeypatch):
     """`python -m verify ARGS` from the repository's root, in this process (module docstring)."""
@@ -89,10 +83,6 @@ def run_cli(capsys, monkeypatch):
 @pytest.fixture(autouse=True)
 def _share_the_machine(request, tmp_path_factory):
     """The session's lock: shared by every test, exclusive for one marked `alone`."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    with open(root / "machine.lock", "w") as lock:
-        alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
+    with machine_lock(tmp_path_factory, alone):
         yield

@@ -1,5 +1,6 @@
 """What the tests ask about processes: is one still alive, what runs below one, what it
-listens on; and the launches a test session runs once for all its workers."""
+listens on; the launches a test session runs once for all its workers; the machine's lock
+(a test alone on it, or sharing it) and the CPU hogs that keep every core busy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import ipaddress
 import os
 import pickle
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +19,43 @@ from typing import Any
 
 from verify.launching.process import alive
 
-__all__ = ["Listener", "alive", "descendants", "listeners", "once_per_session", "session_members"]
+__all__ = [
+    "Listener", "alive", "descendants", "hogs", "listeners", "machine_lock", "once_per_session",
+    "session_members",
+]  # fmt: skip
+
+
+def _session_root(tmp_path_factory) -> Path:
+    """The temp dir every xdist worker of this session shares."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@contextlib.contextmanager
+def machine_lock(tmp_path_factory, alone: bool):
+    """The session's machine lock (tests/conftest.py): shared while other tests may run beside,
+    exclusive while this one must be alone on the machine (`alone`). Every test holds it
+    through conftest's autouse fixture; a module-scoped fixture that must run alone takes it
+    itself (it is set up before that fixture: the lock is not held there yet)."""
+    with open(_session_root(tmp_path_factory) / "machine.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+
+
+@contextlib.contextmanager
+def hogs():
+    """One busy process per core, killed on the way out whatever happens: yields their pids."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def once_per_session(
@@ -29,9 +68,7 @@ def once_per_session(
     """`compute(folder)` run once per test session, whatever the number of xdist workers: the
     first worker to get here runs it under a file lock and leaves its result (`dumps`) in the
     session's shared temp dir; the others read it (`loads`). `folder` is for its reports."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
+    root = _session_root(tmp_path_factory)
     cached = root / f"{name}.cached"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -12,12 +12,10 @@ measured and printed, not asserted, since a loaded CI machine would make it flak
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,10 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.consoles import run_main
 from tests.processes import alive, once_per_session, session_members
 from tests.torchrun_jobs import one_node
 from verify.checks.hang import HangOptions, check_hang
-from verify.cli import main
 from verify.launching import RankContext, RankOutcome, launch
 from verify.testing import launch_or_fail
 from verify.watching import tracer
@@ -73,32 +71,13 @@ EXPECTED = {
 }  # fmt: skip
 
 
-class _ThreadsStdout(io.TextIOBase):
-    """sys.stdout for a pool whose threads print: what a thread that holds a buffer here
-    prints goes to its buffer, the rest (the scripts' ranks, streamed) to `real`."""
-
-    def __init__(self, real) -> None:
-        self.real, self.buffers = real, {}
-
-    def write(self, text: str) -> int:
-        return self.buffers.get(threading.get_ident(), self.real).write(text)
-
-    def flush(self) -> None:
-        self.real.flush()
-
-
 def _cli(*args: str, out: Path) -> dict:
-    """`python -m verify hang --json ARGS` as `main()` in this process (run in a thread of
-    `_run_all`, whose stdout is a `_ThreadsStdout`): the same parsing, printing and report
-    files, without an interpreter and a zygote started and importing torch for it."""
-    buffer = io.StringIO()
-    sys.stdout.buffers[threading.get_ident()] = buffer
-    try:
-        code = main(["hang", "--json", "--out", str(out), *args])
-    finally:
-        del sys.stdout.buffers[threading.get_ident()]
-    doc = json.loads(buffer.getvalue())
-    doc["exit"] = code
+    """`python -m verify hang --json ARGS` as `main()` in this process, in a thread of
+    `_run_all` with a console of its own (tests/consoles.py): the same parsing, printing and
+    report files, without an interpreter and a zygote started and importing torch for it."""
+    ran = run_main("hang", "--json", "--out", str(out), *args)
+    doc = json.loads(ran.stdout)
+    doc["exit"] = ran.returncode
     doc["via"] = "cli"
     return doc
 
@@ -134,16 +113,12 @@ def _run_all(out: Path) -> dict:
     jobs["script:skip"] = (script, "skip")  # (its correct twin: tests/test_evidence.py)
     jobs["student"] = (impl, "docs/examples/student_ddp.py:StudentDDP")
     start = time.monotonic()
-    real, sys.stdout = sys.stdout, _ThreadsStdout(sys.stdout)
-    try:
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            futures = {}
-            for key, (fn, *args) in jobs.items():
-                kwargs = {"out": out} if fn is _cli else {}
-                futures[key] = pool.submit(fn, *args, **kwargs)
-            results = {key: f.result() for key, f in futures.items()}
-    finally:
-        sys.stdout = real
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {}
+        for key, (fn, *args) in jobs.items():
+            kwargs = {"out": out} if fn is _cli else {}
+            futures[key] = pool.submit(fn, *args, **kwargs)
+        results = {key: f.result() for key, f in futures.items()}
     print(f"\n{len(jobs)} hang checks in {time.monotonic() - start:.1f}s")
     for key, doc in results.items():
         d = doc["diagnosis"]

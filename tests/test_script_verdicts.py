@@ -15,7 +15,12 @@ idle and with every core busy:
   error on a machine without CUDA: exit 2, one line with the call and its file:line, no
   traceback on the console.
 
-Each case is the real command in a process of its own (its console is what a user sees).
+Each case is the real command line. The two usage errors (their one line on stderr, and no
+traceback from a real interpreter on its way out) run as `python -m verify` in a process of
+its own; the others as `main()` in a thread of the test's process, each
+with a console of its own (tests/consoles.py): the ranks are the same fresh interpreters, only
+the tool's own interpreter and its torch import (~2 s of CPU a case) are saved. Under CPU hogs,
+with the rest of the load test's verdicts: tests/test_load.py.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.processes import alive
-from tests.test_load import hogs
+from tests.consoles import Ran, run_main
 from verify.launching import launch
 from verify.script_audit import owners, report
 from verify.script_audit.collect import Entry
@@ -50,24 +54,28 @@ CASES = {  # name -> (command, nproc, script and its arguments)
     "cuda-set-device": ("audit", 2, ("audit_needs_cuda.py", "set-device")),
     "cuda-nccl": ("hang", 2, ("audit_needs_cuda.py", "nccl")),
 }
+IN_A_PROCESS = ("cuda-set-device", "cuda-nccl")  # a real interpreter's console: no traceback
 
 
-def run_cli(out: Path, name: str) -> subprocess.CompletedProcess:
+def run_cli(out: Path, name: str) -> subprocess.CompletedProcess | Ran:
     command, nproc, script = CASES[name]
-    argv = [sys.executable, "-m", "verify", command, "--nproc", str(nproc), "--out",
-            str(out / name), "--stall-timeout", "5", "--", str(FIXTURES / script[0]),
-            *script[1:]]  # fmt: skip
+    args = [command, "--nproc", str(nproc), "--out", str(out / name), "--stall-timeout", "5",
+            "--", str(FIXTURES / script[0]), *script[1:]]  # fmt: skip
+    if name not in IN_A_PROCESS:
+        return run_main(*args)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "verify", *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def run_all(out: Path) -> dict[str, subprocess.CompletedProcess]:
+def run_all(out: Path) -> dict[str, subprocess.CompletedProcess | Ran]:
+    """Every case at once (the idle test, and the load test under its hogs)."""
     with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
         jobs = {name: pool.submit(run_cli, out, name) for name in CASES}
         return {name: job.result() for name, job in jobs.items()}
 
 
-def problems(done: dict[str, subprocess.CompletedProcess]) -> list[str]:
+def problems(done: dict[str, subprocess.CompletedProcess | Ran]) -> list[str]:
     """What is wrong with each case's exit code and output (empty: all right). Shared by the
     idle test and the one under load."""
     found = []
@@ -115,15 +123,7 @@ def test_script_verdicts(tmp_path):
     assert "DDP Initialized with" in stderr and "broadcast_buffers: 1" in stderr
 
 
-@pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
-def test_script_verdicts_with_every_core_busy(tmp_path):
-    with hogs():
-        done = run_all(tmp_path)
-    assert not problems(done), "\n\n".join(problems(done))
-    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
-
-
-def _rank_pids(folder: Path) -> list[int]:
+def rank_pids(folder: Path) -> list[int]:
     """The ranks' process ids, from every run's report.json (a usage error writes none)."""
     pids = []
     for path in folder.glob("*/*/report.json"):
