@@ -300,3 +300,162 @@ def _rank_pids(folder: Path) -> list[int]:
     for path in folder.glob("**/report.json"):
         pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
     return pids
+
+
+# --on-cpu with the launcher form (`audit --on-cpu -- torchrun ...`, `-- python x.py` that
+# calls mp.spawn): the rehearsal is installed at each process's import of torch
+# (verify/launching/bootstrap/), its report named by the rank at init_process_group.
+
+# Written for this test the way pytorch/examples' multigpu.py is: mp.spawn over the GPUs
+# torch.cuda.device_count() finds, `model.to(rank)`, NCCL; BUG clips on rank 0 only.
+SPAWN_CUDA = """
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+BUG = sys.argv[1:] == ["bug"]
+
+
+def setup(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = os.environ["SPAWN_PORT"]
+    torch.cuda.set_device(rank)
+    dist.init_process_group(backend="nccl", rank=rank, world_size=world_size)
+
+
+def train(rank, world_size):
+    setup(rank, world_size)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(rank),
+                device_ids=[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        x = torch.randn(4, 8, device=f"cuda:{rank}") + rank
+        y = torch.randn(4, 2).pin_memory().to(rank, non_blocking=True)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if BUG and rank == 0:  # "keep the logged rank stable"
+            nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        opt.step()
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    assert torch.cuda.is_available()
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+"""
+
+
+def launched(out: Path, *command: str) -> subprocess.CompletedProcess:
+    from tests.test_launchers import free_port
+
+    argv = [sys.executable, "-m", "verify", "audit", "--on-cpu", "--json", "--out", str(out),
+            "--stall-timeout", "5", "--", *command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPAWN_PORT": free_port()}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # the rehearsed node: 2 GPUs
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def launcher_on_cpu_problems(tmp: Path) -> list[str]:
+    """torchrun of the nanoGPT-style script, clean and with its sync bug, against the bug's
+    verdict under `--nproc 2 --on-cpu`; a fresh mp.spawn CUDA script clean and buggy. The
+    problems found (none: the verdicts of --nproc, the mapping reported per rank)."""
+    gpt = str(CUDA / "gpt_train.py")
+    spawn = tmp / "spawn_cuda.py"
+    spawn.write_text(SPAWN_CUDA)
+    torchrun = ("torchrun", "--standalone", "--nproc-per-node", "2", gpt)
+    runs = {
+        "torchrun-ok": lambda: launched(tmp / "t-ok", *torchrun),
+        "torchrun-bug": lambda: launched(tmp / "t-bug", *torchrun, "accum-bug"),
+        "nproc-bug": lambda: audit(tmp / "n-bug", CUDA / "gpt_train.py", "accum-bug"),
+        "spawn-ok": lambda: launched(tmp / "s-ok", sys.executable, str(spawn)),
+        "spawn-bug": lambda: launched(tmp / "s-bug", sys.executable, str(spawn), "bug"),
+    }
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        jobs = {name: pool.submit(run) for name, run in runs.items()}
+        done = {name: job.result() for name, job in jobs.items()}
+    got = {name: verdict(p) for name, p in done.items()}
+    want = {
+        "torchrun-ok": (0, "pass", None),
+        "torchrun-bug": got["nproc-bug"],
+        "spawn-ok": (0, "pass", None),
+        "spawn-bug": (1, "fault", "gradients before step 0 (SGD)"),
+    }
+    problems = [
+        f"{name}: {got[name]}, want {w}\n{done[name].stderr[-2500:]}"
+        for name, w in want.items()
+        if got[name] != w
+    ]
+    if got["nproc-bug"][:2] != (1, "fault"):
+        problems.append(f"--nproc accum-bug: {got['nproc-bug']}")
+    for name in ("torchrun-ok", "spawn-bug"):  # the mapping, each rank's own
+        if got[name][1] is None:
+            continue
+        doc = json.loads(done[name].stdout)
+        mapped = {(m["call"], m["to"]): m["per_rank"] for m in doc["on_cpu"]["mapped"]}
+        if mapped.get(("init_process_group(backend='nccl')", "gloo")) != {"0": 1, "1": 1}:
+            problems.append(f"{name}: mapped {sorted(mapped)}")
+        for r in (0, 1):
+            mine = json.loads((Path(doc["report_dir"]) / f"rank{r}.on_cpu.json").read_text())
+            if mine["rank"] != r or mine["refused"] is not None:
+                problems.append(f"{name}: rank{r}.on_cpu.json: {mine}")
+    spawned = (
+        json.loads(done["spawn-bug"].stdout)["on_cpu"]["mapped"] if got["spawn-bug"][1] else []
+    )
+    if "Module.to(cuda)" not in {m["call"] for m in spawned}:  # `.to(rank)`: an ordinal
+        problems.append(f"spawn-bug: model.to(rank) not mapped: {spawned}")
+    return problems
+
+
+def test_the_launcher_form_is_rehearsed_on_cpu(tmp_path):
+    """`audit --on-cpu -- torchrun ... gpt_train.py` gets the verdict of `--nproc 2
+    --on-cpu`, with the mapping per rank; a CUDA script that calls mp.spawn over
+    `torch.cuda.device_count()` GPUs runs on two CPU ranks, its bug named."""
+    problems = launcher_on_cpu_problems(tmp_path)
+    assert not problems, "\n\n".join(problems)
+    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+
+
+@pytest.mark.alone
+def test_the_launcher_form_is_rehearsed_on_cpu_with_every_core_busy(tmp_path):
+    with hogs():
+        problems = launcher_on_cpu_problems(tmp_path)
+    assert not problems, "\n\n".join(problems)
+    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+
+
+@pytest.mark.parametrize(
+    ("script", "edit", "launch", "first"),
+    [  # the launchers' buggy fixtures, written for GPUs: the CPU runs' findings
+        ("lightning_buggy.py", ('accelerator="cpu"', 'accelerator="gpu"'), "python",
+         ("parameters after step {step}", "layer.weight", 1)),
+        ("accelerate_buggy.py", ("Accelerator(cpu=True)", "Accelerator()"), "accelerate",
+         ("parameters before step {step} (the first audited)", "2.bias", 0)),
+    ],
+)  # fmt: skip
+def test_accelerate_and_lightning_are_rehearsed_on_cpu(tmp_path, script, edit, launch, first):
+    from tests import test_launchers
+
+    source = (ROOT / test_launchers.FIXTURES / script).read_text()
+    assert edit[0] in source
+    cuda = tmp_path / script
+    cuda.write_text(source.replace(edit[0], edit[1]))
+    if launch == "python":
+        command = [sys.executable, str(cuda)]
+    else:
+        command = [*test_launchers.accelerate(script)[:-1], str(cuda)]
+    ran = launched(tmp_path / "out", *command)
+    doc = json.loads(ran.stdout)
+    assert (ran.returncode, doc["verdict"]) == (1, "fault"), ran.stderr[-3000:]
+    found = doc["audit"]["findings"][0]
+    assert (found["phase"], found["tensor"], found["step"]) == first, found
+    assert found["ranks"] == [1]
+    calls = {m["call"] for m in doc["on_cpu"]["mapped"]}
+    assert "init_process_group(backend='nccl')" in calls, calls

@@ -117,7 +117,8 @@ def run_watched_script(
         console=console, sanitize=options.sanitize, audit_every=audit_every,
     )  # fmt: skip
     if launcher:  # the command as given, its ranks its launcher's (`launching/command.py`)
-        run = run_command(options.script, **knobs)
+        gpus = rehearsed_gpus() if options.on_cpu else 0
+        run = run_command(options.script, on_cpu=gpus, **knobs)
     else:
         run = run_script(
             options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,
@@ -142,6 +143,15 @@ def run_watched_script(
         audit=None if audit_every is None else audit_of(report_dir, world),
         on_cpu=mapped,
     )  # fmt: skip
+
+
+def rehearsed_gpus() -> int:
+    """The GPUs of the node `--on-cpu` rehearses a launcher command on: what a process that is
+    no rank yet (mp.spawn's parent, a Trainer(devices=2) before it starts its ranks) finds in
+    `torch.cuda.device_count()`. The launcher decides the ranks; this only answers its
+    question: CUDA_VISIBLE_DEVICES's count when set, as on a GPU node, else 2."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return len(visible) or 2
 
 
 def _record_env(record: bool) -> dict[str, str]:

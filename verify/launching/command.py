@@ -34,6 +34,7 @@ from verify.launching import launched, tree
 from verify.launching.env import (
     LAUNCHED_AUDIT_ENV,
     LAUNCHED_ENV,
+    LAUNCHED_ON_CPU_ENV,
     LAUNCHED_SANITIZE_ENV,
     STALL_ENV,
 )
@@ -65,9 +66,13 @@ def run_command(
     console: TextIO | None = None,
     sanitize: bool = False,
     audit_every: int | None = None,
+    on_cpu: int = 0,
 ) -> LaunchResult:
     """Run the command `argv` to its end under the watchdog (module docstring); the same
-    arguments as `script.run_script` but the ranks, which the launcher decides. Raises
+    arguments as `script.run_script` but the ranks, which the launcher decides. `on_cpu` (0: off):
+    every Python process of the command rehearses CUDA on the CPU from its import of torch, as
+    `bootstrap/` says, on a node of `on_cpu` GPUs (what `torch.cuda.device_count()` answers
+    in a process that is no rank yet). Raises
     ValueError when the command is not found or nothing of it joined a process group."""
     if shutil.which(argv[0]) is None:
         raise ValueError(
@@ -86,6 +91,7 @@ def run_command(
         LAUNCHED_ENV: os.path.abspath(report_dir),
         LAUNCHED_AUDIT_ENV: "" if audit_every is None else str(audit_every),
         LAUNCHED_SANITIZE_ENV: "1" if sanitize else "",
+        LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
         STALL_ENV: repr(stall_timeout_s),
     }
     tree.become_subreaper()  # workers whose launcher died come to us, not to init

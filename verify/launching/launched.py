@@ -14,6 +14,12 @@ reaches the top (`sys.excepthook`), or `sys.exit` with a non-zero code (how `mp.
 worker wrapper leaves after a raise, inside its `except`), is the rank's failure, reported
 before the traceback is printed; any other exit that runs `atexit` is a clean end. A rank
 that dies without either (a signal, `os._exit`) is seen dead by its process id, as a crash.
+Under `--on-cpu` the rehearsal (`verify/oncpu/`) is installed at the import of torch, long
+before the rank is known (`rehearse`): it counts in memory until the adoption names its file
+`rank<r>.on_cpu.json` after the rank `init_process_group` gave (torchrun's RANK or mp.spawn's
+`rank=` alike), and is saved again at the rank's end, with the call it could not map when that
+is what the rank died of. A process that never joins (the launcher) leaves no report.
+
 Collectives the script bound before joining (`from torch.distributed import all_reduce`
 at the top) are not traced; `dist.all_reduce(...)` is.
 """
@@ -29,6 +35,22 @@ from dataclasses import replace
 from verify.launching.env import LAUNCHED_AUDIT_ENV, LAUNCHED_ENV, LAUNCHED_SANITIZE_ENV
 
 _adopted: dict = {}  # this process's job, sanitizer and auditor, once it joined
+_rehearsal: list = []  # --on-cpu: this process's rehearsal, from its import of torch
+
+
+def rehearse() -> None:
+    """Under --on-cpu, from the bootstrap once torch is imported: map CUDA to the CPU in this
+    process (its report file is named at the adoption). A failure to install is said where the
+    tool looks; the script then runs unmapped and fails on its first CUDA call as it would."""
+    try:
+        from verify import oncpu
+
+        _rehearsal.append(oncpu.install(None, -1))
+    except Exception as exc:
+        with contextlib.suppress(OSError, KeyError):
+            folder = os.environ[LAUNCHED_ENV]
+            with open(os.path.join(folder, f"on_cpu.{os.getpid()}.error"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}\n")
 
 
 def init_process_group(original, args: tuple, kwargs: dict):
@@ -69,6 +91,12 @@ def _adopt() -> None:
     )
     job = replace(job, on_failure=node_ranks.rank_failed(folder, rank))
     sanitizer, auditor = rank_side.adopt(job)
+    if _rehearsal:  # its report, under the rank now known
+        from verify.oncpu import REPORT_SUFFIX
+
+        ledger = _rehearsal[0].ledger
+        ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
+        ledger.save()
     _adopted.update(job=job, sanitizer=sanitizer, auditor=auditor, failed=False)
     with open(os.path.join(folder, f"rank{rank}.joined.tmp"), "w") as f:
         f.write(f"{world} {os.getpid()}\n")
@@ -116,6 +144,8 @@ def _fail(exc: BaseException) -> None:
         return
     _adopted["failed"] = True
     job = _adopted["job"]
+    if _rehearsal:  # the call it could not map, when that is what the rank died of
+        _rehearsal[0].finish(exc)
     finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])  # what it found so far
     job.on_failure(error_report(exc))  # waits (bounded) for the tool's diagnosis
 
@@ -127,5 +157,7 @@ def _at_exit() -> None:
     if _adopted["failed"]:
         return
     job = _adopted["job"]
+    if _rehearsal:
+        _rehearsal[0].finish()
     finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])
     node_ranks.rank_ended(job.helper_dir, job.rank, 0)

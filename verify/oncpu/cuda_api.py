@@ -5,7 +5,9 @@ On a CPU-only torch, `torch.cuda.set_device` raises (`torch._C` has no `_cuda_se
 made, `is_available()` is False. Under a rehearsal:
 
 - the script's questions (and those of the libraries it calls) get a GPU node's answers:
-  `is_available()` True, `device_count()` the ranks on this node (LOCAL_WORLD_SIZE),
+  `is_available()` True, `device_count()` the ranks on this node (LOCAL_WORLD_SIZE; in a
+  launcher command's process that is no rank yet, such as `mp.spawn`'s parent asking how
+  many to start, the GPUs `--nproc` gives the rehearsed node: `LAUNCHED_ON_CPU_ENV`),
   `current_device()` what `set_device` chose, a device name, capability 8.0 (bf16
   supported), memory figures of 0 (nothing is held on a GPU); torch asking itself gets the
   CPU build's answers, so that its own choices stay CPU ones (`torch.compile`'s inductor
@@ -31,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from verify.launching.env import LAUNCHED_ON_CPU_ENV
 from verify.oncpu.ledger import Ledger
 from verify.oncpu.patching import Patches
 
@@ -41,7 +44,8 @@ def install(ledger: Ledger, patches: Patches) -> None:
     """Replace `torch.cuda`'s calls as the module docstring says."""
     cuda = torch.cuda
     state = {"device": 0}
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    node = os.environ.get(LAUNCHED_ON_CPU_ENV) or "1"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", node)))
 
     def answer(name, value):
         shown = repr(value) if len(repr(value)) <= 24 else "a GPU's figures"

@@ -132,6 +132,12 @@ def _modules(ledger: Ledger, patches: Patches) -> None:
     module_to, module_cuda = nn.Module.to, nn.Module.cuda
 
     def to(self, *args, **kwargs):
+        # an int is a CUDA ordinal (`model.to(rank)`, as pytorch/examples' mp.spawn scripts
+        # write it), which torch's own parsing refuses on a machine without one
+        if args and type(args[0]) is int:
+            args = (f"cuda:{args[0]}", *args[1:])
+        if type(kwargs.get("device")) is int:
+            kwargs["device"] = f"cuda:{kwargs['device']}"
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is None or device.type != "cuda":
             return module_to(self, *args, **kwargs)

@@ -8,6 +8,14 @@ compiler subprocess. It only arms a hook on the import of `torch.distributed` th
 set-up of a rank of the tool (`verify/launching/launched.py`). Nothing of `verify` (nor
 torch) is imported here: start-up must stay as cheap for every other process as it was.
 
+Under `--on-cpu` a second hook waits for the import of `torch` itself: once torch is loaded,
+and before the importing line gets it back, the rehearsal is installed (`launched.rehearse`,
+`verify/oncpu/`), so a CUDA script's first `torch.cuda...` or `"cuda:0"` is already mapped,
+and its `init_process_group("nccl")` is gloo by the time it is called. Every process of the
+command that imports torch gets it, the launcher's too (torchrun's agent, the parent of
+`mp.spawn`, which may ask `torch.cuda.device_count()`); a process that never imports torch
+pays nothing.
+
 Another `sitecustomize` further down the path (a distribution's, a virtualenv's) is
 imported after this one, as it would have been without it.
 """
@@ -16,14 +24,18 @@ import os
 import sys
 
 _ENV = "DDP_VERIFY_LAUNCHED"  # the run's report folder (verify/launching/env.py: LAUNCHED_ENV)
+_ON_CPU_ENV = "DDP_VERIFY_LAUNCHED_ON_CPU"  # set: --on-cpu (env.py: LAUNCHED_ON_CPU_ENV)
 
 
 class _Hook:
-    """A meta-path finder for `torch.distributed` only: the module is found and loaded as
-    usual, and its `init_process_group` wrapped once it has run."""
+    """A meta-path finder for one module only (`name`): the module is found and loaded as
+    usual, and `then(module)` called once it has run."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != "torch.distributed":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)  # once: and never in the way of another import
         import importlib.machinery
@@ -34,11 +46,11 @@ class _Hook:
             return spec
         exec_module = loader.exec_module
 
-        def exec_and_wrap(module):
+        def exec_and_then(module):
             exec_module(module)
-            _wrap(module)
+            self.then(module)
 
-        loader.exec_module = exec_and_wrap  # this spec's own loader instance
+        loader.exec_module = exec_and_then  # this spec's own loader instance
         return spec
 
 
@@ -59,6 +71,12 @@ def _wrap(dist) -> None:
     dist.init_process_group = init_process_group
 
 
+def _rehearse(torch) -> None:
+    from verify.launching import launched
+
+    launched.rehearse()
+
+
 def _chain() -> None:
     """Import the `sitecustomize` this one hides, if there is one."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -76,5 +94,7 @@ def _chain() -> None:
 
 
 if os.environ.get(_ENV) and "torch.distributed" not in sys.modules:
-    sys.meta_path.insert(0, _Hook())
+    sys.meta_path.insert(0, _Hook("torch.distributed", _wrap))
+    if os.environ.get(_ON_CPU_ENV) and "torch" not in sys.modules:
+        sys.meta_path.insert(0, _Hook("torch", _rehearse))
 _chain()
