@@ -143,6 +143,18 @@ def test_a_command_whose_processes_never_join_a_group(run_cli, tmp_path):
     assert ran.returncode == 2, ran.stderr
     assert ran.stderr.strip().startswith("verify: error: nothing joined a process group")
     assert len(ran.stderr.strip().splitlines()) == 1
+    # The launch is over: this process no longer adopts orphans (it would never reap them,
+    # and their zombies would keep a session alive: a TensorBoard test failed on that).
+    assert _subreaper() == 0
+
+
+def _subreaper() -> int:
+    """This process's PR_GET_CHILD_SUBREAPER (37): 1 while it adopts its descendants' orphans."""
+    import ctypes
+
+    flag = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)
+    return flag.value
 
 
 @pytest.mark.parametrize("command", ["hang", "audit"])

@@ -94,26 +94,26 @@ def run_command(
         LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
         STALL_ENV: repr(stall_timeout_s),
     }
-    tree.become_subreaper()  # workers whose launcher died come to us, not to init
-    start = time.monotonic()
-    # The launcher's output as it is (one stream for all its ranks): on the console, on
-    # stderr when stdout is for --json, nowhere when nothing is echoed.
-    out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
-    launcher = subprocess.Popen(list(argv), env=child_env, stdout=out)
-    watch = _Watch(os.path.abspath(report_dir), stall_timeout_s)
-    try:
-        reason = watch.run(launcher, start + timeout_s)
-        result = watch.result(reason, time.monotonic() - start)
-    finally:
-        _write(report_dir, "job.diagnosed")  # a failing rank waits for it before its traceback
-        # After an end or a crash the launcher ends its workers its own way (and reports a
-        # failure as it would have); after a hang, the deadline or Ctrl-C, it is ended now.
-        polite = watch.reason in ("end", "crash")
-        if polite and launcher.poll() is None:
-            _wait(launcher, END_WAIT_S)
-        pids = list(watch.local.pids.values())
-        marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
-        tree.end_all(pids, launcher, GRACE_S if polite else 0.0, marker)
+    with tree.subreaper():  # workers whose launcher died come to us, not to init
+        start = time.monotonic()
+        # The launcher's output as it is (one stream for all its ranks): on the console, on
+        # stderr when stdout is for --json, nowhere when nothing is echoed.
+        out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
+        launcher = subprocess.Popen(list(argv), env=child_env, stdout=out)
+        watch = _Watch(os.path.abspath(report_dir), stall_timeout_s)
+        try:
+            reason = watch.run(launcher, start + timeout_s)
+            result = watch.result(reason, time.monotonic() - start)
+        finally:
+            _write(report_dir, "job.diagnosed")  # a failing rank waits for it before its traceback
+            # After an end or a crash the launcher ends its workers its own way (and reports a
+            # failure as it would have); after a hang, the deadline or Ctrl-C, it is ended now.
+            polite = watch.reason in ("end", "crash")
+            if polite and launcher.poll() is None:
+                _wait(launcher, END_WAIT_S)
+            pids = list(watch.local.pids.values())
+            marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
+            tree.end_all(pids, launcher, GRACE_S if polite else 0.0, marker)
     if not watch.local.ranks:
         raise ValueError(
             f"nothing joined a process group: {' '.join(argv)} exited with code "

@@ -16,17 +16,42 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 _PR_SET_CHILD_SUBREAPER = 36
 GONE_S = 10.0  # how long a SIGKILLed process may take to be gone
 
 
-def become_subreaper() -> None:
-    """Orphans among this process's descendants become its children (Linux; else a no-op)."""
+_subreaping = 0  # launches in progress in this process that asked for it
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def subreaper():
+    """While it lasts, orphans among this process's descendants become its children (Linux;
+    else nothing). Counted: launches side by side in one process (threads) share it, and the
+    last one out turns it off again, so a process that ran one launch does not go on adopting
+    the orphans of everything else it starts, which it would never reap: zombies that keep
+    their session alive (a TensorBoard stopped by its session was "left behind")."""
+    global _subreaping
+    with _lock:
+        if _subreaping == 0:
+            _set_subreaper(1)
+        _subreaping += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _subreaping -= 1
+            if _subreaping == 0:
+                _set_subreaper(0)
+
+
+def _set_subreaper(on: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, on, 0, 0, 0)
 
 
 def descendants(root: int) -> list[int]:
