@@ -96,7 +96,7 @@ def check_record_folders(options) -> None:
 
 def with_recording(result):
     """The audit's result once the run ended: its recording moved to `--record DIR`, or
-    compared with `--against DIR` (raises `Mismatch`, exit 2, for a different model)."""
+    compared with `--against DIR` (raises `NotComparable`, exit 2, for a different model)."""
     o = result.options
     made = os.path.join(result.report_dir, "recording")
     if not os.path.isfile(os.path.join(made, "manifest.json")):

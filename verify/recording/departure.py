@@ -1,7 +1,7 @@
 """Two recordings, step by step: where does the second run (B, "this run") first depart from
 the first (A, "the recording"), and what follows (docs/compare.md).
 
-1. Same model and optimizers, or nothing to compare (`Mismatch`, a usage error: exit 2): as
+1. Same model and optimizers, or nothing to compare (`NotComparable`, a usage error: exit 2): as
    many optimizers, and for each the same parameters, in order, by name and shape (the first
    that differs is named). A dtype may differ (float32 against bfloat16): it is compared
    within the coarser dtype's tolerance.
@@ -32,7 +32,7 @@ from verify.recording.table import ORDER, Row, Table
 from verify.script_audit.phases import PARAMS_FIRST, STATE
 
 
-class Mismatch(ValueError):
+class NotComparable(ValueError):
     """The two recordings are not of the same model or optimizers (one line, exit 2)."""
 
 
@@ -77,7 +77,7 @@ class Comparison:
 
 
 def compare_recordings(a: Recording, b: Recording, align_step: int | None = None) -> Comparison:
-    """Compare B with A (module docstring); raises `Mismatch` when they are of different
+    """Compare B with A (module docstring); raises `NotComparable` when they are of different
     models or optimizers."""
     ta, tb = Table(a), Table(b)
     _same_model(ta, tb)
@@ -128,7 +128,7 @@ def _keep_closest(closest: list, gap: float, limit: float, what: str) -> None:
 def _same_model(a: Table, b: Table) -> None:
     na, nb = len(a.rec.optimizers), len(b.rec.optimizers)
     if na != nb:
-        raise Mismatch(
+        raise NotComparable(
             f"the runs have different numbers of optimizers: {na} in the recording "
             f"({', '.join(a.rec.optimizers)}), {nb} in this run ({', '.join(b.rec.optimizers)})"
         )
@@ -138,7 +138,7 @@ def _same_model(a: Table, b: Table) -> None:
             ra = pa[i] if i < len(pa) else None
             rb = pb[i] if i < len(pb) else None
             if ra is None or rb is None or (ra.name, ra.shape) != (rb.name, rb.shape):
-                raise Mismatch(
+                raise NotComparable(
                     f"the runs train different models: {a.rec.optimizers[opt]}'s parameter "
                     f"{i} is {_param(ra)} in the recording, {_param(rb)} in this run"
                 )
