@@ -305,3 +305,41 @@ def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
         assert bar["low"] <= bar["value"] <= bar["high"] and bar["goal"] == 1.02
     assert doc["rows"] > 0 and doc["bytes_on_disk"] > 0
     assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6
+
+
+def _shared_sketches_on_rank(ctx, same: bool) -> list:
+    """Three gradients on each rank, the same names everywhere (`same`) or one named per
+    rank: the owner's sketches, for the test to check against sketches of its own tensors."""
+    from verify.recording.recorder import Recorder
+    from verify.script_audit.collect import Entry
+    from verify.script_audit.report import GRADS
+    from verify.script_audit.side_group import SideGroup
+
+    group = SideGroup()
+    assert group.ready()
+    names = ["a", "b", "c" if same else f"rank{ctx.rank}"]
+    tensors = [torch.arange(12.0) * (i + 1) + ctx.rank for i in range(3)]
+    entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
+    recorder = Recorder(folder="unused")
+    recorder.owner = ctx.rank == 0
+    got = recorder._sketches(group, False, entries)
+    return [None if got is None else [g.tolist() for g in got], [t.tolist() for t in tensors]]
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_ranks_share_the_sketching_and_file_each_under_its_tensor(same):
+    """At 2 ranks with the same entries each rank sketches half and the owner gets every
+    tensor's sketch of its own (the ranks' tensors are alike in a real run; here they differ
+    by rank, so a sketch filed under the wrong rank's tensor shows); with different entries
+    (a layout the audit reports) the owner sketches its own, alone."""
+    from verify.launching import launch
+
+    run = launch(_shared_sketches_on_rank, world_size=2, args=(same,), timeout_s=120)
+    assert run.ok, run.summary()
+    (owner, mine), (other, _) = run.values
+    assert other is None
+    theirs = [torch.tensor(t) + 1 for t in mine]  # rank 1's tensors (its `+ ctx.rank`)
+    expected = [
+        sketch(theirs[i] if same and i % 2 else torch.tensor(t)) for i, t in enumerate(mine)
+    ]
+    assert np.allclose(np.array(owner), np.array(expected)), (owner, expected)

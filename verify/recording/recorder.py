@@ -12,8 +12,9 @@ What is kept per optimizer step, and why (docs/compare.md, "What a recording hol
   parameters, and a state that differs shows in the next step's parameters.
 
 Every rank takes part (the loss is averaged over the ranks, one all-gather of two numbers at
-the step, over the audit's own group); only the owner, rank 0, computes the fingerprints
-and sketches and writes the folder, at the end of the script (`finish`, also after a crash).
+the step, over the audit's own group; the sketches are shared out, `_sketches`); only the
+owner, rank 0, computes the fingerprints, keeps the rows and writes the folder, at the end of
+the script (`finish`, also after a crash).
 Sharded tensors are skipped as the audit skips them (`Collector.replicated`): they are not
 replicated, and rank 0's shard is not the model's tensor.
 """
@@ -88,23 +89,49 @@ class Recorder:
             self.compiled = self.compiled or any(
                 type(m).__name__ == "OptimizedModule" for m in roots
             )
-        if not self.owner:
-            return
         start = time.perf_counter()
         try:
-            self._rows(index, step, entries)
+            sketches = self._sketches(group, alone, [e for e in entries if e.tensor is not None])
+            if self.owner:
+                self._rows(index, step, entries, sketches)
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _rows(self, index: int, step: int, entries) -> None:
+    def _sketches(self, group, alone: bool, tensors: list) -> list[np.ndarray] | None:
+        """The sketches of `tensors`, on the owner (None elsewhere). The ranks share the work
+        when they hold the same entries (one all-reduce of their count and a digest of their
+        keys says so): rank r sketches every size-th one from the r-th, and one all-gather
+        brings them to the owner, so a rank's cost is 1/size of the sketching (the step waits
+        for the slowest rank). Otherwise (a layout the audit is about to report) the owner
+        sketches its own, alone: a sketch is never filed under another rank's tensor. (Each
+        tensor's sketch is then of one rank's replica, its fingerprint of the owner's: alike
+        when the replicas are, which is what the audit checks at the same point.)"""
+        if alone:
+            return [sketch(e.tensor) for e in tensors]
+        digest = text_bits("\n".join(e.key for e in tensors))
+        n = len(tensors)
+        most, fewest, dmax, dmin = group.max([n, -n, digest, ~digest])
+        if not (most == -fewest and dmax == ~dmin):
+            return [sketch(e.tensor) for e in tensors] if self.owner else None
+        size, rank = group.size, group.rank
+        per = -(-n // size)
+        local = np.zeros((max(per, 1), BLOCKS, COLUMNS), dtype=np.float32)
+        for j, e in enumerate(tensors[rank::size]):
+            local[j] = sketch(e.tensor)
+        shares = group.gather_tensor(torch.from_numpy(local))
+        if not self.owner:
+            return None
+        return [shares[i % size][i // size].numpy() for i in range(n)]
+
+    def _rows(self, index: int, step: int, entries, sketches: list[np.ndarray]) -> None:
         tensors = [e for e in entries if e.tensor is not None]
         prints = fingerprints([e.tensor for e in tensors])
-        for e, fp in zip(tensors, prints):
+        for e, fp, blocks in zip(tensors, prints, sketches):
             e.fingerprint = fp  # the audit's comparison, next, uses it rather than recompute
             t = e.tensor
             key = self._key(e.name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
             self.tensor_rows.append((index, step, self._phase(e.phase), key, t.numel(), fp))
-            self.blocks.append(sketch(t))
+            self.blocks.append(blocks)
             self.device = t.device.type
         for e in entries:
             if e.tensor is None and e.setting is not None:
