@@ -3,9 +3,9 @@
 A launcher owns its processes, and some leave its process group: torchrun's agent (and
 `accelerate launch --multi_gpu`, which runs it) starts each worker in a session of its own
 (`start_new_session=True`), so a signal to the launcher's group, or a Ctrl-C at the terminal,
-never reaches them. They stay the tool's descendants, though: the tool makes itself the
-subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`), so a worker whose launcher died
-is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all;
+never reaches them. They stay the tool's descendants, though: while a launch lasts the tool
+is the subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`, `subreaper()`), so a worker
+whose launcher died is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all;
 the run's folder in their environment tells them from the processes of another run.
 """
 
