@@ -78,8 +78,7 @@ def _script_audit(result: AuditBenchResult) -> str:
         "",
         tabulate(rows, headers=["what", "median ms", "min ms"]),
         "",
-        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})",
+        _goal_bar(what, r, goal, decided),
     ])  # fmt: skip
 
 
@@ -193,11 +192,7 @@ def record_cost(result) -> str:
     if not result.ok:
         return failed("bench-record", result)
     o = result.options
-    bars = [
-        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})"
-        for what, r, goal, decided in result.bars()
-    ]
+    bars = [_goal_bar(what, r, goal, decided) for what, r, goal, decided in result.bars()]
     med = {k: statistics.median(v) * 1e3 for k, v in
            (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
     mb = result.projected_bytes / 1e6
@@ -239,8 +234,15 @@ def on_cpu(result) -> str:
         "",
         tabulate(rows, headers=["what", "median ms", "min ms"]),
         "",
-        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
-        f"(goal <= {goal:g}: {decision(decided, r)})",
+        _goal_bar(what, r, goal, decided),
         f"the same in CPU time: {c.value:.4f}  95% interval {interval(c.low, c.high, fmt='.4f')}"
         " (less swayed by other work on the machine)",
     ])  # fmt: skip
+
+
+def _goal_bar(what: str, r, goal: float, decided) -> str:
+    """`what: 1.0181  95% interval [a, b]  (goal <= 1.02: ...)`: a paired ratio against its goal."""
+    return (
+        f"{what}: {r.value:.4f}  95% interval {interval(r.low, r.high, fmt='.4f')}  "
+        f"(goal <= {goal:g}: {decision(decided, r)})"
+    )
