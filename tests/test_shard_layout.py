@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from verify.checks.consistency import ConsistencyOptions, run_consistency_on_rank
 from verify.checks.hints import Situation, hint_for
 from verify.checks.layout import Problem, layout_problems
 from verify.launching import launch
-from verify.training.sharded import full_parameters
+from verify.training.sharded import full_parameters, gather_shards
 from verify.training.trainer import Trainer
 
 FIXTURE = str(Path(__file__).resolve().parent / "fixtures/student_fsdp.py")
@@ -54,7 +55,22 @@ def rank_layouts(ctx) -> dict:
         out[f"{impl} probed"] = layout_problems(
             trainer.model, trainer.wrapped, full, dist.group.WORLD
         )
+    out["gathered apart"] = _gathers_apart(Trainer(ctx, _spec(ctx, "torch-fsdp")).model)
     return out
+
+
+def _gathers_apart(model) -> list[str]:
+    """The DTensors whose plain padded all-gather (`gather_shards`, what the tool uses on
+    CUDA over gloo) differs from `full_tensor()`: FSDP2's parameters (rows no world size
+    divides, one of fewer rows than ranks), a tensor sharded on its columns, a replicated one."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = next(model.parameters()).device_mesh
+    full = torch.arange(35.0).reshape(5, 7)
+    tensors = dict(model.named_parameters())
+    tensors["columns"] = distribute_tensor(full, mesh, [Shard(1)])
+    tensors["replicated"] = distribute_tensor(full, mesh, [Replicate()])
+    return [n for n, t in tensors.items() if not torch.equal(gather_shards(t), t.full_tensor())]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -67,6 +83,7 @@ def launch_and_check(world_size: int) -> None:
     run = launch(rank_layouts, world_size=world_size, timeout_s=240)
     assert run.ok, run.summary()
     got = run.values[0]
+    assert got["gathered apart"] == []
     checked = "shard layout: 7 parameters sharded by rows, checked at construction"
     for impl in IMPLS:
         name = impl.rsplit(":", 1)[-1]

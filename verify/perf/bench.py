@@ -18,8 +18,8 @@ the transformer workload at one bucket size, every variant trained by the one tr
    bytes per rank after construction, before and after the first optimizer step (plus CUDA
    allocated bytes on GPUs), and the memory check's measure of each kind against 1/N of the
    unsharded total (`verify/checks/memory.py`). Each is built and stepped once on its own,
-   after the timed variants are gone: CUDA's allocated bytes count every live tensor of the
-   process, so they are measured from what was allocated before the variant was built.
+   after the timed variants are gone: CUDA's requested bytes count every live tensor of the
+   process, so they are measured from what was requested before the variant was built.
 4. **Bucket all-reduce bandwidth** (`bandwidth.py`): our bucket all-reduces on ready
    gradients against raw all-reduces of buffers of the same sizes.
 

@@ -52,8 +52,19 @@ class MemoryProbe(Hooks):
 
 
 def allocated_bytes(device: torch.device) -> int | None:
-    """CUDA's allocated bytes on `device` (every live tensor of this process); None off CUDA."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    """The bytes every live tensor of this process asked CUDA's allocator for on `device`;
+    None off CUDA.
+
+    Requested, not allocated: the caching allocator hands out a cached free block whole when
+    it is less than 1 MiB larger than the request (it splits only a larger one), and counts
+    the whole block as allocated. What sits in its cache depends on what ran before, so the
+    allocated count of one variant moved with the variants benched before it: zero1's 0.5M
+    model read 8,388,608 bytes (an 8 MiB block taken whole) after three other variants and
+    7,924,224 alone (one H100; 7,459,840 and 8,388,608 the other way round on an H200)."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("requested_bytes.all.current", stats.get("allocated_bytes.all.current", 0))
 
 
 def settle(device: torch.device) -> None:

@@ -94,9 +94,50 @@ def assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
 
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor put together from its shards (a collective); any other tensor as it is."""
-    if tensor is not None and hasattr(tensor, "full_tensor"):
-        return tensor.full_tensor()
-    return tensor
+    if tensor is None or not hasattr(tensor, "full_tensor"):
+        return tensor
+    if tensor.device.type == "cuda" and _one_dim(tensor) and _gloo(tensor):
+        # `full_tensor()` all-gathers through `allgather_into_tensor_coalesced`, which gloo
+        # kills the process with on CUDA tensors (SIGSEGV; torch 2.11, one H100: two ranks
+        # sharing the GPU, `--device cuda --backend gloo`). FSDP2 itself never calls it.
+        return gather_shards(tensor)
+    return tensor.full_tensor()
+
+
+@torch.no_grad()
+def gather_shards(tensor) -> torch.Tensor:
+    """The full tensor of a DTensor on a one-dimensional mesh, sharded on one dimension or
+    replicated, by one plain `all_gather_into_tensor` of the shards padded to one length. A
+    collective over the mesh's group.
+
+    A `Shard(d)` placement cuts dimension d as `torch.chunk` does: every rank holds
+    ceil(n / N) rows but the last ones, which hold fewer or none. So rank r's rows start at
+    r x ceil(n / N), and the first n rows of the padded gather are the full tensor."""
+    import torch.distributed as dist
+
+    placement, local = tensor.placements[0], tensor.to_local().detach()
+    if not placement.is_shard():
+        return local
+    dim, group = placement.dim, tensor.device_mesh.get_group()
+    rows, size = tensor.shape[dim], dist.get_world_size(group)
+    chunk = -(-rows // size)
+    mine = local.movedim(dim, 0)
+    padded = mine.new_zeros((chunk, *mine.shape[1:]))
+    padded[: len(mine)] = mine
+    out = mine.new_empty((size * chunk, *mine.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return out[:rows].movedim(0, dim).contiguous()
+
+
+def _one_dim(tensor) -> bool:
+    placements = tensor.placements
+    return len(placements) == 1 and (placements[0].is_shard() or placements[0].is_replicate())
+
+
+def _gloo(tensor) -> bool:
+    import torch.distributed as dist
+
+    return "nccl" not in str(dist.get_backend(tensor.device_mesh.get_group()))
 
 
 def _misfit(got: object, trainable: dict[str, nn.Parameter]) -> str:
