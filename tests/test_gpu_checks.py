@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verify.checks import kinds
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.detection import run_detection
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
@@ -53,10 +54,25 @@ def test_consistency_and_equivalence_on_gpus(world):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", WORLDS)
 def test_matrix_and_faults_on_gpus(world):
+    """Every cell passes but one, which holds on a GPU only: PyTorch's ZeroRedundancyOptimizer,
+    loading a checkpoint whose tensors are on the CPU (as the round trip's broadcast leaves
+    them) into parameters on a GPU, copies each state tensor of its shard to the GPU twice
+    (`load_state_dict`: into the inner optimizer's state, and again, through
+    `Optimizer.load_state_dict`, into its own `.state`, never used after). On CPU parameters
+    both are the loaded tensor itself. Seen on one H100 with torch 2.11: state bytes per rank
+    [8192, 3648] against 5920 unsharded."""
     rows = ("world-1", "world-2", "round-trip", "no-sync")
     options = MatrixOptions(impls=("zero1", "torch-zero"), rows=rows, **on_gpus(world))
     result = run_matrix(options)
-    assert result.passed, [c for c, r in result.results.items() if r.failed]
+    copied = ("torch-zero", "round-trip", "shard")
+    failed = {c: r for c, r in result.results.items() if r.failed}
+    assert set(failed) <= {copied}, failed
+    if world >= 2:
+        found = result.results[copied].findings
+        assert [f.kind for f in found] == [kinds.STATE_COPIED], result.results[copied].detail
+        assert "at .state[param " in found[0].message and "at .optim.state[param " in (
+            found[0].message
+        )
     if world >= 2:
         faults = run_detection(("faulty:no-divide",), **on_gpus(world))
         assert faults.passed

@@ -242,7 +242,8 @@ def test_slice_sharded_and_per_rank_checkpoint_classes_beside_a_builtin():
     """tests/fixtures/sharded_styles.py: ZeRO-1 by slices and by trimmed param_groups, each
     correct and buggy, in one matrix with zero1 (3 launches, one per world size): the correct
     ones pass every cell, the one that keeps everything fails only the shard check, the one
-    whose load forgets the moments only the round trip's equivalence."""
+    whose load forgets the moments only the round trip's equivalence, the one whose load
+    keeps a second copy only the round trip's shard check, which names the two copies."""
     problems, result = sharded_styles.verdict_problems()
     assert not problems, "\n".join(problems)
     assert result.launches == 3
@@ -251,6 +252,10 @@ def test_slice_sharded_and_per_rank_checkpoint_classes_beside_a_builtin():
     assert "state bytes per rank [2960, 2960] vs unsharded 5920" in slices
     kept = result.result(here + "SliceShardedKeepsEverything", "world-3", "shard").detail
     assert kept.startswith("state kept on several ranks: state bytes per rank [5920, 5920, 5920]")
+    copied = result.result(here + "TrimsItsGroupsCopiesOnLoad", "round-trip", "shard")
+    assert copied.detail.startswith("state held twice on a rank: every parameter's state is on ")
+    assert ".state[param 0]['exp_avg'] and at .inner.state[param 0]['exp_avg']" in copied.detail
+    assert "into the wrapper's own .state leaves two" in copied.findings[0].hint
     played = {
         name: result.result(here + name, "round-trip", "equivalence").detail.splitlines()[-1]
         for name in ("SliceShardedAdamW", "TrimsItsGroups", "TrimsItsGroupsLosesState")

@@ -232,17 +232,42 @@ def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResul
     measured = local_state_bytes(optimizer, params)
     summary = (measured.bytes, measured.scalar_bytes, measured.owners, measured.note)
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, summary)
-    notes = [note for *_, note in gathered if note]
+    dist.all_gather_object(gathered, (*summary, measured.copy))
+    notes = [note for *_, note, _ in gathered if note]
     if notes and not any(b for b, *_ in gathered):
         return CellResult("n/a", f"the tool could not measure the optimizer state: {notes[0]}")
-    owned = [o for _, _, o, _ in gathered]
+    owned = [o for _, _, o, _, _ in gathered]
     if any(o is None for o in owned):  # state not keyed by parameter: count every parameter
         held = list(range(len(params)))
     else:
         held = sorted({i for o in owned for i in o})
     plain = unsharded_state([params[i] for i in held])
-    return shard_verdict([(b, s) for b, s, _, _ in gathered], plain)
+    verdict = shard_verdict([(b, s) for b, s, *_ in gathered], plain)
+    return _copies_named(verdict, owned, [c for *_, c in gathered], world_size)
+
+
+def _copies_named(verdict: CellResult, owned: list, copies: list, world_size: int) -> CellResult:
+    """A "several ranks" failure told apart: when no parameter's state is held by two ranks
+    but some rank holds a second copy of its own (`StateBytes.copy`), the state is sharded
+    and the excess is that copy, on one rank: said so, with the two places it lives."""
+    not_shared = all(o is not None for o in owned) and sum(map(len, owned)) == len(
+        {i for o in owned for i in o}
+    )
+    twice = [(r, c) for r, c in enumerate(copies) if c]
+    found = verdict.findings[0] if verdict.findings else None
+    if not (found and found.kind == kinds.STATE_NOT_SHARDED and not_shared and twice):
+        return verdict
+    (rank, (one, other)), more = twice[0], len(twice) - 1
+    also = f" (and {more} more rank{'s' if more > 1 else ''})" if more else ""
+    detail = verdict.detail.split(": ", 1)[1]
+    message = (
+        f"state held twice on a rank: every parameter's state is on one rank only, but rank "
+        f"{rank}{also} keeps a second copy of its own, at {one} and at {other}: {detail}"
+    )
+    copy = Finding(
+        "shard", "run", 0, message, kind=kinds.STATE_COPIED, numbers=dict(found.numbers or {})
+    )
+    return CellResult("fail", message, findings=with_hints([copy], Situation(world_size)))
 
 
 def shard_verdict(per_rank: list[tuple[int, int]], plain: list[PlainState]) -> CellResult:

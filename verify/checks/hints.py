@@ -181,5 +181,11 @@ HINTS = {
         "every rank keeps optimizer state for every parameter: give the inner optimizer only "
         "this rank's partition"
     ),
+    k.STATE_COPIED: _say(
+        "a copy of the rank's own state outlives its use: keep one reference to each state "
+        "tensor (a load_state_dict that copies the loaded state into the inner optimizer and "
+        "into the wrapper's own .state leaves two; PyTorch's ZeroRedundancyOptimizer does this "
+        "when the parameters are on a GPU and the loaded tensors on the CPU)"
+    ),
     k.NOT_SHARDED: _not_sharded,
 }

@@ -46,6 +46,7 @@ WRITE_IN_FLIGHT = "written while a collective was in flight"
 # --- the shard check (`cells.py`, `memory.py`) -----------------------------------------------
 STATE_NOT_SHARDED = "optimizer state not sharded"
 STATE_UNBALANCED = "optimizer state unbalanced"
+STATE_COPIED = "optimizer state held twice on a rank"
 NOT_SHARDED = "not sharded"  # parameters or gradients, per rung (numbers: "what")
 
 # --- a script's replica audit (`script_audit/book.py`): the kind says whether it is a fault;

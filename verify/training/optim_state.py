@@ -82,6 +82,9 @@ class StateBytes:
         paths: where a few state tensors were found, e.g. `.inner.state[param 3]['exp_avg']`.
         scalar_bytes: the part of `bytes` in storages of at most one element (per-shard
             scalars such as AdamW's `step`).
+        copy: two paths where one parameter's state of one name lives in two storages of
+            more than one element (`.state[param 0]['exp_avg']` and
+            `.optim.state[param 0]['exp_avg']`): a second copy of it; empty when none.
     """
 
     bytes: int
@@ -90,6 +93,7 @@ class StateBytes:
     note: str = ""
     paths: tuple[str, ...] = ()
     scalar_bytes: int = 0
+    copy: tuple[str, ...] = ()
 
 
 def local_state_bytes(
@@ -289,7 +293,21 @@ class _Walk:
             "; ".join(notes),
             tuple(paths),
             sum(n for n, scalar in counted if scalar),
+            self._copy(live),
         )
+
+    def _copy(self, live: list) -> tuple[str, ...]:
+        """The first two paths of one parameter's state of one name in two storages of more
+        than one element (`StateBytes.copy`)."""
+        first: dict[tuple, tuple] = {}
+        for _, key, owner, path in live:
+            if owner is None or self.storages[key][1]:  # whose it is unknown, or a scalar
+                continue
+            name = (owner, path[path.rfind("[") :])  # the state's own name: "['exp_avg']"
+            seen = first.setdefault(name, (key, path))
+            if seen[0] != key:
+                return (seen[1], path)
+        return ()
 
 
 def _is_tensor(obj: object) -> bool:
