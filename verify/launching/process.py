@@ -174,6 +174,7 @@ class RankProcess:
             self.zygote.wait(self._pid, 10.0)  # the zygote reaps it and tells us
         else:
             self.proc.wait()
+        _group_gone(self.pid)
         for pump in self._pumps:
             pump.join(timeout=2)
         if self.fd is not None:
@@ -193,6 +194,34 @@ def end_all(ranks: list[RankProcess], grace_s: float = 0.5) -> None:
         r.wait(max(0.0, end - time.monotonic()))
     for r in started:
         r._reap()
+
+
+def _group_gone(pgid: int, within_s: float = 5.0) -> None:
+    """Wait until process group `pgid` has no live member. SIGKILL is delivered at once, but a
+    process takes a moment to exit (a torch interpreter unmaps gigabytes): without the wait,
+    a worker the rank had started (mp.spawn, DataLoader) could still be running when the tool
+    returns, and, holding the run's rendezvous variables, meet the next launch's store."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if not _live_members(pgid):  # zombies only: their parent reaps them
+            return
+        time.sleep(0.01)
+
+
+def _live_members(pgid: int) -> bool:
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, _, group = f.read().rsplit(b")", 1)[1].split()[:3]
+            if int(group) == pgid and state != b"Z":
+                return True
+    return False
 
 
 def send(fd: int | None, message: object) -> None:
