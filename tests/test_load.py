@@ -25,7 +25,10 @@ meters under them still read a process at `nice 19` that computes as busy and a 
 idle (tests/test_procstat.py).
 
 So do the launcher form's (`audit -- torchrun ...` of a buggy loop, `audit -- python
-spawn_clean.py`, a hang through torchrun: tests/test_launchers.py), and the verdicts of
+spawn_clean.py`, a hang through torchrun: tests/test_launchers.py), the `--on-cpu`
+rehearsals of CUDA scripts beside their CPU copies, under --nproc and through torchrun and
+mp.spawn (tests/test_on_cpu.py), the Lightning and L-BFGS scripts whose gradients are read
+where final (tests/test_frameworks.py), and the verdicts of
 `audit --nproc N -- train.py` on the scripts of
 tests/test_script_verdicts.py (a hang after five steps, nothing audited, Muon's owned state,
 right and wrong, and the usage errors of a script that needs CUDA).
@@ -62,6 +65,7 @@ from tests import (
     test_join_audit,
     test_launchers,
     test_matrix,
+    test_on_cpu,
     test_procstat,
     test_replica_audit,
     test_script_verdicts,
@@ -91,7 +95,7 @@ STALL_S = 3.0
 # (the torchrun jobs' fresh interpreters), so that none starts last.
 WORKERS = 8
 LONGEST = (
-    "own", "launchers", "scenarios", "compare", "script:hang", "blind", "script:muon-two-gpus", "uneven", "script:muon",
+    "own", "launchers", "frameworks", "on-cpu-launcher", "on-cpu", "scenarios", "compare", "script:hang", "blind", "script:muon-two-gpus", "uneven", "script:muon",
     "nodes-skip", "script:no-step", "hints", "script:no-step-after-init", "nodes-compute", "join",
 )  # fmt: skip
 
@@ -148,7 +152,21 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
         },
         "compare": {"compare": (test_compare.verdict_problems, folder / "compare")},
         "launchers": {"launchers": (test_launchers.launcher_problems, str(folder / "launchers"))},
+        "on cpu": {
+            "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),
+            "on-cpu-launcher": (test_on_cpu.launcher_loaded_problems, folder / "on-cpu-launcher"),
+        },
+        "frameworks": {"frameworks": (_frameworks, folder / "frameworks")},
     }  # fmt: skip
+
+
+def _frameworks(folder: Path) -> list[str]:
+    """tests/test_frameworks.py's cases whose verdict hangs on timing; imported here, not at
+    the top: that module skips itself without the dev extra's Lightning and accelerate."""
+    from tests import test_frameworks
+
+    folder.mkdir()
+    return test_frameworks.loaded_problems(folder)
 
 
 class Window:
@@ -289,6 +307,22 @@ def _check_launchers(window: Window) -> None:
     assert not problems, "\n".join(problems)
 
 
+def _check_on_cpu(window: Window) -> None:
+    """`--on-cpu`: CUDA scripts rehearsed on CPU ranks (the nanoGPT-style loop clean and with
+    its sync bug, the DDP-series one clipping on rank 0) give their CPU copies' verdicts, and
+    so does the launcher form (torchrun, mp.spawn): tests/test_on_cpu.py's idle verdicts."""
+    problems = window["on-cpu"] + window["on-cpu-launcher"]
+    assert not problems, "\n\n".join(problems)
+
+
+def _check_frameworks(window: Window) -> None:
+    """Lightning (automatic optimization, clean and with gradient noise on one rank; manual
+    optimization with BatchNorm) and L-BFGS's closure: the gradients are read where final,
+    as on an idle machine (tests/test_frameworks.py)."""
+    problems = window["frameworks"]
+    assert not problems, "\n\n".join(problems)
+
+
 CHECKS = {
     "verdicts": _check_verdicts,
     "blind": _check_blind,
@@ -296,6 +330,8 @@ CHECKS = {
     "script verdicts": _check_script_verdicts,
     "compare": _check_compare,
     "launchers": _check_launchers,
+    "on cpu": _check_on_cpu,
+    "frameworks": _check_frameworks,
 }
 
 

@@ -13,7 +13,10 @@ Also: the mapping report names each call with its file:line and counts; a call t
 be mapped (a CUDA graph, also when the script catches the refusal and goes on) is one line,
 exit 2, no verdict; without `--on-cpu` the CUDA script is still the one-line usage error,
 now naming `--on-cpu`; `--on-cpu` beside a GPU placement is refused before any rank starts.
-Each case is the real command in a process of its own.
+Each `--nproc` case is the real command run as `main()` in the test's process (its ranks are
+real processes, forked from the worker's zygote: tests/consoles.py); the launcher form's
+cases are the real command in a process of its own. The verdicts under CPU hogs run in the
+one hog window of tests/test_load.py (`loaded_problems`, `launcher_loaded_problems`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.consoles import run_main
 from tests.processes import alive
-from tests.test_load import hogs
 from tests.torchrun_jobs import one_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,20 +83,23 @@ def snapshot(path: Path) -> str:
 
 
 def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit"):
-    argv = [sys.executable, "-m", "verify", command, "--nproc", "2", "--json", "--out",
-            str(out), "--stall-timeout", "5", *(["--on-cpu"] if on_cpu else []), "--",
-            str(script), *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    """`python -m verify COMMAND --nproc 2 --json [--on-cpu] -- SCRIPT ARGS` as `main()` in
+    this process (tests/consoles.py): the ranks fork from this worker's zygote, and the
+    rehearsal is installed in each rank as under a real command."""
+    return run_main(command, "--nproc", "2", "--json", "--out", str(out), "--stall-timeout",
+                    "5", *(["--on-cpu"] if on_cpu else []), "--", str(script), *args)  # fmt: skip
 
 
 def run_cases(tmp: Path, names) -> dict:
-    """Each named case twice: the CUDA script under --on-cpu, its CPU copy without."""
+    """Each named case as the CUDA script under --on-cpu and, for a buggy one, as its CPU
+    copy too: where the copy's verdict is a fault, the rehearsal must find the same one at
+    the same place. A clean script's rehearsal must pass (`verdict_problems`), which its
+    copy's pass would not add to."""
     jobs = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
         for name in names:
-            script, args, _ = VERDICTS[name]
-            for arm in ("cuda", "cpu"):
+            script, args, want = VERDICTS[name]
+            for arm in ("cuda", "cpu") if want else ("cuda",):
                 folder = tmp / name / arm
                 folder.mkdir(parents=True)
                 at = [a.format(snapshot=snapshot(folder / "snapshot.pt")) for a in args]
@@ -115,10 +121,12 @@ def verdict(p: subprocess.CompletedProcess) -> tuple:
 def verdict_problems(done: dict, names) -> list[str]:
     found = []
     for name in names:
-        cuda, cpu = verdict(done[name, "cuda"]), verdict(done[name, "cpu"])
         want = VERDICTS[name][2]
+        cpu = verdict(done[name, "cpu"]) if (name, "cpu") in done else (0, "pass", None)
+        cuda = verdict(done[name, "cuda"])
         if cuda != cpu or cuda[0] != want:
-            tail = done[name, "cuda"].stderr[-2500:] + done[name, "cpu"].stderr[-2500:]
+            tail = "".join(done[name, arm].stderr[-2500:] for arm in ("cuda", "cpu")
+                           if (name, arm) in done)  # fmt: skip
             found.append(f"{name}: --on-cpu {cuda}, CPU copy {cpu}, want exit {want}\n{tail}")
     return found
 
@@ -156,17 +164,17 @@ def test_cuda_scripts_get_their_cpu_copies_verdicts_and_the_mapping_is_reported(
         mine = json.loads((report_dir / f"rank{r}.on_cpu.json").read_text())
         assert mine["rank"] == r and mine["refused"] is None and len(mine["mapped"]) == len(sites)
     # the CPU copy maps nothing and says so by having no report
-    assert json.loads(done["gpt", "cpu"].stdout)["on_cpu"] is None
+    assert json.loads(done["gpt-accum-bug", "cpu"].stdout)["on_cpu"] is None
     assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
 
 
-@pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
-def test_cuda_scripts_verdicts_hold_with_every_core_busy(tmp_path):
-    with hogs():
-        done = run_cases(tmp_path, UNDER_LOAD)
-    problems = verdict_problems(done, UNDER_LOAD)
-    assert not problems, "\n\n".join(problems)
-    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+def loaded_problems(tmp: Path) -> list[str]:
+    """`UNDER_LOAD`'s cases, each as a CUDA script under --on-cpu and as its CPU copy, for
+    the hog window of tests/test_load.py: what is wrong, and any rank left running."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    problems = verdict_problems(run_cases(tmp, UNDER_LOAD), UNDER_LOAD)
+    left = [p for p in _rank_pids(tmp) if alive(p)]
+    return problems + ([f"ranks left running: {left}"] if left else [])
 
 
 def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
@@ -220,10 +228,8 @@ def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
 )
 def test_on_cpu_beside_a_gpu_placement_is_refused(argv, said):
     script = str(CUDA / "gpt_train.py")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     tail = ["--", script] if "--impl" not in argv else []
-    p = subprocess.run([sys.executable, "-m", "verify", *argv, *tail], env=env,
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    p = run_main(*argv, *tail)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and said in p.stderr, p.stderr
 
 
@@ -423,12 +429,13 @@ def test_the_launcher_form_is_rehearsed_on_cpu(tmp_path):
     assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
 
 
-@pytest.mark.alone
-def test_the_launcher_form_is_rehearsed_on_cpu_with_every_core_busy(tmp_path):
-    with hogs():
-        problems = launcher_on_cpu_problems(tmp_path)
-    assert not problems, "\n\n".join(problems)
-    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+def launcher_loaded_problems(tmp: Path) -> list[str]:
+    """`launcher_on_cpu_problems` and any rank left running, for the hog window of
+    tests/test_load.py."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    problems = launcher_on_cpu_problems(tmp)
+    left = [p for p in _rank_pids(tmp) if alive(p)]
+    return problems + ([f"ranks left running: {left}"] if left else [])
 
 
 @pytest.mark.parametrize(
