@@ -40,7 +40,7 @@ if [[ $what == tests ]]; then  # the gpu-marked tests, several at a time
 fi
 
 # the CPU suite on most cores, and meanwhile the measurements and the matrix
-part cpu_suite 420 $py -m pytest -p no:cacheprovider -m "not gpu" -n 12 -v -rfEs &
+part cpu_suite 420 $py -m pytest -p no:cacheprovider -m "not gpu" -n 12 -v -rfEs --timeout 400 &
 part bench_ws1 100 $py -m verify bench --device cuda --world-size 1 --out /tmp/gpu_bench --no-sweep
 part bench_ws2 100 $py -m verify bench --device cuda --backend gloo --world-size 2 --out /tmp/gpu_bench --no-sweep
 part zero_round_trip 60 $py -m verify matrix --impl torch-zero --rows round-trip --device cuda --backend gloo

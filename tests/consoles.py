@@ -9,6 +9,11 @@ from it, without an interpreter started and importing torch for it (~2 s of CPU 
 
 What a real interpreter alone shows (a traceback the interpreter prints on its way out, a
 signal's effect, a shell's view) still needs a real process: tests of those start one.
+
+One limit: the progress lines (`verify/progress.py`) are one switch for the process, so with
+commands in several threads one command's progress may show in, or be silenced by, another's
+stderr. Assert on stdout, the exit code and the lines a command prints itself, not on the
+progress lines of commands run side by side.
 """
 
 from __future__ import annotations

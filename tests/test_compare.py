@@ -249,9 +249,9 @@ def test_a_sketch_is_the_same_size_for_any_tensor_and_finds_the_changed_block():
 def verdict_problems(base: Path) -> list[str]:
     """A student's loop recorded on one rank, then run on two ranks x 2 micro-steps, right
     and wrong; and a resume against a full run, bitwise: what is wrong with their verdicts
-    (empty: none). For the load test (tests/test_load.py): the same verdicts on an idle
-    machine are the module's (`runs`: student_ok, student_bug, resume), so they are not
-    run idle a second time here."""
+    (empty: none). For the load test (tests/test_load.py). Not run idle a second time: the
+    module's runs (`runs`) give the same verdicts idle on the same student's loop, right and
+    wrong, and on a resume of the same script (saved at step 3 of 6 there, 2 of 4 here)."""
     out, student = str(base / "runs"), base / "student.py"
     student.write_text(STUDENT)
     ck = str(base / "ck.pt")

@@ -81,8 +81,9 @@ PASS = "replicas bitwise identical at every audited step"
 
 def run_cli(out: Path, name: str) -> Ran:
     """`python -m verify audit --nproc 2 -- SCRIPT ...` as `main()` in this process
-    (tests/consoles.py): the ranks fork from this worker's zygote; the scripts write only
-    into the folder they are given (Lightning's logger and checkpoints off, or there)."""
+    (tests/consoles.py: the ranks are the same fresh interpreters, no parent interpreter is
+    started); the scripts write only into the folder they are given (Lightning's logger and
+    checkpoints off, or there)."""
     script, mode, folder = CASES[name]
     work = out / name
     work.mkdir(parents=True)

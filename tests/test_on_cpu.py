@@ -13,9 +13,10 @@ Also: the mapping report names each call with its file:line and counts; a call t
 be mapped (a CUDA graph, also when the script catches the refusal and goes on) is one line,
 exit 2, no verdict; without `--on-cpu` the CUDA script is still the one-line usage error,
 now naming `--on-cpu`; `--on-cpu` beside a GPU placement is refused before any rank starts.
-Each `--nproc` case is the real command run as `main()` in the test's process (its ranks are
-real processes, forked from the worker's zygote: tests/consoles.py); the launcher form's
-cases are the real command in a process of its own. The verdicts under CPU hogs run in the
+Each `--nproc` verdict is the real command run as `main()` in the test's process (its ranks
+are the same fresh interpreters: tests/consoles.py); a refusal's, whose "no traceback" only
+a real interpreter shows, and the launcher form's cases are the real command in a process of
+its own. The verdicts under CPU hogs run in the
 one hog window of tests/test_load.py (`loaded_problems`, `launcher_loaded_problems`).
 """
 
@@ -82,12 +83,19 @@ def snapshot(path: Path) -> str:
     return str(path)
 
 
-def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit"):
-    """`python -m verify COMMAND --nproc 2 --json [--on-cpu] -- SCRIPT ARGS` as `main()` in
-    this process (tests/consoles.py): the ranks fork from this worker's zygote, and the
-    rehearsal is installed in each rank as under a real command."""
-    return run_main(command, "--nproc", "2", "--json", "--out", str(out), "--stall-timeout",
-                    "5", *(["--on-cpu"] if on_cpu else []), "--", str(script), *args)  # fmt: skip
+def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit",
+          process: bool = False):  # fmt: skip
+    """`python -m verify COMMAND --nproc 2 --json [--on-cpu] -- SCRIPT ARGS`, as `main()` in
+    this process (tests/consoles.py: the ranks are the same fresh interpreters, no parent
+    interpreter is started), or with `process` as a real command: a one-line refusal's "no
+    traceback" is a real interpreter's to show."""
+    args = [command, "--nproc", "2", "--json", "--out", str(out), "--stall-timeout", "5",
+            *(["--on-cpu"] if on_cpu else []), "--", str(script), *args]  # fmt: skip
+    if not process:
+        return run_main(*args)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "verify", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def run_cases(tmp: Path, names) -> dict:
@@ -184,9 +192,11 @@ def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
     script = CUDA / "graphed_train.py"
     with ThreadPoolExecutor(max_workers=3) as pool:
         runs = {
-            "graph": pool.submit(audit, tmp_path / "a", script, "graph"),
-            "fallback": pool.submit(audit, tmp_path / "b", script, "fallback"),
-            "plain": pool.submit(audit, tmp_path / "c", CUDA / "gpt_train.py", on_cpu=False),
+            "graph": pool.submit(audit, tmp_path / "a", script, "graph", process=True),
+            "fallback": pool.submit(audit, tmp_path / "b", script, "fallback", process=True),
+            "plain": pool.submit(
+                audit, tmp_path / "c", CUDA / "gpt_train.py", on_cpu=False, process=True
+            ),
             "hang": pool.submit(
                 audit,
                 tmp_path / "d",
@@ -227,6 +237,8 @@ def test_what_cannot_be_mapped_is_one_line_and_no_verdict(tmp_path):
     ],
 )
 def test_on_cpu_beside_a_gpu_placement_is_refused(argv, said):
+    """In-process: refused while the arguments are read, before anything starts (the real
+    interpreter's view of such a refusal is the `graph`/`plain` cases' above)."""
     script = str(CUDA / "gpt_train.py")
     tail = ["--", script] if "--impl" not in argv else []
     p = run_main(*argv, *tail)

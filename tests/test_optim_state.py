@@ -324,3 +324,28 @@ def test_unsharded_state():
     sgd = unsharded_state([p32, p64], torch.optim.SGD, lr=0.1, momentum=0.9)
     assert sgd == [PlainState(15 * 4, 0, 15), PlainState(7 * 8, 0, 7)]
     assert p32.grad is None  # copies were stepped, not the parameters
+
+
+def test_a_second_copy_of_a_parameters_state_is_found_and_other_names_are_not():
+    """`StateBytes.copy`: the wrapper's own `.state` holding a copy of what its inner optimizer
+    holds (a load that copied twice) is found, with its bytes; a tensor shared by both is one
+    storage, no copy; two states of one parameter whose last key agrees but whose names do
+    not (Shampoo-style lists: `['Q'][0]` and `['GG'][0]`) are not a copy."""
+
+    class Wrapper:
+        def __init__(self, inner, own):
+            self.inner, self.state = inner, own
+
+    p = nn.Parameter(torch.ones(4, 3))
+    inner = torch.optim.AdamW([p])
+    p.grad = torch.ones_like(p)
+    inner.step()
+    held = inner.state[p]
+    copied = local_state_bytes(Wrapper(inner, {p: {k: v.clone() for k, v in held.items()}}), [p])
+    assert set(copied.copy) == {".state[param 0]['exp_avg']", ".inner.state[param 0]['exp_avg']"}
+    assert copied.copy_bytes == 2 * 48  # exp_avg and exp_avg_sq; `step` is a scalar
+    shared = local_state_bytes(Wrapper(inner, {p: dict(held)}), [p])
+    assert shared.copy == () and shared.copy_bytes == 0
+    lists = {p: {"Q": [torch.zeros(3, 3)], "GG": [torch.zeros(3, 3)]}}
+    named = local_state_bytes(Wrapper(torch.optim.SGD([p]), lists), [p])
+    assert named.copy == () and named.bytes == 72

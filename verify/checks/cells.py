@@ -222,8 +222,9 @@ def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResul
     (`training/optim_state.py`). The unsharded size is measured too: a plain AdamW stepped
     once on copies of the parameters that hold state on some rank (all of them when the
     state is not keyed by parameter, as with slices). The ranks exchange one fixed summary
-    each (bytes, scalar bytes, owners, note), whatever their shards' shapes; `shard_verdict`
-    judges it, the same on every rank.
+    each (bytes, scalar bytes, owners, note, and where a rank holds its own state twice),
+    whatever their shards' shapes; `shard_verdict` judges it, the same on every rank, and
+    `_copies_named` says so when the excess is such a second copy.
 
     When the tool cannot measure (a note from the probe on some rank), the cell is "n/a" with
     the reason: a failure of the tool's own probe never reads as the optimizer's.
@@ -232,7 +233,7 @@ def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResul
     measured = local_state_bytes(optimizer, params)
     summary = (measured.bytes, measured.scalar_bytes, measured.owners, measured.note)
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (*summary, measured.copy))
+    dist.all_gather_object(gathered, (*summary, (measured.copy, measured.copy_bytes)))
     notes = [note for *_, note, _ in gathered if note]
     if notes and not any(b for b, *_ in gathered):
         return CellResult("n/a", f"the tool could not measure the optimizer state: {notes[0]}")
@@ -247,15 +248,19 @@ def check_shard_sizes(model: nn.Module, optimizer, world_size: int) -> CellResul
 
 
 def _copies_named(verdict: CellResult, owned: list, copies: list, world_size: int) -> CellResult:
-    """A "several ranks" failure told apart: when no parameter's state is held by two ranks
-    but some rank holds a second copy of its own (`StateBytes.copy`), the state is sharded
-    and the excess is that copy, on one rank: said so, with the two places it lives."""
+    """A "several ranks" failure told apart: when no parameter's state is held by two ranks,
+    and the second copies some rank holds of its own (`StateBytes.copy`, `copy_bytes`) make
+    up the whole excess over one copy, the state is sharded and the excess is those copies:
+    said so, with two places one of them lives."""
     not_shared = all(o is not None for o in owned) and sum(map(len, owned)) == len(
         {i for o in owned for i in o}
     )
-    twice = [(r, c) for r, c in enumerate(copies) if c]
+    twice = [(r, paths) for r, (paths, _) in enumerate(copies) if paths]
     found = verdict.findings[0] if verdict.findings else None
     if not (found and found.kind == kinds.STATE_NOT_SHARDED and not_shared and twice):
+        return verdict
+    excess = sum(found.numbers["bytes_per_rank"]) - found.numbers["one_copy"]
+    if sum(n for _, n in copies) < excess:  # the copies found do not explain it
         return verdict
     (rank, (one, other)), more = twice[0], len(twice) - 1
     also = f" (and {more} more rank{'s' if more > 1 else ''})" if more else ""

@@ -15,8 +15,8 @@ the transformer workload at one bucket size, every variant trained by the one tr
    fitted from all-reduce times measured in the same launch and the measured backward time.
 3. **Memory** (`bench_memory.py`). For the ladder's memory variants (`bucketed`, `zero1`,
    `torch-zero`, `zero2`, `zero3`, `torch-fsdp`): parameter, gradient and optimizer-state
-   bytes per rank after construction, before and after the first optimizer step (plus CUDA
-   allocated bytes on GPUs), and the memory check's measure of each kind against 1/N of the
+   bytes per rank after construction, before and after the first optimizer step (plus the bytes
+   the live tensors requested from CUDA's allocator, on GPUs), and the memory check's measure of each kind against 1/N of the
    unsharded total (`verify/checks/memory.py`). Each is built and stepped once on its own,
    after the timed variants are gone: CUDA's requested bytes count every live tensor of the
    process, so they are measured from what was requested before the variant was built.

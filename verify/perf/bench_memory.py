@@ -7,9 +7,10 @@ hooks that share one way of counting bytes, the memory check's (`verify/checks/m
 a `DTensor` counts by its local shard, optimizer state by `optim_state.local_state_bytes`):
 
 - `MemoryProbe`: parameter, gradient and optimizer-state bytes after construction, before
-  the step (gradients synchronized) and after it, plus, on CUDA, the allocator's bytes
-  counted from what was allocated before the variant was built (CUDA's count holds every
-  live tensor of the process: hence one variant alive at a time);
+  the step (gradients synchronized) and after it, plus, on CUDA, the bytes the live
+  tensors requested from the allocator, counted from what was requested before the variant
+  was built (CUDA's count holds every live tensor of the process: hence one variant alive
+  at a time);
 - `MemoryHooks` (the memory check itself): each kind per rank against the unsharded size,
   and whether the rung shards what it promises (`MemoryResult`), put together across ranks.
 
@@ -32,8 +33,8 @@ from verify.training.trainer import Trainer
 
 class MemoryProbe(Hooks):
     """Tensor bytes of the model, its gradients and its optimizer state after construction,
-    and before and after the first optimizer step; on CUDA also the bytes allocated since
-    `baseline` (what was allocated before the trainer was built)."""
+    and before and after the first optimizer step; on CUDA also the bytes requested since
+    `baseline` (what was requested before the trainer was built: `allocated_bytes`)."""
 
     def __init__(self, baseline: int | None = None) -> None:
         self.baseline = baseline

@@ -82,9 +82,11 @@ class StateBytes:
         paths: where a few state tensors were found, e.g. `.inner.state[param 3]['exp_avg']`.
         scalar_bytes: the part of `bytes` in storages of at most one element (per-shard
             scalars such as AdamW's `step`).
-        copy: two paths where one parameter's state of one name lives in two storages of
-            more than one element (`.state[param 0]['exp_avg']` and
-            `.optim.state[param 0]['exp_avg']`): a second copy of it; empty when none.
+        copy: two paths where one parameter's state of one name (the path after the
+            parameter's key: `['exp_avg']`, `['Q'][0]`) lives in two storages of more than
+            one element (`.state[param 0]['exp_avg']` and `.optim.state[param 0]['exp_avg']`):
+            a second copy of it; empty when none.
+        copy_bytes: the bytes of every such second (third...) storage.
     """
 
     bytes: int
@@ -94,6 +96,7 @@ class StateBytes:
     paths: tuple[str, ...] = ()
     scalar_bytes: int = 0
     copy: tuple[str, ...] = ()
+    copy_bytes: int = 0
 
 
 def local_state_bytes(
@@ -293,21 +296,25 @@ class _Walk:
             "; ".join(notes),
             tuple(paths),
             sum(n for n, scalar in counted if scalar),
-            self._copy(live),
+            *self._copies(live),
         )
 
-    def _copy(self, live: list) -> tuple[str, ...]:
-        """The first two paths of one parameter's state of one name in two storages of more
-        than one element (`StateBytes.copy`)."""
+    def _copies(self, live: list) -> tuple[tuple[str, ...], int]:
+        """`StateBytes.copy` and `copy_bytes`: one parameter's state of one name found in
+        several storages of more than one element."""
         first: dict[tuple, tuple] = {}
+        extra: set[tuple] = set()
+        paths: tuple[str, ...] = ()
         for _, key, owner, path in live:
             if owner is None or self.storages[key][1]:  # whose it is unknown, or a scalar
                 continue
-            name = (owner, path[path.rfind("[") :])  # the state's own name: "['exp_avg']"
+            at = path.find(f"[param {owner}]")
+            name = (owner, path[at + len(f"[param {owner}]") :] if at >= 0 else path)
             seen = first.setdefault(name, (key, path))
-            if seen[0] != key:
-                return (seen[1], path)
-        return ()
+            if seen[0] != key and key not in extra:
+                extra.add(key)
+                paths = paths or (seen[1], path)
+        return paths, sum(self.storages[key][0] for key in extra)
 
 
 def _is_tensor(obj: object) -> bool:

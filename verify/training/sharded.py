@@ -8,12 +8,14 @@ compared with one process. How the tool gets them, in order (docs/verify-your-ow
    `finish_gradient_synchronization()`, returning `{name: gradient or None}` for every
    trainable parameter, named as the wrapped module's `named_parameters()` names it, each
    gradient whole (ZeRO-2, `impls.zero2`, sends each from its owner);
-2. a gradient that is a `DTensor` (PyTorch FSDP2's): `.full_tensor()`, a collective;
+2. a gradient that is a `DTensor` (PyTorch FSDP2's): `.full_tensor()`, a collective (over
+   gloo on CUDA, `gather_shards` instead: see `_full`);
 3. otherwise `.grad` as it is (replicated data parallelism).
 
 Parameters the same way (`full_parameters`): the wrapper's `full_parameters()` when it has
 one (a collective returning `{name: whole parameter}` for every parameter; ZeRO-3,
-`impls.zero3`), else a `DTensor` by `.full_tensor()`, else as it is (replicated).
+`impls.zero3`), else a `DTensor` by `.full_tensor()` (or `gather_shards`), else as it is
+(replicated).
 
 A `full_gradients()` whose answer does not fit (a name missing or unknown, a value that is not
 a tensor) cannot be judged: `InterfaceError`, one line, exit 2. A gradient of the wrong shape
@@ -96,7 +98,7 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor put together from its shards (a collective); any other tensor as it is."""
     if tensor is None or not hasattr(tensor, "full_tensor"):
         return tensor
-    if tensor.device.type == "cuda" and _one_dim(tensor) and _gloo(tensor):
+    if tensor.device.type == "cuda" and _one_dim(tensor) and _not_nccl(tensor):
         # `full_tensor()` all-gathers through `allgather_into_tensor_coalesced`, which gloo
         # kills the process with on CUDA tensors (SIGSEGV; torch 2.11, one H100: two ranks
         # sharing the GPU, `--device cuda --backend gloo`). FSDP2 itself never calls it.
@@ -134,7 +136,7 @@ def _one_dim(tensor) -> bool:
     return len(placements) == 1 and (placements[0].is_shard() or placements[0].is_replicate())
 
 
-def _gloo(tensor) -> bool:
+def _not_nccl(tensor) -> bool:
     import torch.distributed as dist
 
     return "nccl" not in str(dist.get_backend(tensor.device_mesh.get_group()))
