@@ -28,6 +28,8 @@ import threading
 import time
 from typing import TextIO
 
+from verify.launching import tree
+
 _LEN = struct.Struct("<I")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The child finds this package where the parent found it, whatever the child's sys.path.
@@ -209,22 +211,10 @@ def _group_gone(pgid: int, within_s: float = 5.0) -> None:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return
-        if not _live_members(pgid):  # zombies only: their parent reaps them
+        if not tree.group_members(pgid):  # zombies only: their parent reaps them
             return
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
-
-
-def _live_members(pgid: int) -> bool:
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state, _, group = f.read().rsplit(b")", 1)[1].split()[:3]
-            if int(group) == pgid and state != b"Z":
-                return True
-    return False
 
 
 def send(fd: int | None, message: object) -> None:

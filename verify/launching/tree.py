@@ -66,9 +66,19 @@ def descendants(root: int) -> list[int]:
     return below
 
 
+def group_members(pgid: int) -> list[int]:
+    """Every live process (not zombies) of process group `pgid`, from /proc."""
+    return [pid for pid, (_, group) in _live_stats().items() if group == pgid]
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every live process (not zombies), from /proc."""
-    parent_of: dict[int, int] = {}
+    return {pid: parent for pid, (parent, _) in _live_stats().items()}
+
+
+def _live_stats() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every live process (not zombies), from /proc."""
+    stats: dict[int, tuple[int, int]] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
             if not name.isdigit():
@@ -79,8 +89,8 @@ def _parents() -> dict[int, int]:
             except (OSError, IndexError):
                 continue
             if fields[0] != b"Z":
-                parent_of[int(name)] = int(fields[1])
-    return parent_of
+                stats[int(name)] = (int(fields[1]), int(fields[2]))
+    return stats
 
 
 def carries(pid: int, marker: bytes) -> bool:
