@@ -41,6 +41,7 @@ from torch import nn
 
 from verify.replica_audit.group import comm_device, min_max
 from verify.training.interface import InterfaceError
+from verify.training.sharded import row_block
 
 GUIDE = "docs/verify-your-own-ddp.md"
 _FIELDS = 7  # name digest, declared, dim, start, stop, rows of the full tensor, values match
@@ -111,14 +112,11 @@ def _declared(model: nn.Module, wrapped: nn.Module) -> dict:
 
 def _dtensor_rows(p: torch.Tensor):
     """(local shard, dim, start, stop) of a DTensor placed Shard(dim) on a 1-D mesh, else None."""
-    placements = getattr(p, "placements", None)
-    if placements is None or len(placements) != 1 or not placements[0].is_shard():
+    placed = row_block(p)
+    if placed is None:
         return None
-    mesh, dim = p.device_mesh, placements[0].dim
-    local = p.to_local().detach()
-    n, size = p.shape[dim], mesh.size()
-    block = -(-n // size)  # torch.chunk's: ceil(n / N) rows, the last block short or empty
-    start = min(mesh.get_local_rank() * block, n)
+    (dim, block), local = placed, p.to_local().detach()
+    start = min(p.device_mesh.get_local_rank() * block, p.shape[dim])
     return local, dim, start, start + local.shape[dim]
 
 

@@ -25,6 +25,7 @@ a tensor) cannot be judged: `InterfaceError`, one line, exit 2. A gradient of th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from verify.training.interface import InterfaceError
@@ -106,23 +107,30 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.full_tensor()
 
 
+def row_block(tensor) -> tuple[int, int] | None:
+    """(d, ceil(n / N)) of a DTensor placed `Shard(d)` on a one-dimensional mesh of N ranks,
+    n its size along d; None for any other tensor or placement. `Shard(d)` cuts d as
+    `torch.chunk` does: every rank holds that many rows but the last ones, which hold fewer
+    or none, so rank r's rows start at r x ceil(n / N)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None or len(placements) != 1 or not placements[0].is_shard():
+        return None
+    dim = placements[0].dim
+    return dim, -(-tensor.shape[dim] // tensor.device_mesh.size())
+
+
 @torch.no_grad()
 def gather_shards(tensor) -> torch.Tensor:
     """The full tensor of a DTensor on a one-dimensional mesh, sharded on one dimension or
-    replicated, by one plain `all_gather_into_tensor` of the shards padded to one length. A
-    collective over the mesh's group.
-
-    A `Shard(d)` placement cuts dimension d as `torch.chunk` does: every rank holds
-    ceil(n / N) rows but the last ones, which hold fewer or none. So rank r's rows start at
-    r x ceil(n / N), and the first n rows of the padded gather are the full tensor."""
-    import torch.distributed as dist
-
-    placement, local = tensor.placements[0], tensor.to_local().detach()
-    if not placement.is_shard():
+    replicated, by one plain `all_gather_into_tensor` of the shards padded to one length
+    (`row_block`: the first n rows of the padded gather are the full tensor). A collective
+    over the mesh's group."""
+    local = tensor.to_local().detach()
+    block = row_block(tensor)
+    if block is None:  # replicated
         return local
-    dim, group = placement.dim, tensor.device_mesh.get_group()
+    (dim, chunk), group = block, tensor.device_mesh.get_group()
     rows, size = tensor.shape[dim], dist.get_world_size(group)
-    chunk = -(-rows // size)
     mine = local.movedim(dim, 0)
     padded = mine.new_zeros((chunk, *mine.shape[1:]))
     padded[: len(mine)] = mine
@@ -137,8 +145,6 @@ def _one_dim(tensor) -> bool:
 
 
 def _not_nccl(tensor) -> bool:
-    import torch.distributed as dist
-
     return "nccl" not in str(dist.get_backend(tensor.device_mesh.get_group()))
 
 
