@@ -73,12 +73,12 @@ def settle(device: torch.device) -> None:
 
     A tensor a collective used on another stream is freed late: the caching allocator holds
     its block until that stream's event completes (record_stream), and the process group
-    keeps tensors it stashed until their work is done. Without this, a variant benched after
-    another had part of the other's memory in its baseline, freed during its own build: it
-    read 11% low (7,459,840 allocated bytes for zero1 benched with three other variants,
-    8,388,608 alone, one H200). gc first, so that the blocks are free; then wait for the
-    device and let `empty_cache` process the pending events (it is where the allocator
-    does, besides the next allocation)."""
+    keeps tensors it stashed until their work is done; one freed during the next variant's
+    build would come off that variant's count. gc first, so that the blocks are free; then
+    wait for the device and let `empty_cache` process the pending events (it is where the
+    allocator does, besides the next allocation). (The 11% a variant's figure once moved by
+    with the variants before it was not this but the allocator's whole blocks, which
+    `allocated_bytes` leaves out: see there.)"""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
