@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import json
 import os
 import pickle
 import socket
@@ -94,6 +95,20 @@ def descendants(pid: int) -> set[int]:
         out.update(kids)
         todo.extend(kids)
     return out
+
+
+def report_pids(folder: Path) -> list[int]:
+    """The ranks' process ids of every run whose report (report.json, with its `pids`) lies
+    below `folder`; a usage error writes no report."""
+    pids = []
+    for path in folder.glob("**/report.json"):
+        pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
+    return pids
+
+
+def still_running(folder: Path) -> list[int]:
+    """Those of `report_pids(folder)` still alive."""
+    return [p for p in report_pids(folder) if alive(p)]
 
 
 def session_members(sid: int) -> list[int]:

@@ -43,7 +43,6 @@ value through; an optimizer that never calls its closure is audited at its post-
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,7 +51,7 @@ import torch
 from torch import nn
 
 from tests.consoles import Ran, run_main
-from tests.processes import alive
+from tests.processes import still_running
 from verify.launching import RankContext, launch
 from verify.script_audit import Auditor, AuditSettings
 
@@ -176,16 +175,8 @@ def loaded_problems(out: Path) -> list[str]:
     """The cases whose verdict hangs on timing (`TIMING`), for the hog window of
     tests/test_load.py: what is wrong with them, and any rank left running."""
     done = run_all(out, TIMING)
-    left = [p for p in _rank_pids(out) if alive(p)]
+    left = still_running(out)
     return problems(done) + ([f"ranks left running: {left}"] if left else [])
-
-
-def _rank_pids(folder: Path) -> list[int]:
-    """The ranks' process ids, from every run's report.json."""
-    pids = []
-    for path in folder.glob("*/audit_*/report.json"):
-        pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
-    return pids
 
 
 # ------------------------------------------------------------ the closure's timing, in-process

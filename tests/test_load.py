@@ -72,7 +72,7 @@ from tests import (
     test_shard_layout,
 )
 from tests.fixtures import deadline_loops, sharded_styles
-from tests.processes import alive, hogs
+from tests.processes import alive, hogs, report_pids
 from tests.test_script_audit import buggy_problems, run_buggy
 from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
@@ -286,7 +286,7 @@ def _check_script_verdicts(window: Window) -> None:
     done = {name: window[f"script:{name}"] for name in cases}
     problems = test_script_verdicts.problems(done)
     assert not problems, "\n\n".join(problems)
-    pids = test_script_verdicts.rank_pids(window.folder / "scripts")
+    pids = report_pids(window.folder / "scripts")
     assert pids and not [p for p in pids if alive(p)], "a rank left running"
 
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests.consoles import run_main
-from tests.processes import alive
+from tests.processes import still_running
 from tests.torchrun_jobs import one_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_cuda_scripts_get_their_cpu_copies_verdicts_and_the_mapping_is_reported(
         assert mine["rank"] == r and mine["refused"] is None and len(mine["mapped"]) == len(sites)
     # the CPU copy maps nothing and says so by having no report
     assert json.loads(done["gpt-accum-bug", "cpu"].stdout)["on_cpu"] is None
-    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+    assert not still_running(tmp_path), "a rank left running"
 
 
 def loaded_problems(tmp: Path) -> list[str]:
@@ -181,7 +181,7 @@ def loaded_problems(tmp: Path) -> list[str]:
     the hog window of tests/test_load.py: what is wrong, and any rank left running."""
     tmp.mkdir(parents=True, exist_ok=True)
     problems = verdict_problems(run_cases(tmp, UNDER_LOAD), UNDER_LOAD)
-    left = [p for p in _rank_pids(tmp) if alive(p)]
+    left = still_running(tmp)
     return problems + ([f"ranks left running: {left}"] if left else [])
 
 
@@ -313,13 +313,6 @@ def test_the_cost_benchmark_decides_against_its_goal(capsys):
     assert bar["decision"] in ("met", "missed", "undecided")
 
 
-def _rank_pids(folder: Path) -> list[int]:
-    pids = []
-    for path in folder.glob("**/report.json"):
-        pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
-    return pids
-
-
 # --on-cpu with the launcher form (`audit --on-cpu -- torchrun ...`, `-- python x.py` that
 # calls mp.spawn): the rehearsal is installed at each process's import of torch
 # (verify/launching/bootstrap/), its report named by the rank at init_process_group.
@@ -438,7 +431,7 @@ def test_the_launcher_form_is_rehearsed_on_cpu(tmp_path):
     `torch.cuda.device_count()` GPUs runs on two CPU ranks, its bug named."""
     problems = launcher_on_cpu_problems(tmp_path)
     assert not problems, "\n\n".join(problems)
-    assert not [p for p in _rank_pids(tmp_path) if alive(p)], "a rank left running"
+    assert not still_running(tmp_path), "a rank left running"
 
 
 def launcher_loaded_problems(tmp: Path) -> list[str]:
@@ -446,7 +439,7 @@ def launcher_loaded_problems(tmp: Path) -> list[str]:
     tests/test_load.py."""
     tmp.mkdir(parents=True, exist_ok=True)
     problems = launcher_on_cpu_problems(tmp)
-    left = [p for p in _rank_pids(tmp) if alive(p)]
+    left = still_running(tmp)
     return problems + ([f"ranks left running: {left}"] if left else [])
 
 

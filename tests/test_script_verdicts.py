@@ -25,7 +25,6 @@ with the rest of the load test's verdicts: tests/test_load.py.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -121,14 +120,6 @@ def test_script_verdicts(tmp_path):
     # c10d's INFO log is not lost: it is in the rank's stderr file
     stderr = next((tmp_path / "muon").glob("audit_*/rank0.stderr")).read_text()
     assert "DDP Initialized with" in stderr and "broadcast_buffers: 1" in stderr
-
-
-def rank_pids(folder: Path) -> list[int]:
-    """The ranks' process ids, from every run's report.json (a usage error writes none)."""
-    pids = []
-    for path in folder.glob("*/*/report.json"):
-        pids += [int(p) for p in json.loads(path.read_text()).get("pids", {}).values()]
-    return pids
 
 
 # ------------------------------------------------------------ who holds the optimizer state
