@@ -98,13 +98,13 @@ def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def run_cases(tmp: Path, names) -> dict:
+def run_cases(tmp: Path, names, at_once: int = 4) -> dict:
     """Each named case as the CUDA script under --on-cpu and, for a buggy one, as its CPU
     copy too: where the copy's verdict is a fault, the rehearsal must find the same one at
     the same place. A clean script's rehearsal must pass (`verdict_problems`), which its
     copy's pass would not add to."""
     jobs = {}
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
         for name in names:
             script, args, want = VERDICTS[name]
             for arm in ("cuda", "cpu") if want else ("cuda",):
@@ -180,7 +180,7 @@ def loaded_problems(tmp: Path) -> list[str]:
     """`UNDER_LOAD`'s cases, each as a CUDA script under --on-cpu and as its CPU copy, for
     the hog window of tests/test_load.py: what is wrong, and any rank left running."""
     tmp.mkdir(parents=True, exist_ok=True)
-    problems = verdict_problems(run_cases(tmp, UNDER_LOAD), UNDER_LOAD)
+    problems = verdict_problems(run_cases(tmp, UNDER_LOAD, at_once=2), UNDER_LOAD)
     left = still_running(tmp)
     return problems + ([f"ranks left running: {left}"] if left else [])
 
@@ -374,7 +374,7 @@ def launched(out: Path, *command: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def launcher_on_cpu_problems(tmp: Path) -> list[str]:
+def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
     """torchrun of the nanoGPT-style script, clean and with its sync bug, against the bug's
     verdict under `--nproc 2 --on-cpu`; a fresh mp.spawn CUDA script clean and buggy. The
     problems found (none: the verdicts of --nproc, the mapping reported per rank)."""
@@ -389,7 +389,7 @@ def launcher_on_cpu_problems(tmp: Path) -> list[str]:
         "spawn-ok": lambda: launched(tmp / "s-ok", sys.executable, str(spawn)),
         "spawn-bug": lambda: launched(tmp / "s-bug", sys.executable, str(spawn), "bug"),
     }
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
         jobs = {name: pool.submit(run) for name, run in runs.items()}
         done = {name: job.result() for name, job in jobs.items()}
     got = {name: verdict(p) for name, p in done.items()}
@@ -438,7 +438,7 @@ def launcher_loaded_problems(tmp: Path) -> list[str]:
     """`launcher_on_cpu_problems` and any rank left running, for the hog window of
     tests/test_load.py."""
     tmp.mkdir(parents=True, exist_ok=True)
-    problems = launcher_on_cpu_problems(tmp)
+    problems = launcher_on_cpu_problems(tmp, at_once=2)
     left = still_running(tmp)
     return problems + ([f"ranks left running: {left}"] if left else [])
 
