@@ -10,6 +10,8 @@ The scripts of `benchmarks/` (the tool's measurements of itself) keep the comman
 `--help`, from a real shell, names the script and its flags and says nothing on stderr (run
 without PYTHONPATH: a script finds the checkout it sits in); bad input, through the script's
 `main()`, is one line and exit 2 with no traceback.
+
+`audit` and `hang` start a launcher command before the tool imports torch.
 """
 
 from __future__ import annotations
@@ -79,3 +81,37 @@ def test_a_benchmark_script_keeps_the_commands_help_and_bad_input(script, flag, 
     bad = capsys.readouterr()
     assert bad.out == "" and "Traceback" not in bad.err
     assert bad.err == "verify: error: --repeats must be an integer, got 'x'\n", bad.err
+
+
+# A fresh interpreter runs `audit` and `hang` on a launcher command as the CLI does, and notes
+# at each process start whether this process had imported torch yet.
+_STARTS = """
+import subprocess, sys
+from verify.cli import main
+seen = []
+class Noted(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        seen.append("torch" in sys.modules)
+        super().__init__(*args, **kwargs)
+subprocess.Popen = Noted
+code = main(sys.argv[1:])
+print("STARTS", seen, "EXIT", code)
+"""
+
+
+@pytest.mark.parametrize("command", ["audit", "hang"])
+def test_a_launcher_command_starts_before_the_tool_imports_torch(command, tmp_path):
+    """The launcher form's command starts before the tool's own import of torch, so the
+    launcher's start (its agent importing torch) runs beside it (`verify/cli/head_start.py`;
+    `benchmarks/launcher_cost.py` measures the second this saves). The command here is a
+    Python process that joins no group: the run ends in "nothing joined", exit 2."""
+    child = tmp_path / "child.py"
+    child.write_text("print('no process group here')\n")
+    argv = [command, "--out", str(tmp_path), "--", sys.executable, str(child)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _STARTS, *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    # the first process started is the command (a later one: `uname -p`, for the metadata)
+    assert "STARTS [False" in proc.stdout and "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
+    assert "nothing joined a process group" in proc.stderr, proc.stderr[-2000:]

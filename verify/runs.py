@@ -26,8 +26,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from verify.options import Options, knob
 
 DEFAULT_OUT = "profiles"
@@ -35,6 +33,10 @@ DEFAULT_OUT = "profiles"
 
 def machine_info() -> dict:
     """Hardware and software facts a benchmark table should carry."""
+    # torch here, not at the top: the launcher form makes its run folder (`new_run_dir`) and
+    # starts the user's launcher before the tool imports torch (verify/launching/launcher.py).
+    import torch
+
     info = {
         "host": platform.node(),
         "platform": platform.platform(),
@@ -127,6 +129,8 @@ def write_json(path: Path, data) -> None:
 
 def default_device(world_size: int) -> str:
     """'cuda' when every rank can have its own GPU, else 'cpu'."""
+    import torch  # as in machine_info
+
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "cuda"
     return "cpu"
@@ -137,7 +141,7 @@ def backend_for(device: str) -> str:
 
 
 # `<name>_<world>x<device>_<stamp>[-n]`, as new_run_dir names them: nothing else is a run.
-_RUN_NAME = re.compile(r".+_\d+x[a-z]+_(\d{8}-\d{6})(-\d+)?$")
+_RUN_NAME = re.compile(r".+_(?:\d+|N)x[a-z]+_(\d{8}-\d{6})(-\d+)?$")
 
 
 def run_folders(out: str | os.PathLike) -> list[Path]:

@@ -19,111 +19,28 @@ report.txt (what the CLI printed), metadata.json and, per rank, `rank<r>.collect
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from impls.faulty import hang_scenarios as scenarios
-from impls.registry import resolve
 from verify import progress, runs
-from verify.checks.script import (
-    WatchedRun,
-    finish_report,
-    refuse_under_torchrun,
-    run_watched_script,
-)
+from verify.checks.script import WatchedRun, finish_report, run_watched_script
+from verify.checks.script_options import HangOptions
 from verify.checks.verdict import Verdicted
-from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, launch, thread_budget
-from verify.launching.command import is_command
-from verify.options import (
-    OutputOptions,
-    PlacementOptions,
-    RunOptions,
-    knob,
-    launch_knobs,
-    refuse_on_cpu,
-)
+from verify.launching import RankContext, launch, thread_budget
+from verify.launching.env import backend_env
+from verify.launching.launcher import Started
+from verify.options import launch_knobs
 from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
 from verify.training.trainer import Trainer, TrainSpec
 from verify.training.workloads import get_workload
-from verify.watching import capture
 
 #: (workload, bucket size in MB): a parameter used on one rank only and parameters unused in
 #: some or all steps; many small buckets; a weight shared by two layers.
 HANG_WORKLOADS = (("unused", 0.002), ("mlp", 0.0005), ("tied", 0.002))
-HANG_KINDS = frozenset({"builtin", "reference", "hang"})
-
-
-@dataclass(frozen=True, kw_only=True)
-class HangOptions(RunOptions, OutputOptions, PlacementOptions):
-    """What to run under the watchdog: `impl`, a `script` (with `nproc`), or `scenarios`."""
-
-    impl: str | None = knob(
-        None, "an implementation to train under the watchdog (registered name, hang:<scenario>, "
-        "package.module:Class or path/to/file.py:Class)",
-    )  # fmt: skip
-    scenarios: bool = knob(False, "run every hang:* scenario; print each verdict and how fast")
-    jobs: int = knob(2, "with --scenarios: scenarios run at once", minimum=1)
-    nproc: int | None = knob(None, "ranks to run the script in (with -- train.py ARGS)", minimum=1)
-    script: tuple[str, ...] = knob((), "the script and its arguments, after --", cli=False)
-    stall_timeout_s: float = knob(
-        DEFAULT_STALL_TIMEOUT_S, "seconds with no collective progress, while a rank waits and "
-        "none works, that make a hang", flag="--stall-timeout", unit="s", positive=True,
-    )  # fmt: skip
-    steps: int = knob(3, "optimizer steps per workload (faults show at step 2)", minimum=2)
-    timeout_s: float = knob(
-        600.0, "how long the run may take", flag="--timeout", unit="s", positive=True
-    )
-    sanitize: bool = knob(
-        False, "with --nproc: run the script under the race sanitizer (docs/races.md)"
-    )
-    on_cpu: bool = knob(
-        False, "with --nproc: rehearse a script written for CUDA on CPU ranks over gloo, unmodified: CUDA "
-        "devices map to the CPU, nccl to gloo, and the report lists each call mapped "
-        "(docs/audit.md)",
-    )  # fmt: skip
-    console: str = knob("stdout", "where a script's output is echoed", cli=False)
-
-    def __post_init__(self) -> None:
-        refuse_on_cpu(self.on_cpu, self.backend, self.device)  # before the GPU placement's check
-        super().__post_init__()
-        refuse_under_torchrun("hang", "hang_run", "docs/debugging.md")
-        if self.nproc is not None and not self.script:
-            raise ValueError("--nproc needs a script: --nproc N -- train.py ARGS")
-        launcher = is_command(self.script)
-        if launcher and self.nproc is not None:
-            raise ValueError(
-                f"--nproc applies to a script (--nproc N -- train.py); {self.script[0]} is a "
-                "command, which starts its own ranks: drop --nproc"
-            )
-        if self.script and self.nproc is None and not launcher:
-            raise ValueError(
-                f"unexpected arguments {' '.join(self.script)} (did you mean --nproc N --?)"
-            )
-        if sum([bool(self.impl), bool(self.script), self.scenarios]) != 1:
-            raise ValueError(
-                "give either --impl NAME, --scenarios, --nproc N -- script.py ARGS, or -- COMMAND"
-            )
-        if self.sanitize and not self.script:
-            raise ValueError("--sanitize applies to a script: --nproc N --sanitize -- train.py")
-        if self.on_cpu and not self.script:
-            raise ValueError("--on-cpu applies to a script: --nproc N --on-cpu -- train.py")
-        if self.impl:
-            resolve(self.impl, kinds=HANG_KINDS, command="hang")
-        if self.script and not launcher and not os.path.isfile(self.script[0]):
-            raise ValueError(f"script {self.script[0]} does not exist")
-
-    @property
-    def launcher(self) -> bool:
-        """The script is a command that starts its own ranks (`launching/command.py`)."""
-        return is_command(self.script)
-
-    @property
-    def ranks(self) -> int:
-        return self.nproc if self.nproc is not None else self.world_size
 
 
 @dataclass(frozen=True)
@@ -163,13 +80,16 @@ class ScenariosResult:
                 "results": [r.to_dict() for r in self.results]}  # fmt: skip
 
 
-def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
+def check_hang(
+    options: HangOptions, started: Started | None = None
+) -> HangResult | ScenariosResult:
     """Run the implementation, the script or every scenario under the watchdog; write and
-    return the report(s)."""
+    return the report(s). `started`: the launcher command the CLI started already
+    (`verify/cli/head_start.py`)."""
     if options.scenarios:
         return run_scenarios(options)
     if options.script:  # the path `audit --nproc` takes too, with the audit off
-        run = run_watched_script(options, command="hang")
+        run = run_watched_script(options, command="hang", started=started)
         result = HangResult(options, **run.watched())
         runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
         return result
@@ -177,7 +97,7 @@ def check_hang(options: HangOptions) -> HangResult | ScenariosResult:
     report_dir = str(runs.new_run_dir(options.out, f"hang_{options.impl}", options.ranks, device))
     runs.write_metadata(Path(report_dir), asdict(options))
     start = time.monotonic()
-    env = capture.backend_env(options.backend, report_dir)
+    env = backend_env(options.backend, report_dir)
     run = launch(
         run_hang_on_rank, world_size=options.ranks, args=(options,), env=env,
         report_dir=report_dir, **launch_knobs(options),

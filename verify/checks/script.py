@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -22,14 +21,15 @@ from pathlib import Path
 from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
+from verify.checks.script_start import console_of, run_env, run_folder, start_command
 from verify.launching import run_script
-from verify.launching.command import is_command, run_command
+from verify.launching.command import run_command
+from verify.launching.launcher import Started, is_command
 from verify.launching.needs_cuda import NeedsCuda
-from verify.launching.torchrun import joining
 from verify.oncpu import report as on_cpu_report
 from verify.oncpu.unmappable import CannotMap
 from verify.script_audit import AuditReport
-from verify.watching import capture, trace_file
+from verify.watching import trace_file
 from verify.watching.findings import Diagnosis
 
 
@@ -82,47 +82,46 @@ class ScriptRun(WatchedRun):
     audit: AuditReport | None = None
 
 
-def refuse_under_torchrun(command: str, entry: str, guide: str) -> None:
-    """A command that spawns and watches its own ranks, asked from inside a torchrun job:
-    `ValueError` (exit 2) naming the entry point to run under torchrun instead."""
-    if joining():
-        raise ValueError(
-            f"under torchrun, run your script as `torchrun ... -m verify.{entry} train.py "
-            f"ARGS` (see {guide}); `{command}` spawns and watches its own ranks"
-        )
-
-
 def run_watched_script(
-    options, *, command: str, audit_every: int | None = None, record: bool = False
+    options,
+    *,
+    command: str,
+    audit_every: int | None = None,
+    record: bool = False,
+    started: Started | None = None,
 ) -> ScriptRun:
-    """Run `options.script` in `options.nproc` ranks under the watchdog (module docstring).
+    """Run `options.script` in `options.nproc` ranks, or the launcher command it is, under the
+    watchdog (module docstring).
 
     `options`: a command's options with the script knobs (`script`, `nproc`, `backend`,
     `stall_timeout_s`, `timeout_s`, `threads_per_rank`, `console`, `sanitize`, `on_cpu`,
     `out`).
     `command` names the report folder (`hang_train.py_2xcpu_<stamp>`). `record`: the audit
     also writes a recording into `<report folder>/recording` (`verify/recording/`).
+    `started`: the launcher command, already started by the CLI before it imported torch
+    (`script_start.start_command`, `verify/cli/head_start.py`); else it is started here.
     """
-    launcher = is_command(options.script)
-    device = "gpu" if options.backend == "nccl" else "cpu"
-    name, ranks = f"{command}_{_named(options.script)}", "N" if launcher else options.nproc
-    report_dir = str(runs.new_run_dir(options.out, name, ranks, device))
-    runs.write_metadata(Path(report_dir), options.to_dict())
     start = time.monotonic()
-    console = {"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console)
-    knobs = dict(
-        report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
-        timeout_s=options.timeout_s,
-        env={**capture.backend_env(options.backend, report_dir), **_record_env(record)},
-        console=console, sanitize=options.sanitize, audit_every=audit_every,
-    )  # fmt: skip
-    if launcher:  # the command as given, its ranks its launcher's (`launching/command.py`)
-        gpus = rehearsed_gpus() if options.on_cpu else 0
-        run = run_command(options.script, on_cpu=gpus, **knobs)
+    if is_command(options.script):  # the command as given, its ranks its launcher's
+        started = started or start_command(options, command, audit_every=audit_every, record=record)
+        report_dir, start = started.report_dir, started.start
+        try:
+            runs.write_metadata(Path(report_dir), options.to_dict())
+        except BaseException:
+            started.abandon()
+            raise
+        run = run_command(
+            started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
+        )
     else:
+        report_dir = run_folder(options, command)
+        runs.write_metadata(Path(report_dir), options.to_dict())
         run = run_script(
             options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,
-            on_cpu=options.on_cpu, **knobs,
+            on_cpu=options.on_cpu, report_dir=report_dir,
+            stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
+            env=run_env(options, report_dir, record), console=console_of(options),
+            sanitize=options.sanitize, audit_every=audit_every,
         )  # fmt: skip
     elapsed = time.monotonic() - start
     world = run.world_size
@@ -145,21 +144,6 @@ def run_watched_script(
     )  # fmt: skip
 
 
-def rehearsed_gpus() -> int:
-    """The GPUs of the node `--on-cpu` rehearses a launcher command on: what a process that is
-    no rank yet (mp.spawn's parent, a Trainer(devices=2) before it starts its ranks) finds in
-    `torch.cuda.device_count()`. The launcher decides the ranks; this only answers its
-    question: CUDA_VISIBLE_DEVICES's count when set, as on a GPU node, else 2."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return len(visible) or 2
-
-
-def _record_env(record: bool) -> dict[str, str]:
-    from verify.recording.recorder import RECORD_ENV
-
-    return {RECORD_ENV: "1"} if record else {}
-
-
 def _rehearsed(run, report_dir: str, world: int) -> dict:
     """What `--on-cpu` mapped on every rank; a ValueError (exit 2, no verdict) naming the
     first call it could not map, whether the rank died of it or the script caught it."""
@@ -171,18 +155,6 @@ def _rehearsed(run, report_dir: str, world: int) -> dict:
             f"{first.message()}; what was mapped before it: {report_dir}/rank<r>.on_cpu.json"
         )
     return {"ranks": world, "mapped": list(mapped)}
-
-
-def _named(argv: tuple[str, ...]) -> str:
-    """What names a run's folder: the script (`train.py`), or the command's first script
-    (`torchrun_train.py`: `torchrun --nproc-per-node 2 train.py`)."""
-    base = os.path.basename(argv[0])
-    if not is_command(argv):
-        return base
-    script = next((os.path.basename(a) for a in argv[1:] if a.endswith(".py")), None)
-    if script is None:
-        return base
-    return script if base.startswith("python") else f"{base}_{script}"
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:

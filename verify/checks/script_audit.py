@@ -14,70 +14,15 @@ report's files.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from verify import runs
-from verify.checks.script import ScriptRun, refuse_under_torchrun, run_watched_script
+from verify.checks.script import ScriptRun, run_watched_script
+from verify.checks.script_options import AuditOptions
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
-from verify.launching import DEFAULT_STALL_TIMEOUT_S
-from verify.launching.command import is_command
-from verify.options import OutputOptions, ThreadOptions, knob, refuse_on_cpu
+from verify.launching.launcher import Started
 from verify.script_audit import AuditReport, Finding
-
-
-@dataclass(frozen=True, kw_only=True)
-class AuditOptions(ThreadOptions, OutputOptions):
-    """A script, its ranks, and how often to audit."""
-
-    nproc: int = knob(2, "ranks to run the script in", minimum=1)
-    script: tuple[str, ...] = knob((), "the script and its arguments, after --", cli=False)
-    audit_every: int = knob(
-        1, "audit every N-th optimizer step (steps 0, N, 2N, ...): less cost on large models",
-        minimum=1,
-    )  # fmt: skip
-    stall_timeout_s: float = knob(
-        DEFAULT_STALL_TIMEOUT_S, "seconds with no collective progress, while a rank waits and "
-        "none works, that make a hang", flag="--stall-timeout", unit="s", positive=True,
-    )  # fmt: skip
-    timeout_s: float = knob(
-        3600.0, "how long the script may run", flag="--timeout", unit="s", positive=True
-    )
-    backend: str = knob(
-        "gloo", "the script's backend: gloo (CPU) or nccl (one GPU per rank); the audit "
-        "itself always talks over a gloo group of its own", choices=("gloo", "nccl"),
-    )  # fmt: skip
-    sanitize: bool = knob(False, "also run the script under the race sanitizer (docs/races.md)")
-    on_cpu: bool = knob(
-        False, "rehearse a script written for CUDA on CPU ranks over gloo, unmodified: CUDA "
-        "devices map to the CPU, nccl to gloo, and the report lists each call mapped "
-        "(docs/audit.md)",
-    )  # fmt: skip
-    console: str = knob("stdout", "where a script's output is echoed", cli=False)
-    # Two runs of a script compared step by step (verify/recording/, docs/compare.md).
-    record: str | None = knob(None, "record every optimizer step into this new folder "
-                              "(compare a later run with it: --against)")  # fmt: skip
-    against: str | None = knob(None, "compare this run, step by step, with the recording in "
-                               "this folder (written by --record): where it first departs")  # fmt: skip
-    align_step: int | None = knob(None, "with --against: this run's step 0 is the recording's "
-                                  "step K (default: found from the parameters)", minimum=0)  # fmt: skip
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        refuse_under_torchrun("audit", "audit_run", "docs/audit.md")
-        if not self.script:
-            raise ValueError(
-                "audit needs a script or a command: audit --nproc N -- train.py ARGS, or "
-                "audit -- torchrun ... train.py ARGS"
-            )
-        if not is_command(self.script) and not os.path.isfile(self.script[0]):
-            raise ValueError(f"script {self.script[0]} does not exist")
-        refuse_on_cpu(self.on_cpu, self.backend)
-        if self.record or self.against or self.align_step is not None:
-            from verify.recording.command import check_record_options
-
-            check_record_options(self)
 
 
 @dataclass(frozen=True)
@@ -123,16 +68,14 @@ class AuditResult(Verdicted):
         }
 
 
-def check_audit(options: AuditOptions) -> AuditResult:
-    """Run the script under the watchdog with the audit on; write and return the report."""
+def check_audit(options: AuditOptions, started: Started | None = None) -> AuditResult:
+    """Run the script under the watchdog with the audit on; write and return the report.
+    `started`: the launcher command the CLI started already (`verify/cli/head_start.py`)."""
     recording = bool(options.record or options.against)
-    if recording:
-        from verify.recording.command import check_record_folders
-
-        check_record_folders(options)
     run = run_watched_script(
-        options, command="audit", audit_every=options.audit_every, record=recording
-    )
+        options, command="audit", audit_every=options.audit_every, record=recording,
+        started=started,
+    )  # fmt: skip
     result = AuditResult(options, run)
     runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
     if recording:  # --record DIR / --against DIR (verify/recording/command.py)

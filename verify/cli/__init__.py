@@ -170,7 +170,7 @@ def parse(
         script = tuple(a for a in (args.script or ()) if a != "--")
         if script:
             fixed["script"] = script
-        from verify.launching.command import is_command
+        from verify.launching.launcher import is_command
 
         if "nproc" in typed and is_command(script):  # audit's --nproc has a default: typed?
             raise UsageError(
@@ -188,14 +188,17 @@ def _run(argv: list[str] | None, alone: Command | None, prog: str) -> int:
         print(command.printer()(None))
         return EXIT_PASS
     from verify import runs
-    from verify.checks.verdict import EXIT_CODES
-    from verify.launching import reset_interrupt
+    from verify.launching.supervisor import reset_interrupt
 
     reset_interrupt()
     if not args.json or args.progress:
         progress.enable(sys.stderr)
+    # Nothing imported before the runner imports torch: `audit -- torchrun ...` starts the
+    # launcher first (cli/head_start.py).
     result = command.runner()(options)
     progress.disable()  # a progress line on a terminal is cleared before the report
+    from verify.checks.verdict import EXIT_CODES
+
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         text = command.printer()(result)
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)

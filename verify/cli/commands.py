@@ -50,8 +50,8 @@ CHECK_COMMANDS: tuple[Command, ...] = (
     Command(
         "hang",
         "run under the hang watchdog: diagnose hangs and desyncs",
-        "verify.checks.hang:HangOptions",
-        "verify.checks.hang:check_hang",
+        "verify.checks.script_options:HangOptions",
+        "verify.cli.head_start:hang",
         "verify.cli.text_checks:hang",
         conflicts=(
             ("scenarios", "impl"),
@@ -67,8 +67,8 @@ CHECK_COMMANDS: tuple[Command, ...] = (
     Command(
         "audit",
         "run your script; find the first step and tensor where replicas disagree",
-        "verify.checks.script_audit:AuditOptions",
-        "verify.checks.script_audit:check_audit",
+        "verify.checks.script_options:AuditOptions",
+        "verify.cli.head_start:audit",
         "verify.cli.text_compare:audit",  # text_audit's, plus --record/--against's lines
         script=True,
         fixed=_hang_fixed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from verify.checks.script_audit import AuditResult
 from verify.checks.verdict import NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
-from verify.launching.command import is_command
+from verify.launching.launcher import is_command
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
 

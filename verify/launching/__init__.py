@@ -12,25 +12,35 @@ a rank (`rank.py`, its job `rank_job.py`; a script's rank: `rank_script.py`), on
 `torchrun.py` joins a job the tool did not start.
 """
 
-from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, STALL_ENV
-from verify.launching.outcome import LaunchResult, RankContext, RankOutcome
-from verify.launching.script import run_script
-from verify.launching.spawn import launch
-from verify.launching.supervisor import Interrupted, check_interrupted, interrupt, reset_interrupt
-from verify.launching.threads import ThreadBudget, thread_budget
+import importlib
 
-__all__ = [
-    "DEFAULT_STALL_TIMEOUT_S",
-    "STALL_ENV",
-    "Interrupted",
-    "LaunchResult",
-    "RankContext",
-    "RankOutcome",
-    "ThreadBudget",
-    "check_interrupted",
-    "interrupt",
-    "reset_interrupt",
-    "launch",
-    "run_script",
-    "thread_budget",
-]
+# Each name of the package, as "module:name" (the CLI table's form, which tests/test_imports.py
+# reads as an import). They are imported on first use (PEP 562), not with the package:
+# `launcher.py` (the launcher form's start) and `env.py` import no torch, and importing them
+# must not pull in the rest of the launcher, which does.
+_NAMES = (
+    "verify.launching.env:DEFAULT_STALL_TIMEOUT_S",
+    "verify.launching.env:STALL_ENV",
+    "verify.launching.supervisor:Interrupted",
+    "verify.launching.outcome:LaunchResult",
+    "verify.launching.outcome:RankContext",
+    "verify.launching.outcome:RankOutcome",
+    "verify.launching.threads:ThreadBudget",
+    "verify.launching.supervisor:check_interrupted",
+    "verify.launching.supervisor:interrupt",
+    "verify.launching.supervisor:reset_interrupt",
+    "verify.launching.spawn:launch",
+    "verify.launching.script:run_script",
+    "verify.launching.threads:thread_budget",
+)
+_HOMES = dict(reversed(ref.split(":")) for ref in _NAMES)
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next look finds it here
+    return value

@@ -3,12 +3,10 @@ train.py`, `accelerate launch ...`, `python train_lightning.py`, `python spawn_t
 run as given, every process of it that joins a process group audited and watched.
 
 The launcher owns its processes; the tool reaches them through what they inherit: their
-environment. `bootstrap/` goes first on PYTHONPATH, and in every Python process of the
-command arms a hook that does nothing until the process calls `init_process_group`; from
-then on it is a rank of the tool's (`launched.py`), its files in the run's report folder
-under its rank number, as a torchrun job's ranks under `verify.hang_run` leave theirs
-(`node_ranks.py`). Nothing else is set: not torchrun's variables (Lightning starts its
-other ranks only when LOCAL_RANK is unset), not the ranks' threads.
+environment (`launcher.py` starts the command with it, before the tool imports torch). Every
+Python process of the command that calls `init_process_group` becomes a rank of the tool's
+(`launched.py`), its files in the run's report folder under its rank number, as a torchrun
+job's ranks under `verify.hang_run` leave theirs (`node_ranks.py`).
 
 This process watches that folder as a torchrun job's node watchdog does (`jobwide.py`, the
 watchdog's rule of `watching/watchdog.py` on one node): a rank's failure, a hang (a rank
@@ -23,87 +21,31 @@ deadline. A command whose processes never join a group gives no verdict: "nothin
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from typing import TextIO
 
 from verify.launching import launched, tree
-from verify.launching.env import (
-    LAUNCHED_AUDIT_ENV,
-    LAUNCHED_ENV,
-    LAUNCHED_ON_CPU_ENV,
-    LAUNCHED_SANITIZE_ENV,
-    STALL_ENV,
-)
+from verify.launching.launcher import Started
 from verify.launching.node_ranks import POLL_S, NodeRanks
 from verify.launching.outcome import LaunchResult, RankOutcome
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.watching.diagnose import diagnose
 
-BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE_S = 0.25  # as a node watchdog's status period
-_CONSOLE_LOGGING = ("TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG")
 END_WAIT_S = 10.0  # after the verdict, for the launcher to tear its workers down itself
 
 
-def is_command(argv: tuple[str, ...]) -> bool:
-    """What follows `--` is a command (a launcher, `python x.py`), not a script to run under
-    `--nproc`: its first word is not a .py file."""
-    return bool(argv) and not argv[0].endswith(".py")
-
-
-def run_command(
-    argv: tuple[str, ...],
-    *,
-    report_dir: str,
-    stall_timeout_s: float,
-    timeout_s: float,
-    env: dict[str, str] | None = None,
-    console: TextIO | None = None,
-    sanitize: bool = False,
-    audit_every: int | None = None,
-    on_cpu: int = 0,
-) -> LaunchResult:
-    """Run the command `argv` to its end under the watchdog (module docstring); the same
-    arguments as `script.run_script` but the ranks, which the launcher decides. `on_cpu` (0: off):
-    every Python process of the command rehearses CUDA on the CPU from its import of torch, as
-    `bootstrap/` says, on a node of `on_cpu` GPUs (what `torch.cuda.device_count()` answers
-    in a process that is no rank yet). Raises
-    ValueError when the command is not found or nothing of it joined a process group."""
-    if shutil.which(argv[0]) is None:
-        raise ValueError(
-            f"command {argv[0]!r} not found: after -- give a launcher command on PATH "
-            "(torchrun ..., accelerate launch ..., python train.py) or, with --nproc N, "
-            "a script train.py"
-        )
-    # The backend's logging at INFO goes, under --nproc, to the ranks' files; here the output
-    # is the launcher's own, on the console: it stays as the user would see it.
-    env = {k: v for k, v in (env or {}).items() if k not in _CONSOLE_LOGGING}
-    path = [BOOTSTRAP, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)), _ROOT]
-    child_env = {
-        **os.environ,
-        **env,
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
-        LAUNCHED_ENV: os.path.abspath(report_dir),
-        LAUNCHED_AUDIT_ENV: "" if audit_every is None else str(audit_every),
-        LAUNCHED_SANITIZE_ENV: "1" if sanitize else "",
-        LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
-        STALL_ENV: repr(stall_timeout_s),
-    }
-    with tree.subreaper():  # workers whose launcher died come to us, not to init
-        start = time.monotonic()
-        # The launcher's output as it is (one stream for all its ranks): on the console, on
-        # stderr when stdout is for --json, nowhere when nothing is echoed.
-        out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
-        launcher = subprocess.Popen(list(argv), env=child_env, stdout=out)
-        watch = _Watch(os.path.abspath(report_dir), stall_timeout_s)
+def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -> LaunchResult:
+    """Watch the command `started` (`launcher.start`) to its end under the watchdog (module
+    docstring), then end whatever is left of it; `timeout_s` from its start. Raises
+    ValueError when nothing of it joined a process group."""
+    launcher, report_dir = started.process, os.path.abspath(started.report_dir)
+    with started.reaping:  # workers whose launcher died come to us, not to init
+        watch = _Watch(report_dir, stall_timeout_s)
         try:
-            reason = watch.run(launcher, start + timeout_s)
-            result = watch.result(reason, time.monotonic() - start)
+            reason = watch.run(launcher, started.start + timeout_s)
+            result = watch.result(reason, time.monotonic() - started.start)
         finally:
             _write(report_dir, "job.diagnosed")  # a failing rank waits for it before its traceback
             # After an end or a crash the launcher ends its workers its own way (and reports a
@@ -112,11 +54,10 @@ def run_command(
             if polite and launcher.poll() is None:
                 _wait(launcher, END_WAIT_S)
             pids = list(watch.local.pids.values())
-            marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
-            tree.end_all(pids, launcher, GRACE_S if polite else 0.0, marker)
+            tree.end_all(pids, launcher, GRACE_S if polite else 0.0, started.marker)
     if not watch.local.ranks:
         raise ValueError(
-            f"nothing joined a process group: {' '.join(argv)} exited with code "
+            f"nothing joined a process group: {' '.join(started.argv)} exited with code "
             f"{launcher.returncode} and none of its processes called init_process_group "
             "(the audit and the watchdog follow processes that do)"
         )

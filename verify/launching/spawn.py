@@ -39,7 +39,13 @@ from collections.abc import Callable
 from typing import Any
 
 from verify.launching import gpus, runner, torchrun
-from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, NO_ZYGOTE_ENV, SPAWNED_ENV, STALL_ENV
+from verify.launching.env import (
+    DEFAULT_STALL_TIMEOUT_S,
+    NO_ZYGOTE_ENV,
+    SPAWNED_ENV,
+    STALL_ENV,
+    joining,
+)
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank_job import RankJob
 from verify.launching.supervisor import STARTUP_CAP_S
@@ -100,7 +106,7 @@ def launch(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if stall_timeout_s is not None and not stall_timeout_s > 0:
         raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s}")
-    if torchrun.joining():
+    if joining():
         return torchrun.join(
             fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank, device
         )

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from verify.launching import rank as rank_side
-from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, SPAWNED_ENV, STALL_ENV
+from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, STALL_ENV, joining
 from verify.launching.outcome import LaunchResult, RankContext, RankReport
 from verify.launching.rank_job import group_kwargs
 from verify.launching.rank_script import script_job
@@ -39,12 +39,6 @@ from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
 _joins = 0
-
-
-def joining() -> bool:
-    """True in a process torchrun started (and not in a rank this tool spawned)."""
-    torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-    return torchrun and SPAWNED_ENV not in os.environ
 
 
 def local_ranks(world_size: int) -> int:

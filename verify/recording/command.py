@@ -71,29 +71,6 @@ def run_compare(options: CompareOptions) -> CompareResult:
     return CompareResult(options, compare_recordings(a, b, options.align_step))
 
 
-def check_record_options(options) -> None:
-    """`audit`'s --record/--against/--align-step, checked as the options are built (what
-    the flags say; the folders are checked by `check_record_folders`)."""
-    if options.record and options.against:
-        raise ValueError("--record and --against cannot be used together (record a run, then "
-                         "run again --against its folder)")  # fmt: skip
-    if (options.record or options.against) and options.audit_every != 1:
-        raise ValueError("--record and --against record every optimizer step: leave "
-                         "--audit-every at 1")  # fmt: skip
-    if options.align_step is not None and not options.against:
-        raise ValueError("--align-step needs --against DIR")
-
-
-def check_record_folders(options) -> None:
-    """`audit`'s --record/--against folders, checked before any rank starts (one line, exit
-    2): a recording is never overwritten; --against names a recording of this format."""
-    if options.record and os.path.exists(os.path.join(options.record, "manifest.json")):
-        raise ValueError(f"{options.record} already holds a recording: choose a new folder "
-                         "(a recording is never overwritten)")  # fmt: skip
-    if options.against:
-        store.check(options.against)
-
-
 def with_recording(result):
     """The audit's result once the run ended: its recording moved to `--record DIR`, or
     compared with `--against DIR` (raises `NotComparable`, exit 2, for a different model)."""

@@ -28,12 +28,12 @@ import time
 import numpy as np
 import torch
 
+from verify.launching.env import RECORD_ENV
 from verify.recording import store
 from verify.recording.loss import LossTap
 from verify.recording.sketch import BLOCKS, COLUMNS, sketch
 from verify.replica_audit.fingerprint import fingerprints, text_bits, value_bits
 
-RECORD_ENV = "DDP_VERIFY_RECORD"  # set by `audit --record/--against` in the ranks' environment
 BEFORE = 0  # the audit point before a step (`auditor.py`)
 
 

@@ -91,6 +91,25 @@ def check(folder: str) -> str:
     return folder
 
 
+def check_options(options) -> None:
+    """`audit`'s --record/--against/--align-step, checked as its options are built, before
+    any rank starts (one line, exit 2): what the flags say together; a recording is never
+    overwritten; --against names a recording of this format."""
+    if options.record and options.against:
+        raise ValueError("--record and --against cannot be used together (record a run, then "
+                         "run again --against its folder)")  # fmt: skip
+    if (options.record or options.against) and options.audit_every != 1:
+        raise ValueError("--record and --against record every optimizer step: leave "
+                         "--audit-every at 1")  # fmt: skip
+    if options.align_step is not None and not options.against:
+        raise ValueError("--align-step needs --against DIR")
+    if options.record and os.path.exists(os.path.join(options.record, "manifest.json")):
+        raise ValueError(f"{options.record} already holds a recording: choose a new folder "
+                         "(a recording is never overwritten)")  # fmt: skip
+    if options.against:
+        check(options.against)
+
+
 def read(folder: str) -> Recording:
     """The recording in `folder` (raises `NotARecording`, one line, when it is not one)."""
     check(folder)

@@ -1,10 +1,6 @@
 """What a report captures besides the traces: the backend's logs, and answers from the ranks.
 
-- `backend_env` turns on the backend's own debug output for a run whose report is kept:
-  gloo's C++ logs and PyTorch's distributed debug logs (to each rank's stderr file) and the
-  flight recorder; on NCCL also `NCCL_DEBUG=INFO` into a file per process and the flight
-  recorder's dump on timeout. The NCCL variables are only set for the NCCL backend, so
-  nothing here needs CUDA.
+- the backend's own debug output is turned on by `launching/env.backend_env`;
 - `start_rank_helper` runs a daemon thread in each rank that answers the parent through
   files: where the main thread is now (`request_where`, then `read_where`: the watchdog names
   the line a computing rank is at; `read_in_torch`: whether it is blocked inside a torch call
@@ -24,30 +20,8 @@ import time
 
 from verify.watching import stacks
 
-FR_BUFFER = "2000"  # flight-recorder entries kept per process group
 _FR_WAIT_S = 1.0
 _HELPER_POLL_S = 0.2
-
-
-def backend_env(backend: str, report_dir: str) -> dict[str, str]:
-    """Environment that makes the backend log what a hang report needs (see the docstring)."""
-    env = {
-        "TORCH_CPP_LOG_LEVEL": "INFO",
-        # INFO, not DETAIL: DETAIL wraps every group in a checker that runs extra collectives,
-        # which changes how a mismatch fails (it raises instead of hanging).
-        "TORCH_DISTRIBUTED_DEBUG": "INFO",
-        "TORCH_FR_BUFFER_SIZE": FR_BUFFER,
-    }
-    if backend == "nccl":
-        env.update(
-            NCCL_DEBUG="INFO",
-            NCCL_DEBUG_SUBSYS="INIT,COLL,P2P",
-            NCCL_DEBUG_FILE=os.path.join(report_dir, "nccl.%h.%p.log"),  # one per process
-            TORCH_NCCL_TRACE_BUFFER_SIZE=FR_BUFFER,
-            TORCH_NCCL_DUMP_ON_TIMEOUT="1",
-            TORCH_NCCL_DEBUG_INFO_TEMP_FILE=os.path.join(report_dir, "nccl_trace_rank_"),
-        )
-    return env
 
 
 def _path(folder: str, rank: int, what: str) -> str:

@@ -10,16 +10,17 @@ One module, so a traceback, a faulthandler dump and a live frame are read by the
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
 import sys
 import types
 
-import torch
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH = os.path.dirname(torch.__file__) + os.sep
+# Where torch is installed, found without importing it (the launcher form's parent reads
+# stacks before it imports torch, `launching/launcher.py`).
+_TORCH = os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _PLUMBING = (_PACKAGE, _TORCH, _STDLIB)
 _TB_FRAME = re.compile(r'^  File "(.+)", line (\d+), in (.+)$')

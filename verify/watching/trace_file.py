@@ -25,8 +25,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-import torch.distributed as dist
-
 MAGIC = b"DDPTRACE"
 VERSION = 1
 # header: magic, version, pid, rank, capacity, records written, events (issues + completions),
@@ -270,6 +268,10 @@ def _read_names(path: str, most: int = 3) -> dict[tuple[str, str], str]:
 def _reduce_name(code: int) -> str | None:
     if code < 0:
         return None
+    # torch here, not at the top: the launcher form's parent imports the watchdog before torch
+    # (launching/launcher.py); names are read once the ranks have run.
+    import torch.distributed as dist
+
     try:
         return dist.ReduceOp.RedOpType(code).name
     except (ValueError, TypeError):

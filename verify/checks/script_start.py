@@ -1,0 +1,75 @@
+"""Where a run of a user's script begins (`audit` and `hang`, `checks/script.py`): its report
+folder, the environment its ranks get, where its output goes, and, for a launcher command
+(`audit -- torchrun ... train.py`), the command started.
+
+This module imports no torch, nor anything that does: the CLI starts a launcher command here
+(`verify/cli/head_start.py`) before the tool imports torch, so that the launcher's own start
+runs beside the tool's import (`launching/launcher.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+from verify import runs
+from verify.launching import launcher
+from verify.launching.env import RECORD_ENV, backend_env
+from verify.launching.launcher import Started, is_command
+
+
+def run_folder(options, command: str) -> str:
+    """A new report folder for `command`'s run of `options.script`
+    (`audit_train.py_2xcpu_<stamp>`, `audit_torchrun_train.py_Nxcpu_<stamp>`)."""
+    device = "gpu" if options.backend == "nccl" else "cpu"
+    ranks = "N" if is_command(options.script) else options.nproc
+    name = f"{command}_{_named(options.script)}"
+    return str(runs.new_run_dir(options.out, name, ranks, device))
+
+
+def run_env(options, report_dir: str, record: bool) -> dict[str, str]:
+    """What the run's processes get in their environment beside the launcher's own: the
+    backend's logging (`env.backend_env`) and, for `--record`/`--against`, the recorder."""
+    return {**backend_env(options.backend, report_dir), **({RECORD_ENV: "1"} if record else {})}
+
+
+def console_of(options) -> TextIO | None:
+    """Where the script's output is echoed: stdout, stderr (under --json), or nowhere."""
+    return {"stdout": sys.stdout, "stderr": sys.stderr}.get(options.console)
+
+
+def start_command(
+    options, command: str, *, audit_every: int | None = None, record: bool = False
+) -> Started:
+    """Start the launcher command `options.script` of `command`'s run in a new report folder
+    (`launcher.start`); `command.run_command` watches it. Raises ValueError when the command
+    is not found."""
+    report_dir = run_folder(options, command)
+    return launcher.start(
+        options.script, report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
+        env=run_env(options, report_dir, record), console=console_of(options),
+        sanitize=options.sanitize, audit_every=audit_every,
+        on_cpu=rehearsed_gpus() if options.on_cpu else 0,
+    )  # fmt: skip
+
+
+def rehearsed_gpus() -> int:
+    """The GPUs of the node `--on-cpu` rehearses a launcher command on: what a process that is
+    no rank yet (mp.spawn's parent, a Trainer(devices=2) before it starts its ranks) finds in
+    `torch.cuda.device_count()`. The launcher decides the ranks; this only answers its
+    question: CUDA_VISIBLE_DEVICES's count when set, as on a GPU node, else 2."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return len(visible) or 2
+
+
+def _named(argv: tuple[str, ...]) -> str:
+    """What names a run's folder: the script (`train.py`), or the command's first script
+    (`torchrun_train.py`: `torchrun --nproc-per-node 2 train.py`)."""
+    base = os.path.basename(argv[0])
+    if not is_command(argv):
+        return base
+    script = next((os.path.basename(a) for a in argv[1:] if a.endswith(".py")), None)
+    if script is None:
+        return base
+    return script if base.startswith("python") else f"{base}_{script}"
