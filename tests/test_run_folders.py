@@ -28,3 +28,13 @@ def test_clean_keeps_the_newest_runs_and_nothing_else_is_touched(tmp_path, capsy
     assert out.startswith(f"removed 2 run folders under {tmp_path}/ (3.0 KB), kept the newest 2")
     assert runs.run_folders(tmp_path) == made[2:]
     assert (tmp_path / "my-notes" / "a.txt").read_text() == "keep me"
+
+
+def test_a_launcher_commands_run_is_a_run(tmp_path):
+    """`audit -- torchrun ...` names its folder with N ranks (its launcher decides them):
+    `audit_torchrun_train.py_Nxcpu_<stamp>`, counted and cleaned like the others."""
+    script = runs.new_run_dir(tmp_path, "audit_train.py", 2, "cpu")
+    launched = runs.new_run_dir(tmp_path, "audit_torchrun_train.py", "N", "cpu")
+    assert launched.name.startswith("audit_torchrun_train.py_Nxcpu_")
+    assert sorted(runs.run_folders(tmp_path)) == sorted([script, launched])
+    assert "holds 2 runs" in runs.disk_line(launched)
