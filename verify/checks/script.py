@@ -114,7 +114,7 @@ def run_watched_script(
             started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
         )
     else:
-        report_dir = run_folder(options, command)
+        report_dir = run_folder(options, command, record)
         runs.write_metadata(Path(report_dir), options.to_dict())
         run = run_script(
             options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,

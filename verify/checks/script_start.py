@@ -19,9 +19,14 @@ from verify.launching.env import RECORD_ENV, backend_env
 from verify.launching.launcher import Started, is_command
 
 
-def run_folder(options, command: str) -> str:
+def run_folder(options, command: str, record: bool = False) -> str:
     """A new report folder for `command`'s run of `options.script`
-    (`audit_train.py_2xcpu_<stamp>`, `audit_torchrun_train.py_Nxcpu_<stamp>`)."""
+    (`audit_train.py_2xcpu_<stamp>`, `audit_torchrun_train.py_Nxcpu_<stamp>`). `record`:
+    `audit --record/--against`, whose folders are checked first (ValueError, exit 2)."""
+    if record:
+        from verify.recording import store  # numpy: only for a recording
+
+        store.check_folders(options)
     device = "gpu" if options.backend == "nccl" else "cpu"
     ranks = "N" if is_command(options.script) else options.nproc
     name = f"{command}_{_named(options.script)}"
@@ -45,7 +50,7 @@ def start_command(
     """Start the launcher command `options.script` of `command`'s run in a new report folder
     (`launcher.start`); `command.run_command` watches it. Raises ValueError when the command
     is not found."""
-    report_dir = run_folder(options, command)
+    report_dir = run_folder(options, command, record)
     return launcher.start(
         options.script, report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
         env=run_env(options, report_dir, record), console=console_of(options),

@@ -92,9 +92,8 @@ def check(folder: str) -> str:
 
 
 def check_options(options) -> None:
-    """`audit`'s --record/--against/--align-step, checked as its options are built, before
-    any rank starts (one line, exit 2): what the flags say together; a recording is never
-    overwritten; --against names a recording of this format."""
+    """`audit`'s --record/--against/--align-step, checked as its options are built: what the
+    flags say together (one line, exit 2)."""
     if options.record and options.against:
         raise ValueError("--record and --against cannot be used together (record a run, then "
                          "run again --against its folder)")  # fmt: skip
@@ -103,6 +102,11 @@ def check_options(options) -> None:
                          "--audit-every at 1")  # fmt: skip
     if options.align_step is not None and not options.against:
         raise ValueError("--align-step needs --against DIR")
+
+
+def check_folders(options) -> None:
+    """`audit`'s --record/--against folders, checked before the run starts (one line, exit
+    2): a recording is never overwritten; --against names a recording of this format."""
     if options.record and os.path.exists(os.path.join(options.record, "manifest.json")):
         raise ValueError(f"{options.record} already holds a recording: choose a new folder "
                          "(a recording is never overwritten)")  # fmt: skip
