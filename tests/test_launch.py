@@ -415,3 +415,24 @@ def test_a_launch_in_a_thread_runs_to_its_end_after_the_main_thread_returned(tmp
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result.read_text().startswith("ok: 2 rank(s) finished"), result.read_text()
+
+
+def test_a_launcher_command_abandoned_before_its_watch_leaves_nothing(tmp_path):
+    """`audit -- COMMAND` starts the command before the tool imports torch
+    (`launching/launcher.py`); a Ctrl-C or a failure before the watch begins abandons it:
+    the command and its children, one in a session of its own as torchrun's workers are,
+    end with it."""
+    from verify.launching import launcher
+
+    pids = tmp_path / "pids"
+    script = f"setsid sleep 60 & echo $! > {pids}; echo $$ >> {pids}; sleep 60"
+    started = launcher.start(("bash", "-c", script), report_dir=str(tmp_path), stall_timeout_s=10.0)
+    deadline = time.monotonic() + 30
+    while len(pids.read_text().split() if pids.exists() else []) < 2:
+        assert time.monotonic() < deadline, "the command never wrote its pids"
+        time.sleep(0.05)
+    both = [int(p) for p in pids.read_text().split()]
+    assert all(alive(p) for p in both)
+    started.abandon()
+    assert not [p for p in both if alive(p)], f"left running: {both}"
+    assert started.process.poll() is not None

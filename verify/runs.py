@@ -80,8 +80,9 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def new_run_dir(out: str | os.PathLike, name: str, world_size: int, device: str) -> Path:
-    """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder."""
+def new_run_dir(out: str | os.PathLike, name: str, world_size: int | str, device: str) -> Path:
+    """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder;
+    `world_size` "N" for a launcher command's run (its launcher decides the ranks)."""
     safe = re.sub(r"[^A-Za-z0-9_.+-]+", "-", name).strip("-") or "run"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(out) / f"{safe}_{world_size}x{device}_{stamp}"

@@ -1,9 +1,11 @@
-"""A user's script under the watchdog: the one path `hang --nproc N` and `audit --nproc N`
-take (`launching/script.py` starts the ranks), and the report folder both write.
+"""A user's script under the watchdog: the one path `hang` and `audit` take with a script
+(`--nproc N -- train.py`: `launching/script.py` starts the ranks) or a launcher command
+(`-- torchrun ... train.py`: `launching/launcher.py` starts it, `launching/command.py`
+watches it), and the report folder both write.
 
-`run_watched_script` makes the run's folder, starts the script in N ranks (output streamed
-with a `[rank N]` prefix, the watchdog, `--sanitize` when asked, the replica audit when
-asked), and reads back what the ranks left: the diagnosis, the captured files, the race
+`run_watched_script` makes the run's folder (`script_start.py`), starts the script in N ranks
+(output streamed with a `[rank N]` prefix) or the command as given, with the watchdog,
+`--sanitize` when asked and the replica audit when asked, and reads back what the ranks left: the diagnosis, the captured files, the race
 findings and the audit reports. The commands turn a `ScriptRun` into their result. A script
 that needs CUDA where there is none is a usage error (ValueError, exit 2:
 `launching/needs_cuda.py`), not a crash.
@@ -107,12 +109,12 @@ def run_watched_script(
         report_dir, start = started.report_dir, started.start
         try:
             runs.write_metadata(Path(report_dir), options.to_dict())
-        except BaseException:
+            run = run_command(
+                started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
+            )
+        except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
             started.abandon()
             raise
-        run = run_command(
-            started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
-        )
     else:
         report_dir = run_folder(options, command, record)
         runs.write_metadata(Path(report_dir), options.to_dict())

@@ -71,14 +71,13 @@ class AuditResult(Verdicted):
 def check_audit(options: AuditOptions, started: Started | None = None) -> AuditResult:
     """Run the script under the watchdog with the audit on; write and return the report.
     `started`: the launcher command the CLI started already (`verify/cli/head_start.py`)."""
-    recording = bool(options.record or options.against)
     run = run_watched_script(
-        options, command="audit", audit_every=options.audit_every, record=recording,
+        options, command="audit", audit_every=options.audit_every, record=options.recording,
         started=started,
     )  # fmt: skip
     result = AuditResult(options, run)
     runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
-    if recording:  # --record DIR / --against DIR (verify/recording/command.py)
+    if options.recording:  # --record DIR / --against DIR (verify/recording/command.py)
         from verify.recording.command import with_recording
 
         return with_recording(result)

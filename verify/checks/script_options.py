@@ -89,6 +89,11 @@ class AuditOptions(ThreadOptions, OutputOptions):
 
             check_options(self)
 
+    @property
+    def recording(self) -> bool:
+        """The run records (`--record`) or is compared with a recording (`--against`)."""
+        return bool(self.record or self.against)
+
 
 @dataclass(frozen=True, kw_only=True)
 class HangOptions(RunOptions, OutputOptions, PlacementOptions):
@@ -153,7 +158,7 @@ class HangOptions(RunOptions, OutputOptions, PlacementOptions):
 
     @property
     def launcher(self) -> bool:
-        """The script is a command that starts its own ranks (`launching/command.py`)."""
+        """The script is a command that starts its own ranks (`launching/launcher.py`)."""
         return is_command(self.script)
 
     @property

@@ -6,7 +6,7 @@ before its workers start. Started in that order, the two imports overlap instead
 each other: the launcher form then costs about what `--nproc N` does (goal: at most 1 s more,
 `benchmarks/launcher_cost.py`). Everything up to the start imports no torch
 (`checks/script_options.py`, `checks/script_start.py`, `launching/launcher.py`;
-tests/test_imports.py checks it). The check's contract is unchanged: without a head start
+tests/test_cli_startup.py checks it). The check's contract is unchanged: without a head start
 (`check_audit(options)` from Python) it starts the command itself.
 """
 
@@ -19,10 +19,7 @@ from verify.launching.launcher import Started, is_command
 
 def audit(options):
     """`verify.checks.script_audit.check_audit`, its launcher command started first."""
-    started = _start(
-        options, "audit", audit_every=options.audit_every,
-        record=bool(options.record or options.against),
-    )  # fmt: skip
+    started = _start(options, "audit", audit_every=options.audit_every, record=options.recording)
     return _check("verify.checks.script_audit:check_audit", options, started)
 
 
@@ -39,9 +36,8 @@ def _start(options, command: str, **knobs) -> Started | None:
 
 def _check(reference: str, options, started: Started | None):
     try:
-        check = load(reference)  # torch, while the launcher starts
-    except BaseException:  # an import error, Ctrl-C: nothing left running
+        return load(reference)(options, started)  # the import: torch, while the launcher starts
+    except BaseException:  # an import error, Ctrl-C before the watch began: nothing left running
         if started is not None:
-            started.abandon()
+            started.abandon()  # after the watch ended it: nothing to do
         raise
-    return check(options, started)

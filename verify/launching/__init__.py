@@ -2,8 +2,9 @@
 
     launch(fn, world_size=N)        a function on N spawned ranks (or this torchrun rank)
     run_script(argv, nproc=N, ...)  a user's training script on N ranks, under the watchdog
-    command.run_command(argv, ...)  a launcher command as given, each process that joins a
-                                    group adopted as a rank (`launched.py`, `bootstrap/`)
+    launcher.start(argv, ...)       a launcher command as given, then watched by
+                                    command.run_command: each process that joins a group
+                                    adopted as a rank (`launched.py`, `bootstrap/`)
     interrupt()                     end every supervised run now (Ctrl-C, SIGTERM)
 
 One process type (`process.py`: a fresh interpreter in a session of its own), one set-up inside

@@ -39,7 +39,9 @@ END_WAIT_S = 10.0  # after the verdict, for the launcher to tear its workers dow
 def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -> LaunchResult:
     """Watch the command `started` (`launcher.start`) to its end under the watchdog (module
     docstring), then end whatever is left of it; `timeout_s` from its start. Raises
-    ValueError when nothing of it joined a process group."""
+    ValueError when nothing of it joined a process group. (An exception that reaches the
+    caller any other way, Ctrl-C before the watch began, is the caller's to end the command
+    for: `Started.abandon`, as `checks/script.py` does.)"""
     launcher, report_dir = started.process, os.path.abspath(started.report_dir)
     with started.reaping:  # workers whose launcher died come to us, not to init
         watch = _Watch(report_dir, stall_timeout_s)

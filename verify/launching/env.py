@@ -13,7 +13,7 @@ STALL_ENV = "DDP_VERIFY_STALL_TIMEOUT"  # ranks can read their stall timeout (sc
 HANG_DIR_ENV = "DDP_VERIFY_HANG_DIR"  # under torchrun: this node's report folder
 NO_ZYGOTE_ENV = "DDP_VERIFY_NO_ZYGOTE"  # "1": always start fresh interpreters
 JOBS_ENV = "DDP_VERIFY_JOBS"  # test runs or tools sharing the machine (the thread budget)
-# A launcher command's processes (`command.py`): the run's report folder (bootstrap/ spells it
+# A launcher command's processes (`launcher.py`): the run's report folder (bootstrap/ spells it
 # out again: it imports nothing), the audit's period ("" for none), "1" for --sanitize, and
 # under --on-cpu the GPUs the rehearsed node has (--nproc; "" when off: bootstrap/ spells it
 # out again too).

@@ -1,5 +1,5 @@
 """Start-up code of every Python process a launcher command starts under the tool
-(`audit -- torchrun ...`, `verify/launching/command.py` puts this folder first on PYTHONPATH).
+(`audit -- torchrun ...`, `verify/launching/launcher.py` puts this folder first on PYTHONPATH).
 
 It does nothing to a process that never calls `init_process_group`: the launcher itself
 (torchrun's agent, `accelerate launch`, the parent of `mp.spawn`), a DataLoader worker, a
