@@ -66,10 +66,12 @@ class Recorder:
         self.stopped: str | None = None
         # the owner's time fingerprinting and sketching, in all (the benchmark's figure; the
         # loss's all-gather is left out: its wait is the slower rank's, which the audit's own
-        # agreement would wait for anyway); of it, this rank's time sketching alone (the
-        # fingerprints are the audit's, reused), and the elements it sketched
+        # agreement would wait for anyway); of it, this rank's time sketching and its time
+        # fingerprinting (the audit's own work, which its comparison reuses), and the
+        # elements it sketched
         self.seconds = 0.0
         self.sketch_seconds = 0.0
+        self.fingerprint_seconds = 0.0
         self.sketched = 0
 
     def install(self) -> None:
@@ -105,13 +107,14 @@ class Recorder:
         elsewhere). Every rank fingerprints all of them, as the audit's comparison would
         (it reuses `e.fingerprint`), and the ranks share the sketching when they hold the
         same entries (one all-reduce of their count and a digest of their keys says so):
-        `shares.py` plans each rank's share, balanced by elements, each rank sketches its
-        share as it fingerprints, and one all-gather brings the rows to the owner (the step
-        waits for the slowest rank). Otherwise (a layout the audit is about to report) the
-        owner fingerprints and sketches its own, alone, and the others leave theirs to the
-        comparison: a sketch is never filed under another rank's tensor. (Each tensor's
-        sketch is then of one rank's replica, its fingerprint of the rank's own: alike when
-        the replicas are, which is what the audit checks at the same point.)"""
+        `shares.py` plans each rank's share, balanced by elements (and a tensor's fixed
+        cost), each rank sketches its share as it fingerprints, and one all-gather brings
+        the rows to the owner (the step waits for the slowest rank). Otherwise (a layout the
+        audit is about to report) the owner fingerprints and sketches its own, alone, and
+        the others leave theirs to the comparison: a sketch is never filed under another
+        rank's tensor. (A tensor's sketch is then, block by block, of one rank's replica or
+        another's, its fingerprint of the owner's: alike when the replicas are, which is
+        what the audit checks at the same point.)"""
         size, rank = 1, 0
         if not alone:
             digest = text_bits("\n".join(e.key for e in tensors))
@@ -121,15 +124,15 @@ class Recorder:
                 size, rank = group.size, group.rank
             elif not self.owner:
                 return None
-        numels = [sketched_numel(e.tensor) for e in tensors]
-        plan = shares.plan(numels, size)
-        part = shares.Part([e.tensor for e in tensors], plan[rank], max(map(shares.rows, plan)))
+        plan = shares.planned(tuple(sketched_numel(e.tensor) for e in tensors), size)
+        part = shares.Part([e.tensor for e in tensors], plan.shares[rank], plan.capacity)
         for e, fp in zip(tensors, part.fingerprints):
             e.fingerprint = fp  # the audit's comparison, next, uses it rather than recompute
         self.sketch_seconds += part.seconds
-        self.sketched += shares.elements(plan[rank], numels)
+        self.fingerprint_seconds += part.fingerprint_seconds
+        self.sketched += plan.elements[rank]
         tables = group.gather_tensor(part.table) if size > 1 else [part.table]
-        return shares.assemble(plan, tables, len(tensors)) if self.owner else None
+        return shares.assemble(plan.shares, tables, len(tensors)) if self.owner else None
 
     def _rows(self, index: int, step: int, entries, sketches: np.ndarray) -> None:
         tensors = [e for e in entries if e.tensor is not None]
