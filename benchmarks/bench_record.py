@@ -7,8 +7,9 @@ two arms take turns every round, the order rotating (the skeleton of `costs.py`)
 
 - audited: one training step under `audit --nproc`'s step hooks;
 - recorded: the same step with the recorder on as well (`verify/recording/recorder.py`:
-  rank 0 fingerprints and sketches the gradients, the parameters and, at the audit's state
-  points, the optimizer state; every rank adds its loss to one all-gather).
+  the ranks share the sketching of the gradients, the parameters and, at the audit's state
+  points, the optimizer state, `shares.py`; rank 0 gathers the sketches and keeps the rows;
+  every rank adds its loss to one all-gather).
 
 The ratio recorded / audited is paired per round (goal at most 1.02), in wall time and in
 rank 0's CPU time (which the load of other processes on a shared machine distorts far less). The recording of the
@@ -61,7 +62,13 @@ class RecordBenchResult(Measured):
     bytes_on_disk: int = 0
     projected_tensors: int = 0  # parameter tensors of the 100M model
     projected_bytes: float = 0.0
-    recorder_s_per_step: float = 0.0  # time inside the recorder a recorded step (rank 0)
+    # rank 0's time inside the recorder a recorded step, in all (its collectives' waits
+    # included), and of it: the fingerprints (the audit's own work, which its comparison
+    # then reuses rather than computing again) and the sketching of its share
+    recorder_s_per_step: float = 0.0
+    fingerprint_s_per_step: float = 0.0
+    sketch_s_per_step: float = 0.0
+    sketched_share: float = 0.0  # rank 0's share of the elements sketched
     # CPU time of rank 0's process a step, per arm (the load of other processes on the
     # machine stretches wall times; CPU time far less)
     audited_cpu_s: tuple[float, ...] = ()
@@ -116,9 +123,15 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
             return wall
 
         arms = {"audited": lambda: step(False), "recorded": lambda: step(True)}
-        warm = recorder.seconds
+        warm = (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds)
         samples = take_turns(ctx, arms, options.repeats, "bench-record")
-        inside = (recorder.seconds - warm) / options.repeats
+        inside, prints, sketching = (
+            (now - before) / options.repeats
+            for now, before in zip(
+                (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds), warm
+            )
+        )
+        sketched = _share(auditor.group, recorder.sketched)
         rows = len(recorder.tensor_rows) + len(recorder.value_rows)
         recorder.finish()  # rank 0 writes
         on_disk = sum(os.path.getsize(os.path.join(recorder.folder, f))
@@ -137,10 +150,22 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         "bytes_on_disk": on_disk,
         "projected_tensors": tensors,
         "recorder_s_per_step": inside,
+        "fingerprint_s_per_step": prints,
+        "sketch_s_per_step": sketching,
+        "sketched_share": sketched,
         "audited_cpu_s": tuple(cpu[False]),
         "recorded_cpu_s": tuple(cpu[True]),
         "projected_bytes": per_step * PROJECTED_STEPS * on_disk / max(rows, 1),
     }
+
+
+def _share(group, mine: int) -> float:
+    """Rank 0's share of the elements the ranks sketched, over the audit's own group (a
+    collective: every rank calls it)."""
+    if not group.ready():
+        return 1.0
+    every = [row[0] for row in group.gather([mine])]
+    return every[0] / max(sum(every), 1)
 
 
 def _projected_rows(rows: int, steps: int, trainer: Trainer) -> tuple[int, float]:

@@ -196,6 +196,7 @@ def record_cost(result) -> str:
     med = {k: statistics.median(v) * 1e3 for k, v in
            (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
     mb = result.projected_bytes / 1e6
+    own = result.recorder_s_per_step - result.fingerprint_s_per_step  # sketches, collectives
     return "\n".join([
         f"audit --record cost: {o.impl} on a {result.parameters / 1e6:.1f}M-parameter "
         f"transformer, world size {o.world_size}, {o.repeats} interleaved rounds",
@@ -203,8 +204,12 @@ def record_cost(result) -> str:
         f"audited step: median {med['audited']:.1f} ms; recorded step: median "
         f"{med['recorded']:.1f} ms",
         f"time inside the recorder: {result.recorder_s_per_step * 1e3:.1f} ms a recorded step "
-        f"(rank 0), {result.recorder_s_per_step * 1e3 / med['audited']:.2%} of the audited "
-        "step's median",
+        f"(rank 0), of which {result.fingerprint_s_per_step * 1e3:.1f} ms the fingerprints the "
+        "audit then reuses",
+        f"the recorder's own: {own * 1e3:.1f} ms ({own * 1e3 / med['audited']:.2%} of the "
+        f"audited step's median: its sketching {result.sketch_s_per_step * 1e3:.1f} ms, rank 0 "
+        f"sketching {result.sketched_share:.0%} of the elements; its collectives, waits "
+        "included; its rows)",
         *bars,
         f"recording: {result.rows} rows over {result.recorded_steps} steps, "
         f"{result.bytes_on_disk} bytes on disk ({result.bytes_per_row:.0f} bytes a row)",

@@ -319,24 +319,127 @@ def _shared_sketches_on_rank(ctx, same: bool) -> list:
     entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
     recorder = Recorder(folder="unused")
     recorder.owner = ctx.rank == 0
-    got = recorder._sketches(group, False, entries)
-    return [None if got is None else [g.tolist() for g in got], [t.tolist() for t in tensors]]
+    got = recorder._measure(group, False, entries)
+    return [None if got is None else got.tolist(), [t.tolist() for t in tensors]]
 
 
 @pytest.mark.parametrize("same", [True, False])
 def test_the_ranks_share_the_sketching_and_file_each_under_its_tensor(same):
-    """At 2 ranks with the same entries each rank sketches half and the owner gets every
-    tensor's sketch of its own (the ranks' tensors are alike in a real run; here they differ
-    by rank, so a sketch filed under the wrong rank's tensor shows); with different entries
-    (a layout the audit reports) the owner sketches its own, alone."""
+    """At 2 ranks with the same entries each rank sketches its share (`shares.plan`) and the
+    owner gets every tensor's sketch of its own (the ranks' tensors are alike in a real run;
+    here they differ by rank, so a block filed under the wrong rank's tensor shows); with
+    different entries (a layout the audit reports) the owner sketches its own, alone."""
     from verify.launching import launch
+    from verify.recording import shares
 
     run = launch(_shared_sketches_on_rank, world_size=2, args=(same,), timeout_s=120)
     assert run.ok, run.summary()
     (owner, mine), (other, _) = run.values
     assert other is None
-    theirs = [torch.tensor(t) + 1 for t in mine]  # rank 1's tensors (its `+ ctx.rank`)
-    expected = [
-        sketch(theirs[i] if same and i % 2 else torch.tensor(t)) for i, t in enumerate(mine)
-    ]
-    assert np.allclose(np.array(owner), np.array(expected)), (owner, expected)
+    per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ ctx.rank`
+    expected = np.stack([sketch(t) for t in per_rank[0]])
+    if same:
+        plan = shares.plan([t.numel() for t in per_rank[0]], 2)
+        assert plan[0] and plan[1]  # both ranks took part
+        for i, first, end in plan[1]:
+            expected[i, first:end] = sketch(per_rank[1][i])[first:end]
+    assert np.array_equal(np.array(owner), expected), (owner, expected)
+
+
+# An uneven model written fresh (an embedding far larger than the rest, odd sizes, a step
+# counter, a complex tensor, many small ones): by turn, rank 0 would sketch 3.5x rank 1.
+def _uneven(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [(3001, 128), (128, 384), (384,), (384, 128), (128,), (7,), (5, 5), (128, 50)]
+    out = [torch.randn(s, generator=g) for s in sizes]
+    out += [torch.tensor(11), torch.randn(65, dtype=torch.complex64, generator=g)]
+    return out + [torch.randn(1000 + 37 * k, generator=g) for k in range(12)]
+
+
+def test_the_shares_are_balanced_and_their_blocks_are_the_sketch_bit_for_bit():
+    """`shares.plan` gives every rank a weight within one block (plus a tensor's fixed cost)
+    of an equal share, covers every block once, and the rows the ranks compute put together
+    are `sketch`'s own bits, on one thread and on two (a block reduced alone on two threads
+    rounds differently; `block_rows` never does that to a full block)."""
+    from verify.recording import shares
+    from verify.recording.sketch import block_counts, blocks_used, sketched_numel
+
+    tensors = _uneven(0)
+    numels = [sketched_numel(t) for t in tensors]
+    alone = np.stack([sketch(t) for t in tensors])
+    threads = torch.get_num_threads()
+    try:
+        for size in (2, 3, 5, 8):
+            plan = shares.plan(numels, size)
+            covered = sorted((i, b) for share in plan for i, f, e in share for b in range(f, e))
+            assert covered == [(i, b) for i, n in enumerate(numels) for b in range(blocks_used(n))]
+            weights = [shares.weight(share, numels) for share in plan]
+            slack = max(block_counts(n)[0] for n in numels) + shares.OVERHEAD
+            assert max(weights) - sum(weights) / size <= slack, (size, weights)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                capacity = max(map(shares.rows, plan))
+                tables = [shares.Part(tensors, share, capacity).table for share in plan]
+                assert np.array_equal(shares.assemble(plan, tables, len(tensors)), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_benchmark_transformers_gradients_are_shared_evenly_by_elements():
+    """The script audit benchmark's 53.5M-parameter transformer (`record_cost.py`): its 100
+    tensors by turn gave rank 0 61% of the elements at 2 ranks; the plan gives each rank
+    within 2% of an equal share of them at 2 ranks, and at 4 and 8 a weight (elements and a
+    fixed cost a tensor) within a block of the largest tensor (1/16 of its 5.77M elements)
+    of an equal share."""
+    from verify.recording import shares
+    from verify.training.language import GPT, GPTConfig
+
+    with torch.device("meta"):
+        numels = [p.numel() for p in GPT(GPTConfig.with_params(50.0)).parameters()]
+    assert sum(numels[0::2]) / sum(numels) > 0.6  # by turn
+    for size in (2, 4, 8):
+        plan = shares.plan(numels, size)
+        done = [shares.elements(share, numels) for share in plan]
+        weights = [shares.weight(share, numels) for share in plan]
+        assert sum(done) == sum(numels) and min(done) > 0
+        assert max(weights) - sum(weights) / size <= max(numels) / 16 + shares.OVERHEAD, weights
+        assert size > 2 or max(done) / (sum(numels) / size) < 1.02, done
+
+
+def _uneven_recorded_on_rank(ctx) -> list:
+    """The uneven list as one audit point's gradients on every rank (alike, as replicas
+    are): the owner's sketches and fingerprints, and the elements each rank sketched."""
+    from verify.recording.recorder import Recorder
+    from verify.script_audit.collect import Entry
+    from verify.script_audit.report import GRADS
+    from verify.script_audit.side_group import SideGroup
+
+    group = SideGroup()
+    assert group.ready()
+    entries = [Entry(GRADS, f"t{i}", t) for i, t in enumerate(_uneven(1))]
+    recorder = Recorder(folder="unused")
+    recorder.owner = ctx.rank == 0
+    got = recorder._measure(group, False, entries)
+    prints = [e.fingerprint for e in entries]
+    return [None if got is None else got.tolist(), prints, recorder.sketched]
+
+
+def test_two_ranks_record_an_uneven_model_as_one_rank_alone_would_with_even_shares():
+    """Real ranks over gloo: the owner's sketches of an uneven list are bitwise what one rank
+    alone computes, every rank fingerprints every tensor (the audit reuses them), and each
+    rank sketched its planned share (balanced: the test above), no block twice."""
+    from verify.launching import launch
+    from verify.recording import shares
+    from verify.recording.sketch import sketched_numel
+    from verify.replica_audit.fingerprint import fingerprints
+
+    run = launch(_uneven_recorded_on_rank, world_size=2, timeout_s=120)
+    assert run.ok, run.summary()
+    (owner, prints0, done0), (other, prints1, done1) = run.values
+    tensors = _uneven(1)
+    assert other is None
+    assert np.array_equal(np.array(owner, dtype=np.float32), np.stack([sketch(t) for t in tensors]))
+    assert prints0 == prints1 == fingerprints(tensors)
+    numels = [sketched_numel(t) for t in tensors]
+    assert [done0, done1] == [shares.elements(s, numels) for s in shares.plan(numels, 2)]
+    assert done0 + done1 == sum(numels) and min(done0, done1) > 0

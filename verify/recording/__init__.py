@@ -2,6 +2,7 @@
 `compare DIR_A DIR_B`; docs/compare.md).
 
     sketch.py     a tensor's fixed-size numeric sketch (beside the engine's fingerprint)
+    shares.py     which blocks each rank sketches (balanced), one rank's part of it
     loss.py       the loss, where the script's backward shows it
     recorder.py   inside a rank: rows at the script audit's points, written by rank 0
     store.py      the folder's format (manifest + numpy arrays), its version, its check

@@ -12,9 +12,9 @@ What is kept per optimizer step, and why (docs/compare.md, "What a recording hol
   parameters, and a state that differs shows in the next step's parameters.
 
 Every rank takes part (the loss is averaged over the ranks, one all-gather of two numbers at
-the step, over the audit's own group; the sketches are shared out, `_sketches`); only the
-owner, rank 0, computes the fingerprints, keeps the rows and writes the folder, at the end of
-the script (`finish`, also after a crash).
+the step, over the audit's own group; the sketches are shared out, `shares.py`; every rank
+fingerprints what it audits, as the audit does); only the owner, rank 0, keeps the rows and
+writes the folder, at the end of the script (`finish`, also after a crash).
 Sharded tensors are skipped as the audit skips them (`Collector.replicated`): they are not
 replicated, and rank 0's shard is not the model's tensor.
 """
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from verify.launching.env import RECORD_ENV
-from verify.recording import store
+from verify.recording import shares, store
 from verify.recording.loss import LossTap
-from verify.recording.sketch import BLOCKS, COLUMNS, sketch
-from verify.replica_audit.fingerprint import fingerprints, text_bits, value_bits
+from verify.recording.sketch import BLOCKS, COLUMNS, sketched_numel
+from verify.replica_audit.fingerprint import text_bits, value_bits
 
 BEFORE = 0  # the audit point before a step (`auditor.py`)
 
@@ -66,8 +66,13 @@ class Recorder:
         self.stopped: str | None = None
         # the owner's time fingerprinting and sketching, in all (the benchmark's figure; the
         # loss's all-gather is left out: its wait is the slower rank's, which the audit's own
-        # agreement would wait for anyway)
+        # agreement would wait for anyway); of it, this rank's time sketching and its time
+        # fingerprinting (the audit's own work, which its comparison reuses), and the
+        # elements it sketched
         self.seconds = 0.0
+        self.sketch_seconds = 0.0
+        self.fingerprint_seconds = 0.0
+        self.sketched = 0
 
     def install(self) -> None:
         self.tap.install()
@@ -91,46 +96,51 @@ class Recorder:
             )
         start = time.perf_counter()
         try:
-            sketches = self._sketches(group, alone, [e for e in entries if e.tensor is not None])
+            sketches = self._measure(group, alone, [e for e in entries if e.tensor is not None])
             if self.owner:
                 self._rows(index, step, entries, sketches)
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _sketches(self, group, alone: bool, tensors: list) -> list[np.ndarray] | None:
-        """The sketches of `tensors`, on the owner (None elsewhere). The ranks share the work
-        when they hold the same entries (one all-reduce of their count and a digest of their
-        keys says so): rank r sketches every size-th one from the r-th, and one all-gather
-        brings them to the owner, so a rank's cost is 1/size of the sketching (the step waits
-        for the slowest rank). Otherwise (a layout the audit is about to report) the owner
-        sketches its own, alone: a sketch is never filed under another rank's tensor. (Each
-        tensor's sketch is then of one rank's replica, its fingerprint of the owner's: alike
-        when the replicas are, which is what the audit checks at the same point.)"""
-        if alone:
-            return [sketch(e.tensor) for e in tensors]
-        digest = text_bits("\n".join(e.key for e in tensors))
-        n = len(tensors)
-        most, fewest, dmax, dmin = group.max([n, -n, digest, ~digest])
-        if not (most == -fewest and dmax == ~dmin):
-            return [sketch(e.tensor) for e in tensors] if self.owner else None
-        size, rank = group.size, group.rank
-        per = -(-n // size)
-        local = np.zeros((max(per, 1), BLOCKS, COLUMNS), dtype=np.float32)
-        for j, e in enumerate(tensors[rank::size]):
-            local[j] = sketch(e.tensor)
-        shares = group.gather_tensor(torch.from_numpy(local))
-        if not self.owner:
-            return None
-        return [shares[i % size][i // size].numpy() for i in range(n)]
-
-    def _rows(self, index: int, step: int, entries, sketches: list[np.ndarray]) -> None:
-        tensors = [e for e in entries if e.tensor is not None]
-        prints = fingerprints([e.tensor for e in tensors])
-        for e, fp, blocks in zip(tensors, prints, sketches):
+    def _measure(self, group, alone: bool, tensors: list) -> np.ndarray | None:
+        """Fingerprint and sketch `tensors` (entries); the sketches on the owner (None
+        elsewhere). Every rank fingerprints all of them, as the audit's comparison would
+        (it reuses `e.fingerprint`), and the ranks share the sketching when they hold the
+        same entries (one all-reduce of their count and a digest of their keys says so):
+        `shares.py` plans each rank's share, balanced by elements (and a tensor's fixed
+        cost), each rank sketches its share as it fingerprints, and one all-gather brings
+        the rows to the owner (the step waits for the slowest rank). Otherwise (a layout the
+        audit is about to report) the owner fingerprints and sketches its own, alone, and
+        the others leave theirs to the comparison: a sketch is never filed under another
+        rank's tensor. (A tensor's sketch is then, block by block, of one rank's replica or
+        another's, its fingerprint of the owner's: alike when the replicas are, which is
+        what the audit checks at the same point.)"""
+        size, rank = 1, 0
+        if not alone:
+            digest = text_bits("\n".join(e.key for e in tensors))
+            n = len(tensors)
+            most, fewest, dmax, dmin = group.max([n, -n, digest, ~digest])
+            if most == -fewest and dmax == ~dmin:
+                size, rank = group.size, group.rank
+            elif not self.owner:
+                return None
+        plan = shares.planned(tuple(sketched_numel(e.tensor) for e in tensors), size)
+        part = shares.Part([e.tensor for e in tensors], plan.shares[rank], plan.capacity)
+        for e, fp in zip(tensors, part.fingerprints):
             e.fingerprint = fp  # the audit's comparison, next, uses it rather than recompute
+        self.sketch_seconds += part.seconds
+        self.fingerprint_seconds += part.fingerprint_seconds
+        self.sketched += plan.elements[rank]
+        tables = group.gather_tensor(part.table) if size > 1 else [part.table]
+        return shares.assemble(plan.shares, tables, len(tensors)) if self.owner else None
+
+    def _rows(self, index: int, step: int, entries, sketches: np.ndarray) -> None:
+        tensors = [e for e in entries if e.tensor is not None]
+        for e, blocks in zip(tensors, sketches):
             t = e.tensor
             key = self._key(e.name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            self.tensor_rows.append((index, step, self._phase(e.phase), key, t.numel(), fp))
+            row = (index, step, self._phase(e.phase), key, t.numel(), e.fingerprint)
+            self.tensor_rows.append(row)
             self.blocks.append(blocks)
             self.device = t.device.type
         for e in entries:

@@ -44,26 +44,52 @@ def sketch(tensor: torch.Tensor) -> np.ndarray:
     Its element count is kept beside it (the recording's `numel`): block b holds elements
     [b * size, (b + 1) * size) of the flattened tensor, size = ceil(numel / BLOCKS)."""
     out = np.zeros((BLOCKS, COLUMNS), dtype=np.float32)
-    x = tensor.detach().reshape(-1)
+    used = blocks_used(sketched_numel(tensor))
+    if used:
+        out[:used] = block_rows(tensor, 0, used).cpu().numpy()
+    return out
+
+
+def block_rows(tensor: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Rows `first` to `end - 1` of `tensor`'s sketch, a [end - first, COLUMNS] float32 tensor
+    on its device (`first < end <= blocks_used`): what a rank sharing the sketching computes
+    of the tensor (`shares.py`), the same bits as those rows of `sketch(tensor)`.
+
+    A block's two numbers are one row of a row-wise reduction over the [blocks, size] view,
+    and ATen reduces each row alone, in the same order, however many rows the view holds,
+    except one row alone on several threads (it then splits the row between them). So a
+    single full block is reduced with a neighbour, dropped after; the last, shorter block is
+    always reduced alone, here as in `sketch`."""
+    x = _flat(tensor)
     n = x.numel()
-    if n == 0:
-        return out
-    if not (x.is_floating_point() or x.is_complex()):
-        x = x.double()  # integer counters (an optimizer's step, num_batches_tracked), bools
-    elif x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-        n = x.numel()
     size = block_size(n)
     full = n // size
     rows = []
-    if full:
-        blocks = x[: full * size].view(full, size)
-        rows.append(_reduce(blocks))
-    if full * size < n:  # the last, shorter block
+    low, high = first, min(end, full)
+    if low < high:
+        pad = high - low == 1 and full > 1  # one full block: reduce two (docstring)
+        start = low - 1 if pad and high == full else low
+        stop = max(high, start + 2) if pad else high
+        both = _reduce(x[start * size : stop * size].view(-1, size))
+        rows.append(both[low - start : high - start])
+    if end > full:  # the last, shorter block
         rows.append(_reduce(x[full * size :].view(1, -1)))
-    table = torch.cat(rows).cpu().numpy()
-    out[: len(table)] = table
-    return out
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def sketched_numel(tensor: torch.Tensor) -> int:
+    """The elements a sketch of `tensor` is taken over: its numel, twice that when complex
+    (real and imaginary parts, `torch.view_as_real`)."""
+    return tensor.numel() * (2 if tensor.is_complex() else 1)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    x = tensor.detach().reshape(-1)
+    if x.is_complex():
+        return torch.view_as_real(x).reshape(-1)
+    if not x.is_floating_point():
+        return x.double()  # integer counters (an optimizer's step, num_batches_tracked), bools
+    return x
 
 
 def _reduce(blocks: torch.Tensor) -> torch.Tensor:
@@ -77,6 +103,11 @@ def _reduce(blocks: torch.Tensor) -> torch.Tensor:
 def block_size(numel: int) -> int:
     """Elements per block of a tensor of `numel` elements (the last block may be shorter)."""
     return max(1, -(-numel // BLOCKS))
+
+
+def blocks_used(numel: int) -> int:
+    """How many of the BLOCKS blocks hold elements (all of them from 226 elements on)."""
+    return -(-numel // block_size(numel)) if numel else 0
 
 
 def block_counts(numel: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -49,7 +50,11 @@ def fingerprint(tensor: torch.Tensor | None) -> torch.Tensor:
     return fingerprint_table([tensor], device)[0]
 
 
-def fingerprint_table(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+def fingerprint_table(
+    tensors: list[torch.Tensor | None],
+    device: torch.device,
+    each: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """The fingerprints of `tensors` (module docstring), a [len(tensors), 3] int64 table on
     `device`.
 
@@ -58,6 +63,10 @@ def fingerprint_table(tensors: list[torch.Tensor | None], device: torch.device) 
     and left-over words, are concatenated, weighted by position within their own piece, and
     summed per piece as differences of running sums; each device's sums travel to `device`
     in one copy.
+
+    `each(i)`, when given, is called once tensor i's words were read (its one pass over
+    memory), in order: a caller that reads the tensor too (`audit --record`'s sketch) reads
+    it there, from the cache, rather than from memory a second time.
     """
     pieces: dict[torch.device, list[torch.Tensor]] = {}
     owners: dict[torch.device, list[int]] = {}  # the tensor each piece belongs to
@@ -67,6 +76,8 @@ def fingerprint_table(tensors: list[torch.Tensor | None], device: torch.device) 
         parts = _pieces(_as_words(t.detach()))
         pieces.setdefault(t.device, []).extend(parts)
         owners.setdefault(t.device, []).extend([i] * len(parts))
+        if each is not None:
+            each(i)
     meta = [MISSING if t is None else _meta(t) for t in tensors]
     table = torch.zeros(len(tensors), 3, dtype=torch.int64, device=device)
     table[:, 0] = torch.tensor(meta, dtype=torch.int64).to(device)
@@ -78,10 +89,13 @@ def fingerprint_table(tensors: list[torch.Tensor | None], device: torch.device) 
     return table
 
 
-def fingerprints(tensors: list[torch.Tensor]) -> list[int]:
+def fingerprints(
+    tensors: list[torch.Tensor], each: Callable[[int], None] | None = None
+) -> list[int]:
     """One signed 64-bit fingerprint per tensor, in order: its three values (module
-    docstring) mixed into one on the host, after one copy per device."""
-    rows = fingerprint_table(tensors, torch.device("cpu")).tolist()
+    docstring) mixed into one on the host, after one copy per device (`each`: as
+    `fingerprint_table`'s)."""
+    rows = fingerprint_table(tensors, torch.device("cpu"), each).tolist()
     return [
         signed(mix(meta ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
         for meta, total, weight in rows

@@ -106,7 +106,7 @@ def compare(
 
 def _fingerprints(entries: list[Entry]) -> list[int]:
     # An entry's own fingerprint, when it has one, was computed already by the same function
-    # (a buffer at DDP's forward; a tensor that `audit --record` fingerprinted on rank 0).
+    # (a buffer at DDP's forward; a tensor that `audit --record` fingerprinted as it sketched it).
     tensors = [e.tensor for e in entries if e.tensor is not None and e.fingerprint is None]
     computed = iter(fingerprints(tensors))
     out = []
