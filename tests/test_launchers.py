@@ -135,6 +135,7 @@ def test_a_command_that_is_not_there(run_cli, tmp_path):
     assert ran.returncode == 2
     assert ran.stderr.strip().splitlines() == [ran.stderr.strip()]
     assert "command 'torchrunn' not found" in ran.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing ran: no run folder
 
 
 def test_a_command_whose_processes_never_join_a_group(run_cli, tmp_path):

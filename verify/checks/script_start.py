@@ -51,12 +51,16 @@ def start_command(
     (`launcher.start`); `command.run_command` watches it. Raises ValueError when the command
     is not found."""
     report_dir = run_folder(options, command, record)
-    return launcher.start(
-        options.script, report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
-        env=run_env(options, report_dir, record), console=console_of(options),
-        sanitize=options.sanitize, audit_every=audit_every,
-        on_cpu=rehearsed_gpus() if options.on_cpu else 0,
-    )  # fmt: skip
+    try:
+        return launcher.start(
+            options.script, report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
+            env=run_env(options, report_dir, record), console=console_of(options),
+            sanitize=options.sanitize, audit_every=audit_every,
+            on_cpu=rehearsed_gpus() if options.on_cpu else 0,
+        )  # fmt: skip
+    except ValueError:  # the command is not found: nothing ran, no folder is left
+        os.rmdir(report_dir)
+        raise
 
 
 def rehearsed_gpus() -> int:
