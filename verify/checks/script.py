@@ -5,10 +5,10 @@ watches it), and the report folder both write.
 
 `run_watched_script` makes the run's folder (`script_start.py`), starts the script in N ranks
 (output streamed with a `[rank N]` prefix) or the command as given, with the watchdog,
-`--sanitize` when asked and the replica audit when asked, and reads back what the ranks left: the diagnosis, the captured files, the race
-findings and the audit reports. The commands turn a `ScriptRun` into their result. A script
-that needs CUDA where there is none is a usage error (ValueError, exit 2:
-`launching/needs_cuda.py`), not a crash.
+`--sanitize` when asked and the replica audit when asked, and reads back what the ranks
+left: the diagnosis, the captured files, the race findings and the audit reports. The
+commands turn a `ScriptRun` into their result. A script that needs CUDA where there is none
+is a usage error (ValueError, exit 2: `launching/needs_cuda.py`), not a crash.
 """
 
 from __future__ import annotations
