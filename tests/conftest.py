@@ -16,8 +16,11 @@
   three times over (a third of the suite's CPU went to the hogs). (Session- and module-scoped
   fixtures are set up outside it and may overlap it, which only adds load; and flock lets a
   new shared lock in while the exclusive one waits, so it may wait for a quiet moment.)
-  Tests marked `gpu` run alone too: the ranks of one process are spread over the GPUs
-  (`verify/launching/gpus.py`), but those of several workers would pile onto the first ones.
+  Tests marked `gpu` run alone too where there are several GPUs: the ranks of one process are
+  spread over them (`verify/launching/gpus.py`), but those of several workers would pile onto
+  the first ones. On one GPU every rank shares it by design (`--device cuda --backend gloo`),
+  so they run side by side like the CPU tests (one at a time, 32 of them overran a 5-minute
+  window on one H200).
 """
 
 import os
@@ -83,6 +86,7 @@ def run_cli(capsys, monkeypatch):
 @pytest.fixture(autouse=True)
 def _share_the_machine(request, tmp_path_factory):
     """The session's lock: shared by every test, exclusive for one marked `alone`."""
-    alone = any(request.node.get_closest_marker(m) is not None for m in ("alone", "gpu"))
+    marked = {m for m in ("alone", "gpu") if request.node.get_closest_marker(m) is not None}
+    alone = "alone" in marked or ("gpu" in marked and torch.cuda.device_count() > 1)
     with machine_lock(tmp_path_factory, alone):
         yield
