@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import test_launchers
 from tests.consoles import run_main
 from tests.processes import still_running
 from tests.torchrun_jobs import one_node
@@ -365,11 +366,9 @@ if __name__ == "__main__":
 
 
 def launched(out: Path, *command: str) -> subprocess.CompletedProcess:
-    from tests.test_launchers import free_port
-
     argv = [sys.executable, "-m", "verify", "audit", "--on-cpu", "--json", "--out", str(out),
             "--stall-timeout", "5", "--", *command]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPAWN_PORT": free_port()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPAWN_PORT": test_launchers.free_port()}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the rehearsed node: 2 GPUs
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
@@ -453,8 +452,6 @@ def launcher_loaded_problems(tmp: Path) -> list[str]:
     ],
 )  # fmt: skip
 def test_accelerate_and_lightning_are_rehearsed_on_cpu(tmp_path, script, edit, launch, first):
-    from tests import test_launchers
-
     source = (ROOT / test_launchers.FIXTURES / script).read_text()
     assert edit[0] in source
     cuda = tmp_path / script
