@@ -180,7 +180,12 @@ def test_bench_runs_every_part_and_reports_the_bars(tmp_path):
     timed_bars = [b for b in bars.values() if b.ratio is not None]
     assert len(timed_bars) == 3 and all(b.ratio.low <= b.value <= b.ratio.high for b in timed_bars)
     assert result.bandwidth["buckets"] and len(result.bandwidth["ours_s"]) == 2
-    assert result.fit is not None and result.fit.beta_Bps > 0
+    # The fit may be refused (with a note) when noise hides the size dependence (seen with
+    # three pytest workers on two cores, load average 14.6); if made, it is a bandwidth.
+    if result.fit is None:
+        assert any("no alpha-beta fit" in n for n in result.notes), result.notes
+    else:
+        assert result.fit.beta_Bps > 0
     doc = json.loads(json.dumps(result.to_dict(), default=str))
     assert doc["verdict"] == "pass" and doc["medians_s"].keys() == result.steps.keys()
     assert {b["decision"] for b in doc["bars"]} <= {"met", "missed", "undecided"}

@@ -97,6 +97,12 @@ class BenchOptions(MeasureOptions, OutputOptions):
         return spec_from(self, impl=impl, bucket_mb=bucket_mb or self.bucket_mb, steps=steps)
 
 
+NO_FIT = (
+    "no alpha-beta fit: the all-reduce times did not grow with size on this run (the machine's "
+    "noise), so no predicted exposed communication"
+)
+
+
 def run_bench(options: BenchOptions) -> BenchResult:
     """One launch (module docstring); the result, with bench.json, bench.txt and the charts
     in a new run folder."""
@@ -121,6 +127,8 @@ def run_bench(options: BenchOptions) -> BenchResult:
             **values[0],
         )
         notes = [c.note for c in _charts(result, folder) if c.note]
+        if result.fit is None and options.world_size > 1:  # as `comm` says it
+            notes.append(NO_FIT)
         result = replace(result, notes=tuple(dict.fromkeys(notes)))
     folder.save("bench", result)
     return result
