@@ -13,7 +13,8 @@
 # survives a part that overruns; at most 8 files come back from a device call, so 7 logs.
 # Seen on one H200 (2026-11-26): the gpu-marked tests one at a time (they were `alone`) did
 # 19 of 32 in 310 s; on one GPU they now run side by side (tests/conftest.py), and the other
-# 13 took 163 s at 8 at a time. The measurements' timings are taken beside the tests: they
+# 13 took 163 s at 8 at a time (6 here: the measurements run beside them). The
+# measurements' timings are taken beside the tests: they
 # prove the paths run, not their speed. The CPU suite runs last, alone: its load test's hogs
 # take every core.
 set -u
@@ -49,6 +50,7 @@ part zero_round_trip 40 $py -m verify matrix --impl torch-zero --rows round-trip
 # comes back from a device call is at most 8 files
 cuda_script() {
     local script="tests/fixtures/audit_cuda.py gloo" runs=/tmp/gpu_runs
+    rm -rf /tmp/gpu_rec  # --record refuses a folder that holds a recording (a warm machine's)
     $py -m verify audit --out $runs -- $py -m torch.distributed.run --nproc_per_node 2 $script
     echo "[launcher form] exit $?"
     $py -m verify audit --nproc 2 --out $runs --record /tmp/gpu_rec -- $script
@@ -61,5 +63,9 @@ export py
 part cuda_script 100 bash -c cuda_script
 wait
 
-# the CPU suite on every core, alone
-part cpu_suite 260 $py -m pytest -p no:cacheprovider -m "not gpu" -n 14 -v -rfEs --timeout 240
+# the CPU suite on every core, alone. The limits add up to at most 310 + 230 s (+ 10 s each
+# to kill), under the call's 600 s with the machine line's torch import
+part cpu_suite 230 $py -m pytest -p no:cacheprovider -m "not gpu" -n 14 -v -rfEs --timeout 220
+
+# exit 1 when any part failed or ran out of time (each log ends "[part] exit N in S s")
+! grep -h "^\[[^]]*\] exit [1-9]" "$out"/*.log

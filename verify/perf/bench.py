@@ -98,8 +98,8 @@ class BenchOptions(MeasureOptions, OutputOptions):
 
 
 NO_FIT = (
-    "no alpha-beta fit: the all-reduce times did not grow with size on this run (the machine's "
-    "noise), so no predicted exposed communication"
+    "no alpha-beta fit: the all-reduce times did not grow with size on this run (all latency, "
+    "or the machine's noise), so no predicted exposed communication"
 )
 
 
