@@ -21,6 +21,7 @@ counted on the meta device; goal at most 100 MB).
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -73,6 +74,10 @@ class RecordBenchResult(Measured):
     # machine stretches wall times; CPU time far less)
     audited_cpu_s: tuple[float, ...] = ()
     recorded_cpu_s: tuple[float, ...] = ()
+    # rank 0's median time inside the audit's hooks a step, per arm (the recorder's included
+    # in the recorded arm): what the step grows by beyond them is spent outside the hooks
+    audited_hooks_s: float = 0.0
+    recorded_hooks_s: float = 0.0
     machine: str = ""
     torch_version: str = ""
     failure: str | None = None
@@ -114,12 +119,14 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         trainer.step(2)
 
         cpu: dict[bool, list[float]] = {False: [], True: []}
+        hooks: dict[bool, list[float]] = {False: [], True: []}  # time inside the audit's hooks
 
         def step(recorded: bool) -> float:
             auditor.recorder = recorder if recorded else None
-            start = time.process_time()
+            start, inside = time.process_time(), auditor.seconds
             wall = timed(lambda: next_step(trainer), ctx.device)
             cpu[recorded].append(time.process_time() - start)
+            hooks[recorded].append(auditor.seconds - inside)
             return wall
 
         arms = {"audited": lambda: step(False), "recorded": lambda: step(True)}
@@ -154,6 +161,8 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         "sketch_s_per_step": sketching,
         "sketched_share": sketched,
         "audited_cpu_s": tuple(cpu[False]),
+        "audited_hooks_s": statistics.median(hooks[False]),
+        "recorded_hooks_s": statistics.median(hooks[True]),
         "recorded_cpu_s": tuple(cpu[True]),
         "projected_bytes": per_step * PROJECTED_STEPS * on_disk / max(rows, 1),
     }

@@ -210,6 +210,9 @@ def record_cost(result) -> str:
         f"audited step's median: its sketching {result.sketch_s_per_step * 1e3:.1f} ms, rank 0 "
         f"sketching {result.sketched_share:.0%} of the elements; its collectives, waits "
         "included; its rows)",
+        f"time inside the audit's hooks (rank 0, median a step): audited "
+        f"{result.audited_hooks_s * 1e3:.1f} ms, recorded {result.recorded_hooks_s * 1e3:.1f} "
+        f"ms; recorded - audited step median: {med['recorded'] - med['audited']:+.1f} ms",
         *bars,
         f"recording: {result.rows} rows over {result.recorded_steps} steps, "
         f"{result.bytes_on_disk} bytes on disk ({result.bytes_per_row:.0f} bytes a row)",
