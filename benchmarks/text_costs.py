@@ -208,8 +208,8 @@ def record_cost(result) -> str:
         "audit then reuses",
         f"the recorder's own: {own * 1e3:.1f} ms ({own * 1e3 / med['audited']:.2%} of the "
         f"audited step's median: its sketching {result.sketch_s_per_step * 1e3:.1f} ms, rank 0 "
-        f"sketching {result.sketched_share:.0%} of the elements; its collectives, waits "
-        "included; its rows)",
+        f"sketching {result.sketched_share:.0%} of the elements; its all-gather an audit point, "
+        "which brings the losses too; its rows)",
         f"time inside the audit's hooks (rank 0, median a step): audited "
         f"{result.audited_hooks_s * 1e3:.1f} ms, recorded {result.recorded_hooks_s * 1e3:.1f} "
         f"ms; recorded - audited step median: {med['recorded'] - med['audited']:+.1f} ms",

@@ -74,6 +74,11 @@ def audit(script, *args, nproc: int, out: str, **flags):
                                     console="none", **flags))  # fmt: skip
 
 
+# The tests that read `runs` go to one xdist worker (pyproject's `--dist loadgroup`): a module
+# fixture is set up once per worker that runs one of its tests, and these runs take a minute.
+RUNS_ON_ONE_WORKER = pytest.mark.xdist_group("compare-runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every run of the module: the recordings, then each run against them."""
@@ -123,6 +128,7 @@ def cli(*argv: str) -> tuple[int, str, str]:
     return code, stdout.getvalue(), stderr.getvalue()
 
 
+@RUNS_ON_ONE_WORKER
 def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
     folder = runs["dir"] / "full"
     assert sorted(os.listdir(folder)) == ["manifest.json", "tensors.npz", "values.npz"]
@@ -135,6 +141,7 @@ def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
     assert runs["full"].verdict == "pass" and runs["tokens"].verdict == "pass"  # 1 rank: exit 0
 
 
+@RUNS_ON_ONE_WORKER
 def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance(runs):
     """1 rank x 4 micro-steps against 2 ranks x 2: the gradients are summed in another order,
     so not bitwise; within eps (tolerance.py) at every step, the loss too."""
@@ -145,6 +152,7 @@ def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance(r
     assert c.compared_steps == 4 and c.offset == 0
 
 
+@RUNS_ON_ONE_WORKER
 def test_the_accumulation_normalization_bug_departs_at_step_0_at_the_loss(runs):
     c = runs["bug"].comparison
     assert runs["bug"].verdict == "fault"
@@ -153,6 +161,7 @@ def test_the_accumulation_normalization_bug_departs_at_step_0_at_the_loss(runs):
     assert c.departing_steps == c.compared_steps == 4
 
 
+@RUNS_ON_ONE_WORKER
 def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs):
     c = runs["resume"].comparison
     assert runs["resume"].verdict == "pass", c.first
@@ -160,6 +169,7 @@ def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs
     assert "equal, bitwise, the recording's after step 2" in c.alignment
 
 
+@RUNS_ON_ONE_WORKER
 def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_scheduler_sets(runs):
     """The first resumed step (3) runs with the lr saved in the optimizer's state_dict, which
     is right; the restarted scheduler then sets 1/(1+1) instead of 1/(1+4) of the base lr:
@@ -171,6 +181,7 @@ def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_schedule
     assert "0.002 in the recording, 0.005 in this run" in c.first.what
 
 
+@RUNS_ON_ONE_WORKER
 def test_a_students_accumulation_is_judged_right_and_wrong(runs):
     """Fresh code: 2 ranks x 2 micro-steps against 1 rank x 1; dividing by the accumulation
     steps agrees within tolerance, forgetting to departs at step 0 (the loss, twice as big)."""
@@ -180,6 +191,7 @@ def test_a_students_accumulation_is_judged_right_and_wrong(runs):
     assert (bad.first.step, bad.first.name) == (0, "loss")
 
 
+@RUNS_ON_ONE_WORKER
 def test_compare_offline_gives_the_same_verdicts(runs):
     rec = runs["dir"]
     resumed = runs["resume"].recording
@@ -192,6 +204,7 @@ def test_compare_offline_gives_the_same_verdicts(runs):
     assert code == 1 and "by --align-step 2" in out
 
 
+@RUNS_ON_ONE_WORKER
 def test_the_audit_report_names_the_first_departure(runs):
     from verify.cli.text_compare import audit as text
 
@@ -203,6 +216,7 @@ def test_the_audit_report_names_the_first_departure(runs):
 
 
 @pytest.mark.parametrize("case", ["missing", "not a recording", "other version"])
+@RUNS_ON_ONE_WORKER
 def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(runs, tmp_path, case):
     folder = tmp_path / "rec"
     if case != "missing":
@@ -220,6 +234,7 @@ def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(run
         assert "Traceback" not in err
 
 
+@RUNS_ON_ONE_WORKER
 def test_recordings_of_different_models_or_optimizers_are_exit_2(runs):
     rec = runs["dir"]
     code, _, err = cli("compare", str(rec / "t"), str(rec / "full"))
@@ -230,6 +245,7 @@ def test_recordings_of_different_models_or_optimizers_are_exit_2(runs):
     assert code == 2 and "different numbers of optimizers: 1 in the recording" in err
 
 
+@RUNS_ON_ONE_WORKER
 def test_record_refuses_a_folder_holding_a_recording(runs):
     code, _, err = cli("audit", "--nproc", "1", "--record", str(runs["dir"] / "t"), "--", TOKENS)
     assert code == 2 and "already holds a recording" in err
@@ -307,7 +323,6 @@ def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
 def _shared_sketches_on_rank(ctx, same: bool) -> list:
     """Three gradients on each rank, the same names everywhere (`same`) or one named per
     rank: the owner's sketches, for the test to check against sketches of its own tensors."""
-    from verify.recording.recorder import Recorder
     from verify.script_audit.collect import Entry
     from verify.script_audit.report import GRADS
     from verify.script_audit.side_group import SideGroup
@@ -317,10 +332,23 @@ def _shared_sketches_on_rank(ctx, same: bool) -> list:
     names = ["a", "b", "c" if same else f"rank{ctx.rank}"]
     tensors = [torch.arange(12.0) * (i + 1) + ctx.rank for i in range(3)]
     entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
+    got, layout = _recorded_point(group, entries)
+    return [None if got is None else got.tolist(), [t.tolist() for t in tensors], layout]
+
+
+def _recorded_point(group, entries) -> tuple[np.ndarray | None, bool]:
+    """One audit point after a step, as the script audit takes it: the recorder's first half,
+    the audit's comparison (which says whether the ranks hold the same entries), the
+    recorder's second half; (the owner's sketches, None on the other ranks; whether the
+    comparison found different entries)."""
+    from verify.recording.recorder import Recorder
+    from verify.script_audit.compare import compare
+
     recorder = Recorder(folder="unused")
-    recorder.owner = ctx.rank == 0
-    got = recorder._measure(group, False, entries)
-    return [None if got is None else got.tolist(), [t.tolist() for t in tensors]]
+    recorder.add(group, (), 0, "SGD", 0, 1, entries)  # point 1: after the step, no loss
+    outcome = compare(group, entries, (0, 0, 1))
+    recorder.settle(group, agreed=not outcome.layout)
+    return (np.stack(recorder.blocks) if recorder.owner else None), bool(outcome.layout)
 
 
 @pytest.mark.parametrize("same", [True, False])
@@ -334,8 +362,8 @@ def test_the_ranks_share_the_sketching_and_file_each_under_its_tensor(same):
 
     run = launch(_shared_sketches_on_rank, world_size=2, args=(same,), timeout_s=120)
     assert run.ok, run.summary()
-    (owner, mine), (other, _) = run.values
-    assert other is None
+    (owner, mine, layout), (other, _, _) = run.values
+    assert other is None and layout == (not same)
     per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ ctx.rank`
     expected = np.stack([sketch(t) for t in per_rank[0]])
     if same:
@@ -418,9 +446,10 @@ def _uneven_recorded_on_rank(ctx) -> list:
     assert group.ready()
     entries = [Entry(GRADS, f"t{i}", t) for i, t in enumerate(_uneven(1))]
     recorder = Recorder(folder="unused")
-    recorder.owner = ctx.rank == 0
-    got = recorder._measure(group, False, entries)
-    prints = [e.fingerprint for e in entries]
+    recorder.add(group, (), 0, "SGD", 0, 1, entries)  # point 1: after the step, no loss
+    prints = [e.fingerprint for e in entries]  # before the comparison: the recorder's own
+    recorder.settle(group, agreed=True)
+    got = np.stack(recorder.blocks) if recorder.owner else None
     return [None if got is None else got.tolist(), prints, recorder.sketched]
 
 

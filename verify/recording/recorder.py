@@ -11,10 +11,11 @@ What is kept per optimizer step, and why (docs/compare.md, "What a recording hol
   the audit reads it (the first step and every STATE_EVERY-th): AdamW's moments are twice the
   parameters, and a state that differs shows in the next step's parameters.
 
-Every rank takes part (the loss is averaged over the ranks, one all-gather of two numbers at
-the step, over the audit's own group; the sketches are shared out, `shares.py`; every rank
-fingerprints what it audits, as the audit does); only the owner, rank 0, keeps the rows and
-writes the folder, at the end of the script (`finish`, also after a crash).
+Every rank takes part (the sketches are shared out, `shares.py`; every rank fingerprints what
+it audits, as the audit does; the loss is averaged over the ranks); an audit point is `add`
+before the audit's comparison and `settle` after it, with one all-gather over the audit's own
+group, which brings the shares and the losses to the owner, rank 0. Only it keeps the rows
+and writes the folder, at the end of the script (`finish`, also after a crash).
 Sharded tensors are skipped as the audit skips them (`Collector.replicated`): they are not
 replicated, and rank 0's shard is not the model's tensor.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,10 +33,23 @@ import torch
 from verify.launching.env import RECORD_ENV
 from verify.recording import shares, store
 from verify.recording.loss import LossTap
-from verify.recording.sketch import BLOCKS, COLUMNS, sketched_numel
+from verify.recording.sketch import BLOCKS, COLUMNS, sketch, sketched_numel
 from verify.replica_audit.fingerprint import text_bits, value_bits
 
 BEFORE = 0  # the audit point before a step (`auditor.py`)
+
+
+@dataclass
+class _Point:
+    """One audit point between `Recorder.add` and `Recorder.settle`."""
+
+    index: int
+    step: int
+    entries: list
+    tensors: list  # the entries that hold a tensor
+    plan: shares.Plan
+    part: shares.Part
+    loss: tuple[float, int] | None  # this rank's (loss sum, backward calls), before a step
 
 
 def recorder_for(settings) -> Recorder | None:
@@ -64,11 +79,10 @@ class Recorder:
         self.compiled = False
         self.device = "cpu"
         self.stopped: str | None = None
-        # the owner's time fingerprinting and sketching, in all (the benchmark's figure; the
-        # loss's all-gather is left out: its wait is the slower rank's, which the audit's own
-        # agreement would wait for anyway); of it, this rank's time sketching and its time
-        # fingerprinting (the audit's own work, which its comparison reuses), and the
-        # elements it sketched
+        self._pending: _Point | None = None
+        # the owner's time inside `add` and `settle`, in all (the benchmark's figure); of it,
+        # this rank's time sketching and its time fingerprinting (the audit's own work, which
+        # its comparison reuses), and the elements it sketched
         self.seconds = 0.0
         self.sketch_seconds = 0.0
         self.fingerprint_seconds = 0.0
@@ -81,58 +95,92 @@ class Recorder:
         self.tap.remove()
 
     def add(self, group, roots, index: int, label: str, step: int, point: int, entries) -> None:
-        """The entries of one audit point of optimizer `index` (`label`) at `step`; `group` is
-        the audit's side group, `roots` the script's root modules. Called on every rank in
-        the same order (the loss's all-gather is a collective)."""
+        """The first half of one audit point of optimizer `index` (`label`) at `step`, before
+        the audit compares it: this rank fingerprints every tensor of `entries` (the audit's
+        comparison reuses `e.fingerprint` rather than computing it again) and sketches its
+        share of them, as planned for ranks that hold the same entries (`shares.py`); no
+        collective. `group` is the audit's side group, `roots` the script's root modules.
+        `settle` is the second half."""
         alone = not group.ready()
         self.world_size = 1 if alone else group.size
         self.owner = alone or group.rank == 0
         self.optimizers[index] = label
-        self.steps[index] = max(self.steps.get(index, 0), step + 1)
+        loss = None
         if point == BEFORE:
-            self._loss(group, alone, index, step)
+            loss = self.tap.take()
             self.compiled = self.compiled or any(
                 type(m).__name__ == "OptimizedModule" for m in roots
             )
         start = time.perf_counter()
         try:
-            sketches = self._measure(group, alone, [e for e in entries if e.tensor is not None])
-            if self.owner:
-                self._rows(index, step, entries, sketches)
+            tensors = [e for e in entries if e.tensor is not None]
+            size, rank = (1, 0) if alone else (group.size, group.rank)
+            plan = shares.planned(tuple(sketched_numel(e.tensor) for e in tensors), size)
+            part = shares.Part([e.tensor for e in tensors], plan.shares[rank], plan.capacity)
+            for e, fp in zip(tensors, part.fingerprints):
+                e.fingerprint = fp
+            self.sketch_seconds += part.seconds
+            self.fingerprint_seconds += part.fingerprint_seconds
+            self.sketched += plan.elements[rank]
+            self._pending = _Point(index, step, entries, tensors, plan, part, loss)
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _measure(self, group, alone: bool, tensors: list) -> np.ndarray | None:
-        """Fingerprint and sketch `tensors` (entries); the sketches on the owner (None
-        elsewhere). Every rank fingerprints all of them, as the audit's comparison would
-        (it reuses `e.fingerprint`), and the ranks share the sketching when they hold the
-        same entries (one all-reduce of their count and a digest of their keys says so):
-        `shares.py` plans each rank's share, balanced by elements (and a tensor's fixed
-        cost), each rank sketches its share as it fingerprints, and one all-gather brings
-        the rows to the owner (the step waits for the slowest rank). Otherwise (a layout the
-        audit is about to report) the owner fingerprints and sketches its own, alone, and
-        the others leave theirs to the comparison: a sketch is never filed under another
-        rank's tensor. (A tensor's sketch is then, block by block, of one rank's replica or
-        another's, its fingerprint of the owner's: alike when the replicas are, which is
-        what the audit checks at the same point.)"""
-        size, rank = 1, 0
-        if not alone:
-            digest = text_bits("\n".join(e.key for e in tensors))
-            n = len(tensors)
-            most, fewest, dmax, dmin = group.max([n, -n, digest, ~digest])
-            if most == -fewest and dmax == ~dmin:
-                size, rank = group.size, group.rank
-            elif not self.owner:
-                return None
-        plan = shares.planned(tuple(sketched_numel(e.tensor) for e in tensors), size)
-        part = shares.Part([e.tensor for e in tensors], plan.shares[rank], plan.capacity)
-        for e, fp in zip(tensors, part.fingerprints):
-            e.fingerprint = fp  # the audit's comparison, next, uses it rather than recompute
-        self.sketch_seconds += part.seconds
-        self.fingerprint_seconds += part.fingerprint_seconds
-        self.sketched += plan.elements[rank]
-        tables = group.gather_tensor(part.table) if size > 1 else [part.table]
-        return shares.assemble(plan.shares, tables, len(tensors)) if self.owner else None
+    def settle(self, group, agreed: bool) -> None:
+        """The second half of the audit point `add` began, once the audit's comparison has
+        said whether every rank holds the same entries (`agreed`, which every rank knows
+        alike; True alone). The ranks are in step then, having just compared, so the one
+        collective here waits little: agreed, one all-gather brings every rank's share of
+        the sketches to the owner, and at the point before a step each rank's loss with it
+        (so the recording costs no collective of its own to check the layouts, nor one for
+        the loss). Otherwise (a layout the audit is about to report) the shares were planned
+        for different entries: the loss travels alone and the owner sketches its own
+        tensors, alone; a sketch is never filed under another rank's tensor. (A tensor's
+        sketch is then of the owner's replica, its fingerprint too: alike when the replicas
+        are, which is what the audit checks at the same point.)"""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        self.steps[p.index] = max(self.steps.get(p.index, 0), p.step + 1)
+        if p.loss is not None and p.index == 0:
+            self.micro_steps.append(p.loss[1])
+        start = time.perf_counter()
+        try:
+            tables, losses = self._gather(group, agreed, p)
+            if not self.owner:
+                return
+            if p.loss is not None and p.loss[1]:
+                total = sum(t for t, _ in losses) / len(losses)
+                self._value(p.index, p.step, store.LOSS, "loss", total)
+            if tables is not None:
+                sketches = shares.assemble(p.plan.shares, tables, len(p.tensors))
+            else:
+                sketches = [sketch(e.tensor) for e in p.tensors]
+            self._rows(p.index, p.step, p.entries, sketches)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _gather(self, group, agreed: bool, p: _Point) -> tuple[list | None, list]:
+        """(every rank's sketch table, or None where the shares cannot be put together;
+        every rank's (loss sum, backward calls) at the point before a step, else [])."""
+        mine = [p.loss] if p.loss is not None else []
+        if not group.ready():
+            return [p.part.table], mine
+        if not agreed:  # every rank gathers, at a point before a step or not (ranks that
+            # disagree may be at different points): a rank without a loss sends no calls
+            loss = p.loss if p.loss is not None else (float("nan"), 0)
+            rows = group.gather_tensor(torch.tensor(loss, dtype=torch.float64))
+            return None, [(float(r[0]), int(r[1])) for r in rows] if p.loss is not None else []
+        table = p.part.table
+        if p.loss is not None:  # the loss's float64 bits ride in two more rows, unchanged
+            bits = torch.tensor(p.loss, dtype=torch.float64).view(torch.float32)
+            table = torch.cat([table, bits.view(-1, COLUMNS)])
+        got = group.gather_tensor(table)
+        if p.loss is None:
+            return got, []
+        n = len(p.part.table)
+        losses = [g[n:].reshape(-1).view(torch.float64).tolist() for g in got]
+        return [g[:n] for g in got], [(t, int(c)) for t, c in losses]
 
     def _rows(self, index: int, step: int, entries, sketches: np.ndarray) -> None:
         tensors = [e for e in entries if e.tensor is not None]
@@ -146,17 +194,6 @@ class Recorder:
         for e in entries:
             if e.tensor is None and e.setting is not None:
                 self._value(index, step, e.phase, e.name, e.setting)
-
-    def _loss(self, group, alone: bool, index: int, step: int) -> None:
-        total, calls = self.tap.take()
-        if not alone:  # every rank's (sum, calls): one all-gather of two numbers
-            rows = group.gather_tensor(torch.tensor([total, float(calls)], dtype=torch.float64))
-            sums = [float(r[0]) for r in rows]
-            total = sum(sums) / len(sums)
-        if calls and self.owner:
-            self._value(index, step, store.LOSS, "loss", total)
-        if index == 0:
-            self.micro_steps.append(calls)
 
     def _value(self, index: int, step: int, phase: str, name: str, value) -> None:
         text = isinstance(value, str)

@@ -10,9 +10,11 @@ tensors (rows of their sketches), and no rank's share is more than one block's w
 1/size of the whole. Handing out whole tensors by turn, as before, left one rank 61% of the
 elements of the benchmark's transformer (its largest tensor is three times the next).
 
-`plan` is a pure function of the element counts and the world size: every rank computes the
-same plan from the same agreed list, and the owner knows, without being told, which rows of
-which rank's share are which tensor's. A block's two numbers do not depend on which rank, or
+`plan` is a pure function of the element counts and the world size: every rank computes it
+from its own list, before the audit compares the lists; where the comparison finds them the
+same, every rank computed the same plan, and the owner knows, without being told, which rows
+of which rank's share are which tensor's (where not, the shares are not put together:
+`recorder.py`). A block's two numbers do not depend on which rank, or
 with which other blocks, it was computed (`sketch.block_rows`): the owner's table is, bit for
 bit, the one a rank alone would compute.
 

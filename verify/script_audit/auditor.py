@@ -262,11 +262,14 @@ class Auditor:
             roots = self.modules.roots() if point == BEFORE else ()
             self.recorder.add(self.group, roots, index, label, step, point, entries)
             if not self.group.ready():
+                self.recorder.settle(self.group, agreed=True)
                 return Outcome()
         outcome = compare(
             self.group, entries, (index, step, point),
             known=lambda e: self.book.known(label, e.phase, e.name), sizes=self.sizes,
         )  # fmt: skip
+        if self.recorder is not None:  # the ranks have just compared: in step, and told
+            self.recorder.settle(self.group, agreed=not outcome.layout)  # the layouts agree
         self.audits += 1
         self.tensors = max(self.tensors, len(entries))
         self.sharded = max(self.sharded, self.collect.sharded)
