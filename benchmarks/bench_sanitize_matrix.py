@@ -47,7 +47,7 @@ def run_sanitize_matrix_bench(options, result_type):
         return sample
 
     def each_round(r: int) -> None:
-        progress.say(f"bench-sanitize --matrix: round {r}/{options.repeats}")
+        progress.say("bench-sanitize --matrix: round ", r, options.repeats)
 
     load_before = os.getloadavg()[0]
     samples = interleave({name: arm(name) for name in MATRIX_ARMS}, options.repeats, each_round)

@@ -81,7 +81,7 @@ def take_turns(
 
     def each_round(r: int) -> None:
         if (r - 1) % every == 0 or r == rounds:
-            say(ctx, f"{what}: round {r}/{rounds}")
+            say(ctx, f"{what}: round ", r, rounds)
 
     return interleave(arms, rounds, each_round)
 

@@ -39,7 +39,7 @@ def _say_three_steps(stream: io.StringIO) -> None:
     progress.enable(stream)
     try:
         for step in (1, 2, 3):
-            progress.say(f"consistency naive on mlp: step {step}/3")
+            progress.say("consistency naive on mlp: step ", step, 3)
             time.sleep(0.01)
     finally:
         progress.disable()
@@ -65,12 +65,14 @@ def test_a_log_gets_starts_restarts_ends_and_a_line_a_gap(monkeypatch):
     start = time.monotonic()
     try:
         for k in range(1, 101):
-            progress.say(f"matrix, world size 2: cell {k}/100: naive / frozen / consistency")
+            progress.say("matrix, world size 2: cell ", k, 100, ": naive / frozen / consistency")
             if k <= 40:
-                progress.say(f"matrix, world size 3: cell {k}/40: naive / world-3 / consistency")
+                progress.say(
+                    "matrix, world size 3: cell ", k, 40, ": naive / world-3 / consistency"
+                )
             time.sleep(0.01)
-        progress.say("matrix, world size 2: cell 1/9: naive / tied / consistency")  # relaunch
-        progress.say("matrix, world size 2: cell 2/9: naive / tied / equivalence")  # held
+        progress.say("matrix, world size 2: cell ", 1, 9, ": naive / tied / consistency")  # again
+        progress.say("matrix, world size 2: cell ", 2, 9, ": naive / tied / equivalence")  # held
         elapsed = time.monotonic() - start
     finally:
         progress.disable()
@@ -94,8 +96,27 @@ def test_one_line_rewritten_in_place_on_a_terminal_and_cleared_at_the_end():
 
 def test_silent_unless_enabled():
     out = io.StringIO()
-    progress.say("nobody hears this: 1/2")
+    progress.say("nobody hears this: ", 1, 2)
     assert out.getvalue() == "" and not progress.enabled()
+
+
+def test_a_count_is_given_never_read_out_of_the_text(no_gap):
+    """A message whose text happens to hold "k/n" (a path, a ratio) is no count: no estimate,
+    and no task of the same name is disturbed by it."""
+    out = io.StringIO()
+    progress.enable(out)
+    try:
+        for step in (1, 2, 3):
+            progress.say("train: step ", step, 4)
+            progress.say(f"reading runs/2025-{step}/4.json")  # digits/digits: not a count
+            time.sleep(0.01)
+    finally:
+        progress.disable()
+    lines = out.getvalue().splitlines()
+    assert [s.split("] ", 1)[1] for s in lines[1::2]] == [
+        "reading runs/2025-1/4.json", "reading runs/2025-2/4.json", "reading runs/2025-3/4.json"
+    ], lines  # fmt: skip
+    assert "train: step 3/4  (" in lines[4] and lines[4].endswith("s left)"), lines
 
 
 # --- real runs: naive's consistency on 15 rows of world size 2, in one launch ----------------

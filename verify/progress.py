@@ -1,15 +1,16 @@
 """Progress on stderr while a command runs: what runs, n of m, and about how long is left.
 
-Run functions call `say("matrix, world size 2: cell 12/40: bucketed / no-sync / equivalence")`;
+Run functions call `say("matrix, world size 2: cell ", 12, 40, ": bucketed / no-sync /
+equivalence")`, which says "matrix, world size 2: cell 12/40: bucketed / no-sync / equivalence";
 the CLI decides whether anyone hears it (`enable`): on for text output, off under `--json`
 unless `--progress` asks for it, so a JSON document on stdout is never mixed with anything. A
 rank says it with `verify.launching.rank.say`, which travels on the rank's report pipe and is
 printed here once, by the parent (never once per rank, never replayed).
 
-The first `k/n` in a message is its count: the text before it names the task ("matrix, world
-size 2: cell "), and from the pace since the task's first count an estimate of what is left is
-added ("~40s left"), once there is a pace to go by. A message without a count is a task of its
-own.
+A message's count (`done` of `total`) is given as numbers, never read out of its text: the text
+before it names the task ("matrix, world size 2: cell "), and from the pace since the task's
+first count an estimate of what is left is added ("~40s left"), once there is a pace to go by.
+A message without a count is a task of its own.
 
 On a terminal every message rewrites one line in place, cleared before the report prints. On
 anything else (a file, a pipe, CI's log) lines are kept, so they are thinned: `matrix --impl
@@ -22,7 +23,6 @@ stops (`disable`), so a log cut short by Ctrl-C or SIGTERM says where the run wa
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import threading
@@ -38,7 +38,6 @@ _held: str | None = None  # (not a terminal) the newest line not written, if any
 _written_at = 0.0  # (not a terminal) when the last line was written
 # task -> (when its first count was seen, that count, the latest count)
 _tasks: dict[str, tuple[float, int, int]] = {}
-_COUNT = re.compile(r"(\d+)/(\d+)")
 MIN_GAP_S = 5.0  # the least time between two routine lines in a log
 GAP_SHARE = 0.1  # ... or this share of the time the run has taken, if longer
 
@@ -68,18 +67,21 @@ def enabled() -> bool:
     return _stream is not None
 
 
-def say(text: str) -> None:
-    """One progress line (a no-op unless enabled), prefixed with the seconds since the start
-    and followed by an estimate of the time left when `text` holds a count; on a stream that
-    is not a terminal it may be held back (module docstring)."""
+def say(task: str, done: int | None = None, total: int | None = None, after: str = "") -> None:
+    """One progress line (a no-op unless enabled): `task`, then `done/total` when counted, then
+    `after`, prefixed with the seconds since the start and followed by an estimate of the time
+    left when counted; on a stream that is not a terminal it may be held back (module
+    docstring)."""
     global _pending, _held, _written_at
     stream = _stream
     if stream is None:
         return
     now = time.monotonic()
+    count = None if done is None or total is None else (done, total)
+    text = task + (f"{done}/{total}" if count else "") + after
     with _lock:
-        news = _news(text)  # before _estimate records this count
-        line = f"[{now - _start:5.0f}s] {text}{_estimate(text, now)}"
+        news = _news(task, count)  # before _estimate records this count
+        line = f"[{now - _start:5.0f}s] {text}{_estimate(task, count, now)}"
         if _tty:
             width = shutil.get_terminal_size((100, 20)).columns - 1
             _write(stream, "\r\033[K" + line[:width])
@@ -96,26 +98,22 @@ def _gap(now: float) -> float:
     return max(MIN_GAP_S, GAP_SHARE * (now - _start))
 
 
-def _news(text: str) -> bool:
-    """Whether `text` starts its task, restarts its count or ends it: always written."""
-    m = _COUNT.search(text)
-    task = text[: m.start()] if m else text
+def _news(task: str, count: tuple[int, int] | None) -> bool:
+    """Whether a message starts its task, restarts its count or ends it: always written."""
     if task not in _tasks:
-        if m is None:
+        if count is None:
             _tasks[task] = (0.0, 0, 0)  # (no count: nothing to estimate)
         return True
-    if m is None:
+    if count is None:
         return False
-    done, total = int(m.group(1)), int(m.group(2))
+    done, total = count
     return done < _tasks[task][2] or done == total
 
 
-def _estimate(text: str, now: float) -> str:
-    m = _COUNT.search(text)
-    if m is None:
+def _estimate(task: str, count: tuple[int, int] | None, now: float) -> str:
+    if count is None:
         return ""
-    done, total = int(m.group(1)), int(m.group(2))
-    task = text[: m.start()]
+    done, total = count
     first = _tasks.setdefault(task, (now, done, done))
     if done < first[2]:  # a count that restarted (a fresh launch): its pace starts again
         first = _tasks[task] = (now, done, done)

@@ -159,7 +159,7 @@ def run_scenarios(options: HangOptions) -> ScenariosResult:
         result = check_hang(replace(options, impl=name, scenarios=False, threads_per_rank=threads))
         done.append(name)
         progress.say(
-            f"hang scenarios: {len(done)}/{total} done ({name}: {result.diagnosis.verdict})"
+            "hang scenarios: ", len(done), total, f" done ({name}: {result.diagnosis.verdict})"
         )
         return result
 

@@ -276,8 +276,8 @@ def run_cells_on_rank(
     agreement = CellAgreement(ctx.rank, ctx.world_size, journal, _AGREEMENT_TIMEOUT_S)
     for index, (impl, key, check) in enumerate(cells):
         if ctx.rank == 0:
-            rank.say(f"{label}, world size {ctx.world_size}: cell {index + 1}/{len(cells)}: "
-                     f"{impl} / {key} / {check}")  # fmt: skip
+            rank.say(f"{label}, world size {ctx.world_size}: cell ", index + 1, len(cells),
+                     f": {impl} / {key} / {check}")  # fmt: skip
         start = time.perf_counter()
         result = run_cell_on_rank(
             ctx, impl, BEHAVIOUR[key], check, same_init, sanitize=impl in sanitized

@@ -74,9 +74,12 @@ class RankOutcome:
 
 @dataclass(frozen=True)
 class Say:
-    """A progress line for the parent to print (`verify/progress.py`)."""
+    """A progress line for the parent to print (`verify/progress.py`'s `say` arguments)."""
 
-    text: str
+    task: str
+    done: int | None = None
+    total: int | None = None
+    after: str = ""
 
 
 @dataclass(frozen=True)

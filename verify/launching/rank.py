@@ -56,9 +56,9 @@ def main(job_path: str, fd: int, parent: int | None = None) -> None:
 _report_fd: int | None = None
 
 
-def say(text: str) -> None:
-    """In a rank: a progress line for the parent to print (see `verify/progress.py`)."""
-    process.send(_report_fd, Say(text))
+def say(task: str, done: int | None = None, total: int | None = None, after: str = "") -> None:
+    """In a rank: a progress line for the parent to print (`verify/progress.py`'s `say`)."""
+    process.send(_report_fd, Say(task, done, total, after))
 
 
 def run_job(job: RankJob, fd: int | None) -> None:

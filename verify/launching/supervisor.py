@@ -138,7 +138,7 @@ def supervise(
             exited = not r.running()
             for msg in r.messages():
                 if isinstance(msg, Say):
-                    progress.say(msg.text)
+                    progress.say(msg.task, msg.done, msg.total, msg.after)
                     continue
                 if isinstance(msg, Up):
                     up.add(r.rank)

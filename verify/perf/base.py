@@ -157,10 +157,13 @@ def parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def say(ctx: RankContext, text: str) -> None:
-    """A progress line, from rank 0 only (every rank saying it would print it N times)."""
+def say(
+    ctx: RankContext, task: str, done: int | None = None, total: int | None = None, after: str = ""
+) -> None:
+    """A progress line (`progress.say`'s arguments), from rank 0 only (every rank saying it
+    would print it N times)."""
     if ctx.rank == 0:
-        (rank_side.say if ctx.spawned else progress.say)(text)
+        (rank_side.say if ctx.spawned else progress.say)(task, done, total, after)
 
 
 class Measured(Verdicted):

@@ -142,7 +142,7 @@ def _rounds(ctx: RankContext, trainers: dict, rounds: int, what: str) -> dict:
     arms = {
         name: (lambda t=t: timed(lambda: next_step(t), ctx.device)) for name, t in trainers.items()
     }
-    return interleave(arms, rounds, lambda r: say(ctx, f"bench: {what}, round {r}/{rounds}"))
+    return interleave(arms, rounds, lambda r: say(ctx, f"bench: {what}, round ", r, rounds))
 
 
 def bench_on_rank(ctx: RankContext, options: BenchOptions) -> dict:

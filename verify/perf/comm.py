@@ -151,7 +151,7 @@ def run_comm(options: CommOptions) -> CommResult:
     memcpy, grad_bytes, backward_s = 0.0, 0, 0.0
     launches = []
     for i, ws in enumerate(options.world_sizes, 1):
-        progress.say(f"comm: world size {ws} ({i}/{len(options.world_sizes)})")
+        progress.say(f"comm: world size {ws} (", i, len(options.world_sizes), ")")
         run = launch(
             comm_on_rank,
             world_size=ws,
@@ -228,7 +228,7 @@ def comm_on_rank(ctx: RankContext, options: CommOptions) -> dict:
     samples = interleave(
         arms,
         options.repeats,
-        lambda r: say(ctx, f"comm: world size {ctx.world_size}, round {r}/{options.repeats}"),
+        lambda r: say(ctx, f"comm: world size {ctx.world_size}, round ", r, options.repeats),
     )
     points = [
         CommPoint(

@@ -161,7 +161,7 @@ def _folder(impl: str) -> str:
 def profile_on_rank(ctx: RankContext, options: ProfileOptions, trace_dirs: dict) -> None:
     """Each variant in turn: the one trainer's steps under the profiler."""
     for n, impl in enumerate(options.variants, 1):
-        say(ctx, f"profile: {impl} ({n}/{len(options.variants)})")
+        say(ctx, f"profile: {impl} (", n, len(options.variants), ")")
         _profile_variant(ctx, options, impl, trace_dirs[impl])
 
 

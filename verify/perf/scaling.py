@@ -109,7 +109,7 @@ def run_scaling(options: ScalingOptions) -> ScalingResult:
     folder = RunFolder.start(options, "scaling", options.max_world_size)
     points, launches = [], []
     for ws in range(1, options.max_world_size + 1):
-        progress.say(f"scaling: world size {ws} ({ws}/{options.max_world_size})")
+        progress.say(f"scaling: world size {ws} (", ws, options.max_world_size, ")")
         run = launch(
             scaling_on_rank,
             world_size=ws,
@@ -152,7 +152,7 @@ def scaling_on_rank(ctx: RankContext, options: ScalingOptions) -> ScalingPoint:
         trainer.step(step)
     times = []
     for i in range(options.repeats):
-        say(ctx, f"scaling: world size {ctx.world_size}, step {i + 1}/{options.repeats}")
+        say(ctx, f"scaling: world size {ctx.world_size}, step ", i + 1, options.repeats)
         step = options.warmup + i + 1
         times.append(timed(lambda step=step: trainer.step(step), ctx.device))
     tokens = ctx.world_size * options.local_batch * trainer.workload.cfg.block_size

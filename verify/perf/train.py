@@ -124,7 +124,7 @@ def run_training(options: TrainOptions) -> TrainResult:
     folder = RunFolder.start(options, name, options.world_size)
     losses, seconds, launches = {}, {}, []
     for i, (names, ws) in enumerate([((REFERENCE,), 1), (impls, options.world_size)], 1):
-        progress.say(f"train: {', '.join(names)} on {ws} rank{'s' * (ws > 1)} ({i}/2)")
+        progress.say(f"train: {', '.join(names)} on {ws} rank{'s' * (ws > 1)} (", i, 2, ")")
         run = launch(
             train_on_rank,
             world_size=ws,
@@ -169,9 +169,6 @@ def _train(ctx: RankContext, options: TrainOptions, name: str) -> tuple[list[flo
         losses.append(float(loss))
         if step % options.log_every == 0 or step == options.steps:
             rate = step / (time.perf_counter() - start)
-            say(
-                ctx,
-                f"train {name}: step {step}/{options.steps}  loss {losses[-1]:.4f}  "
-                f"({rate:.1f} steps/s)",
-            )
+            after = f"  loss {losses[-1]:.4f}  ({rate:.1f} steps/s)"
+            say(ctx, f"train {name}: step ", step, options.steps, after)
     return losses, time.perf_counter() - start

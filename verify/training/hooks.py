@@ -45,4 +45,4 @@ class Progress(Hooks):
         if run.ctx.rank == 0:
             from verify.launching import rank
 
-            rank.say(f"{self.label}: step {step}/{run.spec.steps}")
+            rank.say(f"{self.label}: step ", step, run.spec.steps)
