@@ -220,7 +220,11 @@ class AuditHooks(Hooks):
 
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
-        full = {k[6:]: t for k, t in state if k.startswith("param:") and t is not None}
+        full = {
+            k.removeprefix("param:"): t
+            for k, t in state
+            if k.startswith("param:") and t is not None
+        }
         checked, found = layout_problems(run.model, run.wrapped, full, self.auditor.process_group)
         if checked and step == 0:
             self.notes.append(

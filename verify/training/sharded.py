@@ -57,7 +57,10 @@ def full_state(
     """An audit's `param:NAME` / `buffer:NAME` / ... list with every parameter whole
     (`full_parameters`) and every other DTensor put together. A collective."""
     params = full_parameters(model, wrapped)
-    named = [(k, params.get(k[6:], t) if k.startswith("param:") else t) for k, t in named]
+    named = [
+        (k, params.get(k.removeprefix("param:"), t) if k.startswith("param:") else t)
+        for k, t in named
+    ]
     return full_named(named)
 
 
