@@ -40,7 +40,7 @@ from verify.checks.layout import layout_problems
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import FAULT, Finding, Refusal, Verdicted, collapse, verdict_of
-from verify.launching import RankContext
+from verify.launching import Raised, RankContext
 from verify.options import knob
 from verify.replica_audit.group import comm_device
 from verify.training.hooks import Hooks, Progress
@@ -135,7 +135,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
 
 def run_consistency_on_rank(
     ctx: RankContext, spec: TrainSpec, sanitize: bool = False
-) -> ConsistencyReport | Refusal:
+) -> ConsistencyReport | Refusal | Raised:
     """The check as one rank runs it, inside an already launched job (the certification
     matrix runs many of these in one launch). Every rank returns the same answer."""
     audit = AuditHooks()
@@ -146,9 +146,8 @@ def run_consistency_on_rank(
             trainer.run()
     except InterfaceError as exc:
         return Refusal.of(exc, ctx.rank)
-    except Exception as exc:  # the launcher reports it; keep what was found before it
-        exc.partial = audit.report(guard)
-        raise
+    except Exception as exc:  # the launcher reports it, with what was found before it
+        return Raised(exc, audit.report(guard))
     return audit.report(guard)
 
 

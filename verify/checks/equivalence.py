@@ -39,7 +39,7 @@ from verify.checks.verdict import (
     run_check,
     verdict_of,
 )
-from verify.launching import RankContext
+from verify.launching import Raised, RankContext
 from verify.options import knob
 from verify.training.hooks import Progress
 from verify.training.interface import InterfaceError
@@ -191,7 +191,7 @@ def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
 
 def run_equivalence_on_rank(
     ctx: RankContext, spec: TrainSpec, sanitize: bool = False
-) -> EquivalenceReport | Refusal:
+) -> EquivalenceReport | Refusal | Raised:
     """The check as one rank runs it, inside an already launched job (the certification
     matrix runs many of these in one launch). A collective: call it on every rank with the
     same spec. Every rank returns the same report.
@@ -212,9 +212,8 @@ def run_equivalence_on_rank(
                 trainer.run()
         except InterfaceError as exc:
             return Refusal.of(exc, ctx.rank)
-        except Exception as exc:  # the launcher reports it; keep what was found before it
-            exc.partial = _merge([_local(reference, guard, spec)])
-            raise
+        except Exception as exc:  # the launcher reports it, with what was found before it
+            return Raised(exc, _merge([_local(reference, guard, spec)]))
     local = _local(reference, guard, spec)
     if ctx.world_size == 1:
         return _merge([local])

@@ -24,6 +24,7 @@ _NAMES = (
     "verify.launching.env:STALL_ENV",
     "verify.launching.supervisor:Interrupted",
     "verify.launching.outcome:LaunchResult",
+    "verify.launching.outcome:Raised",
     "verify.launching.outcome:RankContext",
     "verify.launching.outcome:RankOutcome",
     "verify.launching.threads:ThreadBudget",

@@ -11,8 +11,8 @@ same error in its words.
 
 A rank recognizes the error (`classify`: only where this process has no usable CUDA, so a
 CUDA error on a GPU machine stays a crash) and hands a `NeedsCuda` to the parent as the
-partial report of its failure (`exc.partial`, which `error_report` sends), its traceback going
-to its stderr file only.
+partial report of its failure (`error_report`'s `found`), its traceback going to its stderr
+file only.
 """
 
 from __future__ import annotations

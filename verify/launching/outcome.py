@@ -69,6 +69,18 @@ class RankOutcome:
         return stacks.innermost_frames(self.stack)
 
 
+@dataclass(frozen=True)
+class Raised:
+    """What a rank function returns, rather than raising, when it failed after finding
+    something worth reporting (a check's findings up to the failure): the launcher reports the
+    rank as failed with `exc` (its error and traceback), and `found` as the partial value the
+    check reads (`RankOutcome.value`), so what was found travels as a value, not as an
+    attribute put on the exception (`rank_job.error_report`)."""
+
+    exc: BaseException
+    found: Any
+
+
 # --- what a rank sends its parent: over its pipe (`process.send`), or the store under torchrun
 
 
@@ -93,7 +105,7 @@ class RankReport:
 
     status: "ok" (`value` is fn's pickled return value), "error" (fn or the script raised, or
     exited non-zero: `error`, `traceback`, `failed_at`, and in `value` what fn had found
-    before failing, pickled, when it attached it to the exception as `exc.partial`) or
+    before failing, pickled, when it returned a `Raised`) or
     "crashed" (a peer never reported: made by whoever waited for it).
     """
 

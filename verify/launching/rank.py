@@ -32,7 +32,7 @@ import sys
 from dataclasses import replace
 
 from verify.launching import process, threads
-from verify.launching.outcome import RankContext, RankReport, Say, Up
+from verify.launching.outcome import Raised, RankContext, RankReport, Say, Up
 from verify.launching.rank_job import (
     RankJob,
     block_nccl_waits,
@@ -124,9 +124,13 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
 
 
 def call(fn, ctx: RankContext, args: tuple) -> RankReport:
-    """Run fn: its pickled value, or an error report (unpicklable values included)."""
+    """Run fn: its pickled value, or an error report (unpicklable values included; a returned
+    `Raised` is its exception's report, with what fn had found)."""
     try:
-        return RankReport("ok", pickle.dumps(fn(ctx, *args), protocol=pickle.HIGHEST_PROTOCOL))
+        value = fn(ctx, *args)
+        if isinstance(value, Raised):
+            return error_report(value.exc, value.found)
+        return RankReport("ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures of fn too
         return error_report(exc)
 

@@ -58,14 +58,14 @@ class RankJob:
     on_cpu_path: str | None = None
 
 
-def error_report(exc: BaseException) -> RankReport:
-    """The report of a raise: what fn had found before it failed travels in `value`, when it
-    attached it to the exception (`exc.partial`)."""
+def error_report(exc: BaseException, found: object = None) -> RankReport:
+    """The report of a raise; `found`, when given, is what the rank had found before it
+    failed (`outcome.Raised`), sent pickled in `value`."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     partial = None
-    if getattr(exc, "partial", None) is not None:
+    if found is not None:
         with contextlib.suppress(Exception):
-            partial = pickle.dumps(exc.partial, protocol=pickle.HIGHEST_PROTOCOL)
+            partial = pickle.dumps(found, protocol=pickle.HIGHEST_PROTOCOL)
     raised = {"exception": type(exc).__name__, **getattr(exc, "ddp_verify", {})}
     return RankReport("error", partial, one_line(exc), tb, time.time(), raised)
 

@@ -94,10 +94,8 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
             needs = rehearsal.finish(exc)
         else:
             needs = needs_cuda.classify(exc, _ASKED.get("backend"))
-        if needs is not None:  # a usage error, said once by the parent (needs_cuda.py)
-            with contextlib.suppress(Exception):
-                exc.partial = needs
-        report = error_report(exc)
+        # a usage error (needs is not None), said once by the parent (needs_cuda.py)
+        report = error_report(exc, needs)
         process.send(fd, report)
         if job.on_failure is not None:
             job.on_failure(report)
