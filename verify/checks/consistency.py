@@ -122,14 +122,14 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     return ConsistencyResult(
         options,
         verdict_of(findings, run),
-        report.checkpoints,
-        report.mismatches,
-        findings,
-        verdict.failure_text(run),
-        time.perf_counter() - start,
-        notes,
-        run.threads,
-        failure_findings(run, situation),
+        checkpoints=report.checkpoints,
+        mismatches=report.mismatches,
+        findings=findings,
+        failure=verdict.failure_text(run),
+        elapsed_s=time.perf_counter() - start,
+        notes=notes,
+        threads=run.threads,
+        failure_findings=failure_findings(run, situation),
     )
 
 

@@ -184,8 +184,9 @@ def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
     if report is not None and report.unsupported and run.ok:
         verdict = PASS  # nothing claimed, nothing failed: the CLI says "not claimed"
     return EquivalenceResult(
-        options, verdict, report, failure_text(run), time.perf_counter() - start, run.threads,
-        run.notes, failure_findings(run, situation),
+        options, verdict, report=report, failure=failure_text(run),
+        elapsed_s=time.perf_counter() - start, threads=run.threads, notes=run.notes,
+        failure_findings=failure_findings(run, situation),
     )  # fmt: skip
 
 
