@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.processes import alive
-from verify.launching import LaunchResult, RankContext, launch, thread_budget
+from verify.launching import LaunchResult, Raised, RankContext, launch, thread_budget
 from verify.launching.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,11 +58,17 @@ def _parent_pid(ctx: RankContext) -> int:
     return os.getppid()
 
 
-def _raise_on_rank_1(ctx: RankContext, pid_dir: str) -> None:
+def _raise_on_rank_1(ctx: RankContext, pid_dir: str, returned: bool = False) -> Raised | None:
     _write_pid(pid_dir, ctx)
     if ctx.rank == 1:
-        raise ValueError("rank one is broken")
+        try:
+            raise ValueError("rank one is broken")
+        except ValueError as exc:  # as a check does: what it had found goes with the failure
+            if returned:
+                return Raised(exc, {"found before": "rank one broke"})
+            raise
     dist.barrier()  # rank 0 waits for a peer that has already failed
+    return None
 
 
 def _stuck_in_all_reduce() -> None:
@@ -140,11 +146,15 @@ def test_values_come_back_per_rank(world_size: int) -> None:
     _assert_none_alive([v["pid"] for v in values])
 
 
-def test_raising_rank_is_the_root_cause(tmp_path: Path) -> None:
-    result = launch(_raise_on_rank_1, world_size=2, args=(str(tmp_path),), timeout_s=60)
+@pytest.mark.parametrize("returned", [False, True], ids=["raised", "returned-as-Raised"])
+def test_raising_rank_is_the_root_cause(tmp_path: Path, returned: bool) -> None:
+    """A rank that raises, or returns its exception in a `Raised` with what it had found
+    (which comes back as the failed outcome's value), fails the launch alike."""
+    result = launch(_raise_on_rank_1, world_size=2, args=(str(tmp_path), returned), timeout_s=60)
     print(result.outcomes)  # shown by pytest if an assertion below fails
     bad, other = result.outcomes[1], result.outcomes[0]
     assert bad.status == "error" and bad.error == "ValueError: rank one is broken"
+    assert bad.value == ({"found before": "rank one broke"} if returned else None)
     assert "rank one is broken" in bad.traceback and "_raise_on_rank_1" in bad.traceback
     # Rank 0's barrier errors out once rank 1 leaves the group, or it is killed after the grace.
     assert other.status in ("error", "killed")
@@ -156,6 +166,21 @@ def test_raising_rank_is_the_root_cause(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="rank one is broken"):
         _ = result.values
     _assert_none_alive(_pids(tmp_path))
+
+
+def test_a_raised_outside_the_launcher_raises_its_exception_again():
+    """A caller of a rank function outside the launcher (a test, the user's own launched
+    code) gets the exception, traceback kept, not a value to overlook."""
+    try:
+        raise KeyError("lost")
+    except KeyError as exc:
+        caught = exc
+    with pytest.raises(KeyError, match="lost") as info:
+        Raised.unwrap(Raised(caught, found={"steps": 2}))
+    assert info.value is caught and "test_a_raised_outside" in str(
+        info.traceback[-1].frame.code.name
+    )
+    assert Raised.unwrap({"steps": 2}) == {"steps": 2}
 
 
 def test_hang_times_out_with_every_ranks_stack(tmp_path: Path) -> None:

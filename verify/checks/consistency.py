@@ -114,7 +114,7 @@ class ConsistencyResult(Verdicted):
 def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
     """Run the consistency check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports, raised = verdict.run_check(run_consistency_on_rank, options)
+    run, reports, raised = verdict.run_check(consistency_on_rank, options)
     report = reports[0] if reports else ConsistencyReport()
     situation = situation_of(options)
     findings = with_hints(collapse([*raised, *(f for r in reports for f in r.findings)]), situation)
@@ -135,9 +135,18 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
 
 def run_consistency_on_rank(
     ctx: RankContext, spec: TrainSpec, sanitize: bool = False
+) -> ConsistencyReport | Refusal:
+    """The check as one rank runs it, inside an already launched job: a collective, every
+    rank returns the same report. Training that raises raises here."""
+    return Raised.unwrap(consistency_on_rank(ctx, spec, sanitize))
+
+
+def consistency_on_rank(
+    ctx: RankContext, spec: TrainSpec, sanitize: bool = False
 ) -> ConsistencyReport | Refusal | Raised:
-    """The check as one rank runs it, inside an already launched job (the certification
-    matrix runs many of these in one launch). Every rank returns the same answer."""
+    """`run_consistency_on_rank` as `check_consistency` launches it: training that raised
+    comes back as a `Raised` carrying the report of what was audited before (the launcher
+    reports the rank as failed, with that report as its partial value)."""
     audit = AuditHooks()
     guard = None
     try:

@@ -171,7 +171,7 @@ class EquivalenceResult(Verdicted):
 def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
     """Run the equivalence check; a failing rank or a hang comes back as a failed result."""
     start = time.perf_counter()
-    run, reports, raised = run_check(run_equivalence_on_rank, options)
+    run, reports, raised = run_check(equivalence_on_rank, options)
     report = reports[0] if reports else None
     if raised:  # a class that raised on some ranks only: the first finding
         report = report or EquivalenceReport()
@@ -192,14 +192,23 @@ def check_equivalence(options: EquivalenceOptions) -> EquivalenceResult:
 
 def run_equivalence_on_rank(
     ctx: RankContext, spec: TrainSpec, sanitize: bool = False
-) -> EquivalenceReport | Refusal | Raised:
-    """The check as one rank runs it, inside an already launched job (the certification
-    matrix runs many of these in one launch). A collective: call it on every rank with the
-    same spec. Every rank returns the same report.
+) -> EquivalenceReport | Refusal:
+    """The check as one rank runs it, inside an already launched job. A collective: call it
+    on every rank with the same spec. Every rank returns the same report; training that
+    raises raises here.
 
     It builds everything it uses, seeds explicitly, and restores torch's random state on
     return, so runs can follow each other in one process in any order.
     """
+    return Raised.unwrap(equivalence_on_rank(ctx, spec, sanitize))
+
+
+def equivalence_on_rank(
+    ctx: RankContext, spec: TrainSpec, sanitize: bool = False
+) -> EquivalenceReport | Refusal | Raised:
+    """`run_equivalence_on_rank` as `check_equivalence` launches it: training that raised
+    comes back as a `Raised` carrying this rank's comparisons up to then (the launcher
+    reports the rank as failed, with them as its partial value)."""
     reference = Reference()
     guard = None
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []

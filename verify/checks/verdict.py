@@ -101,7 +101,7 @@ def run_check(
 ) -> tuple[LaunchResult, list[Any], tuple[Finding, ...]]:
     """Launch `rank_fn(ctx, options.train_spec(), options.sanitize)` as `options` says, and
     return the run, every report a rank left (its return value, or the partial report a
-    failing rank attached to its exception) and the finding of a class that raised on some
+    failing rank returned in a `Raised`) and the finding of a class that raised on some
     ranks only (an interface that holds on the others is not a usage error: a fault).
 
     Raises ValueError (one line, exit 2) when every rank refused (`Refusal`)."""

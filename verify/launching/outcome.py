@@ -80,6 +80,14 @@ class Raised:
     exc: BaseException
     found: Any
 
+    @staticmethod
+    def unwrap(value):
+        """`value`; for a `Raised`, its exception raised again (its traceback kept): what a
+        caller of a rank function outside the launcher gets, as if nothing had caught it."""
+        if isinstance(value, Raised):
+            raise value.exc
+        return value
+
 
 # --- what a rank sends its parent: over its pipe (`process.send`), or the store under torchrun
 

@@ -11,7 +11,9 @@
 - Each rank takes its thread budget (`threads.py`): the machine's cores shared among the
   ranks running at once, as torchrun does.
 - Each rank sends back its return value (pickled, returned exactly) or its formatted
-  traceback. Failures come back as data, never as an exception out of `launch`.
+  traceback. Failures come back as data, never as an exception out of `launch`. A returned
+  `Raised` (`outcome.py`) is a failure: its exception's traceback, and what fn had found
+  before it as the outcome's value.
 - The supervisor (`supervisor.py`) ends the run at the first failure (after a short grace),
   at the deadline, or at the watchdog's hang verdict; every rank's collectives are traced and
   the watchdog calls a hang on evidence (`watching/watchdog.py`), with a diagnosis naming the
