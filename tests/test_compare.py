@@ -332,15 +332,16 @@ def _shared_sketches_on_rank(ctx, same: bool) -> list:
     names = ["a", "b", "c" if same else f"rank{ctx.rank}"]
     tensors = [torch.arange(12.0) * (i + 1) + ctx.rank for i in range(3)]
     entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
-    got, layout = _recorded_point(group, entries)
-    return [None if got is None else got.tolist(), [t.tolist() for t in tensors], layout]
+    recorder, layout = _recorded_point(group, entries)
+    got = np.stack(recorder.blocks).tolist() if recorder.owner else None
+    return [got, [t.tolist() for t in tensors], layout]
 
 
-def _recorded_point(group, entries) -> tuple[np.ndarray | None, bool]:
+def _recorded_point(group, entries):
     """One audit point after a step, as the script audit takes it: the recorder's first half,
     the audit's comparison (which says whether the ranks hold the same entries), the
-    recorder's second half; (the owner's sketches, None on the other ranks; whether the
-    comparison found different entries)."""
+    recorder's second half; (the recorder, whether the comparison found different entries).
+    Only the owner, rank 0, keeps rows."""
     from verify.recording.recorder import Recorder
     from verify.script_audit.compare import compare
 
@@ -348,7 +349,7 @@ def _recorded_point(group, entries) -> tuple[np.ndarray | None, bool]:
     recorder.add(group, (), 0, "SGD", 0, 1, entries)  # point 1: after the step, no loss
     outcome = compare(group, entries, (0, 0, 1))
     recorder.settle(group, agreed=not outcome.layout)
-    return (np.stack(recorder.blocks) if recorder.owner else None), bool(outcome.layout)
+    return recorder, bool(outcome.layout)
 
 
 @pytest.mark.parametrize("same", [True, False])
@@ -437,7 +438,6 @@ def test_the_benchmark_transformers_gradients_are_shared_evenly_by_elements():
 def _uneven_recorded_on_rank(ctx) -> list:
     """The uneven list as one audit point's gradients on every rank (alike, as replicas
     are): the owner's sketches and fingerprints, and the elements each rank sketched."""
-    from verify.recording.recorder import Recorder
     from verify.script_audit.collect import Entry
     from verify.script_audit.report import GRADS
     from verify.script_audit.side_group import SideGroup
@@ -445,12 +445,11 @@ def _uneven_recorded_on_rank(ctx) -> list:
     group = SideGroup()
     assert group.ready()
     entries = [Entry(GRADS, f"t{i}", t) for i, t in enumerate(_uneven(1))]
-    recorder = Recorder(folder="unused")
-    recorder.add(group, (), 0, "SGD", 0, 1, entries)  # point 1: after the step, no loss
-    prints = [e.fingerprint for e in entries]  # before the comparison: the recorder's own
-    recorder.settle(group, agreed=True)
-    got = np.stack(recorder.blocks) if recorder.owner else None
-    return [None if got is None else got.tolist(), prints, recorder.sketched]
+    recorder, layout = _recorded_point(group, entries)
+    assert not layout  # the same entries on every rank: the shares are put together
+    prints = [e.fingerprint for e in entries]  # the recorder's, which the comparison reused
+    got = np.stack(recorder.blocks).tolist() if recorder.owner else None
+    return [got, prints, recorder.sketched]
 
 
 def test_two_ranks_record_an_uneven_model_as_one_rank_alone_would_with_even_shares():

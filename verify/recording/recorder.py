@@ -156,7 +156,7 @@ class Recorder:
                 sketches = shares.assemble(p.plan.shares, tables, len(p.tensors))
             else:
                 sketches = [sketch(e.tensor) for e in p.tensors]
-            self._rows(p.index, p.step, p.entries, sketches)
+            self._rows(p, sketches)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -170,7 +170,7 @@ class Recorder:
             # disagree may be at different points): a rank without a loss sends no calls
             loss = p.loss if p.loss is not None else (float("nan"), 0)
             rows = group.gather_tensor(torch.tensor(loss, dtype=torch.float64))
-            return None, [(float(r[0]), int(r[1])) for r in rows] if p.loss is not None else []
+            return None, [(float(r[0]), int(r[1])) for r in rows]  # (read only with a loss)
         table = p.part.table
         if p.loss is not None:  # the loss's float64 bits ride in two more rows, unchanged
             bits = torch.tensor(p.loss, dtype=torch.float64).view(torch.float32)
@@ -182,18 +182,19 @@ class Recorder:
         losses = [g[n:].reshape(-1).view(torch.float64).tolist() for g in got]
         return [g[:n] for g in got], [(t, int(c)) for t, c in losses]
 
-    def _rows(self, index: int, step: int, entries, sketches: np.ndarray) -> None:
-        tensors = [e for e in entries if e.tensor is not None]
-        for e, blocks in zip(tensors, sketches):
+    def _rows(self, p: _Point, sketches) -> None:
+        """The owner's rows of audit point `p`: a tensor row per tensor (`sketches` in the
+        same order), a value row per setting."""
+        for e, blocks in zip(p.tensors, sketches):
             t = e.tensor
             key = self._key(e.name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            row = (index, step, self._phase(e.phase), key, t.numel(), e.fingerprint)
+            row = (p.index, p.step, self._phase(e.phase), key, t.numel(), e.fingerprint)
             self.tensor_rows.append(row)
             self.blocks.append(blocks)
             self.device = t.device.type
-        for e in entries:
+        for e in p.entries:
             if e.tensor is None and e.setting is not None:
-                self._value(index, step, e.phase, e.name, e.setting)
+                self._value(p.index, p.step, e.phase, e.name, e.setting)
 
     def _value(self, index: int, step: int, phase: str, name: str, value) -> None:
         text = isinstance(value, str)
