@@ -30,7 +30,7 @@ import torch.distributed as dist
 from benchmarks.bench_script_audit import GOAL as GOAL_SCRIPT
 from benchmarks.bench_script_audit import script_audit_bench_on_rank
 from benchmarks.costs import CostOptions, goal_bar, run_cost, take_turns
-from verify.checks.audit import Auditor
+from verify.checks.audit import ModelAudit
 from verify.launching import RankContext
 from verify.options import knob
 from verify.perf.base import Measured, model_size, next_step, parameters
@@ -122,7 +122,7 @@ def audit_bench_on_rank(ctx: RankContext, options: AuditBenchOptions) -> dict:
     """The three arms (module docstring), after a warm-up step and audit."""
     trainer = Trainer(ctx, options.train_spec())
     sharded = trainer.impl is not None and trainer.impl.sharded
-    auditor = Auditor(trainer.model, None if sharded else trainer.optimizer)
+    auditor = ModelAudit(trainer.model, None if sharded else trainer.optimizer)
 
     def covered():
         return auditor.grad_tensors() + auditor.state_tensors()

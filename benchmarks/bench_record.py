@@ -35,6 +35,7 @@ from verify.launching import RankContext
 from verify.perf.base import Measured, next_step, parameters
 from verify.perf.timing import timed
 from verify.recording.recorder import Recorder
+from verify.replica_audit.group import gather_ints
 from verify.script_audit import Auditor, AuditSettings
 from verify.script_audit.report import STATE_EVERY
 from verify.training.trainer import Trainer
@@ -173,7 +174,7 @@ def _share(group, mine: int) -> float:
     collective: every rank calls it)."""
     if not group.ready():
         return 1.0
-    every = [row[0] for row in group.gather([mine])]
+    every = [row[0] for row in gather_ints(group, [mine])]
     return every[0] / max(sum(every), 1)
 
 

@@ -3,14 +3,17 @@ tensor and the rank, and reports the element; identical replicas pass."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from impls.registry import resolve
-from verify.checks.audit import MOVED, Auditor, compare_gathered
+from verify.checks.audit import ModelAudit
 from verify.launching import launch
+from verify.replica_audit.compare import MOVED, Entry, describe
 from verify.replica_audit.fingerprint import fingerprint
+from verify.replica_audit.group import WorldGroup
 from verify.training.workloads import get_workload
 
 
@@ -73,11 +76,12 @@ def rank_several_ranks_differ(ctx):
     if ctx.rank == 2:
         b[1, 3] = -2.0
         c[4] += 1
-    auditor = Auditor(torch.nn.Linear(1, 1))
+    auditor = ModelAudit(torch.nn.Linear(1, 1))
     _, found = auditor.audit("x", [("a", a), ("b", b), ("c", c)])
     # Tensor `d` differed by its fingerprints, but its values moved before the detail gathered
     # them (a collective still in flight): equal on every rank by then.
-    moved = compare_gathered("x", "d", torch.ones(3), (1,), 0, dist.group.WORLD)
+    moved = describe(WorldGroup(), Entry("grad", "d", torch.ones(3)), 0, (1,), [0] * 4)
+    moved = replace(moved, at="x")
     return [
         (m.name, m.ranks, m.reference_rank, m.differing, m.first_index, m.max_abs_diff)
         for m in found
@@ -117,7 +121,7 @@ def rank_perturb_each_tensor(ctx, workload_name):
     workload.loss(wrapped, batch).backward()
     wrapped.finish_gradient_synchronization()
     optimizer.step()
-    auditor = Auditor(model, optimizer)
+    auditor = ModelAudit(model, optimizer)
     named = auditor.grad_tensors() + auditor.state_tensors()
     _, clean = auditor.audit("clean", named)
     results = {"clean": [m.line() for m in clean], "caught": {}}

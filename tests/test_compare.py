@@ -323,7 +323,7 @@ def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
 def _shared_sketches_on_rank(ctx, same: bool) -> list:
     """Three gradients on each rank, the same names everywhere (`same`) or one named per
     rank: the owner's sketches, for the test to check against sketches of its own tensors."""
-    from verify.script_audit.collect import Entry
+    from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
     from verify.script_audit.side_group import SideGroup
 
@@ -343,7 +343,7 @@ def _recorded_point(group, entries):
     recorder's second half; (the recorder, whether the comparison found different entries).
     Only the owner, rank 0, keeps rows."""
     from verify.recording.recorder import Recorder
-    from verify.script_audit.compare import compare
+    from verify.replica_audit.compare import compare
 
     recorder = Recorder(folder="unused")
     recorder.add(group, (), 0, "SGD", 0, 1, entries)  # point 1: after the step, no loss
@@ -438,7 +438,7 @@ def test_the_benchmark_transformers_gradients_are_shared_evenly_by_elements():
 def _uneven_recorded_on_rank(ctx) -> list:
     """The uneven list as one audit point's gradients on every rank (alike, as replicas
     are): the owner's sketches and fingerprints, and the elements each rank sketched."""
-    from verify.script_audit.collect import Entry
+    from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
     from verify.script_audit.side_group import SideGroup
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from impls.registry import REGISTRY, resolve
-from verify.checks.audit import Auditor
+from verify.checks.audit import ModelAudit
 from verify.launching import launch
 from verify.training.workloads import HARD_CASES, Batch, get_workload
 
@@ -65,7 +65,7 @@ def train(
     else:
         groups = workload.param_groups(model, lr=0.05, weight_decay=1e-2)
         optimizer = impl.make_optimizer(groups, torch.optim.SGD, momentum=0.9)
-    auditor = Auditor(model, None if impl.sharded else optimizer)
+    auditor = ModelAudit(model, None if impl.sharded else optimizer)
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
     problems, none_grads = [], []
     _, found = auditor.audit("construction", auditor.state_tensors())

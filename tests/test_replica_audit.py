@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from verify.checks import audit as class_audit
-from verify.checks.audit import Auditor
+from verify.checks.audit import ModelAudit
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.launching import launch
+from verify.replica_audit.compare import Entry, compare
+from verify.replica_audit.compare import compare as engine_compare
 from verify.replica_audit.finding import Finding
 from verify.replica_audit.fingerprint import fingerprint, fingerprint_table, fingerprints
 from verify.replica_audit.group import WorldGroup, agree, min_max
+from verify.script_audit import auditor as script_auditor
 from verify.script_audit import report
-from verify.script_audit.collect import Entry
-from verify.script_audit.compare import compare
 from verify.script_audit.side_group import SideGroup
 
 
@@ -38,12 +39,15 @@ def stencil_on_rows(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_one_fingerprint_serves_every_audit():
-    """The class audit's three values and the script audit's one integer come from one table;
-    the script audit keeps no fingerprint of its own."""
-    assert class_audit.fingerprint is fingerprint
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("verify.script_audit.fingerprint")
+def test_one_fingerprint_and_one_comparison_serve_every_audit():
+    """A class's checkpoints and a script's audit points are compared by the engine's one
+    comparison, over one fingerprint table (three values a tensor, mixed into one integer);
+    neither audit keeps a fingerprint or a comparison of its own."""
+    assert class_audit.compare is script_auditor.compare is engine_compare
+    for gone in ("verify.script_audit.fingerprint", "verify.script_audit.compare"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+    assert not hasattr(class_audit, "compare_gathered")
     ts = [torch.randn(300, 1000), torch.arange(7), None]
     table = fingerprint_table(ts, torch.device("cpu"))
     assert [tuple(row) for row in table.tolist()] == [tuple(fingerprint(t).tolist()) for t in ts]
@@ -71,7 +75,7 @@ def rank_stencil_on_one_rank(ctx):
     if ctx.rank == 0:
         flat = torch.cat([torch.zeros(1), bias])
         bias = flat[1:]  # 4 bytes in: not aligned to an 8-byte word
-    _, found = Auditor(torch.nn.Linear(1, 1)).audit("step 1", [("w", weight), ("b", bias)])
+    _, found = ModelAudit(torch.nn.Linear(1, 1)).audit("step 1", [("w", weight), ("b", bias)])
     return [(m.name, m.ranks, m.differing) for m in found]
 
 
@@ -102,7 +106,7 @@ def rank_measure_both_ways(ctx):
     if ctx.rank == 2:
         w[0] = -0.0
     v = torch.tensor([1.0, -3.0, 0.5]) * (2.0 if ctx.rank == 1 else 1.0)
-    _, found = Auditor(torch.nn.Linear(1, 1)).audit("step 1", [("w", w), ("v", v)])
+    _, found = ModelAudit(torch.nn.Linear(1, 1)).audit("step 1", [("w", w), ("v", v)])
     group = SideGroup()
     assert group.ready()
     entries = [Entry("gradients", "w", w), Entry("gradients", "v", v)]

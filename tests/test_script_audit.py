@@ -32,10 +32,10 @@ from verify.checks.verdict import EXIT_CODES
 from verify.cli import main
 from verify.cli.text_audit import audit as audit_text
 from verify.launching import RankContext, launch
+from verify.replica_audit.compare import Entry, compare
 from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import report
-from verify.script_audit.collect import Collector, Entry
-from verify.script_audit.compare import compare
+from verify.script_audit.collect import Collector
 from verify.script_audit.naming import Modules
 from verify.script_audit.side_group import SideGroup
 
@@ -280,8 +280,8 @@ def _holdings_on_rank(ctx) -> list[str]:
     """Two parameters' optimizer state as LBFGS on a rank-local loss leaves it: the same
     entry names on both ranks, but `t` a number on rank 0 and a tensor on rank 1; and a
     momentum buffer rank 1 lost."""
+    from verify.replica_audit.compare import Entry
     from verify.script_audit import owners
-    from verify.script_audit.collect import Entry
     from verify.script_audit.side_group import SideGroup
 
     phase = "optimizer state after step {step}"

@@ -36,8 +36,8 @@ import torch
 
 from tests.consoles import Ran, run_main
 from verify.launching import launch
+from verify.replica_audit.compare import Entry
 from verify.script_audit import owners, report
-from verify.script_audit.collect import Entry
 from verify.script_audit.side_group import SideGroup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def _split_on_rank(ctx) -> tuple:
     group, r, n = SideGroup(), ctx.rank, ctx.world_size
     assert group.ready()
     calls: list[tuple[str, int]] = []
-    for method in ("max", "sum", "gather", "gather_tensor", "broadcast"):
+    for method in ("max", "sum", "gather_tensor", "broadcast"):
         original = getattr(group, method)
 
         def counted(values, *args, _original=original, _method=method):

@@ -1,45 +1,33 @@
-"""Bitwise replica audit: are parameters, buffers, gradients and optimizer state identical on
-every rank? Decided by exchanging per-tensor fingerprints, not tensors.
+"""Bitwise replica audit of a class: are parameters, buffers, gradients and optimizer state
+identical on every rank at each checkpoint? Decided by the replica audit's one comparison
+(`verify/replica_audit/compare.py`), which exchanges per-tensor fingerprints, not tensors: at
+steady state one all-reduce of fixed size, per-rank detail only where the ranks disagree.
 
-Each tensor's fingerprint is the replica audit's one (`verify/replica_audit/fingerprint.py`):
-three int64 values (dtype-and-shape code, word sum, position-weighted sum) from the tensor's
-raw bits, so one ULP anywhere, moved values and exactly cancelling changes are caught.
-
-The ranks agree first on which tensors they hold (one fixed-size reduction of a count and a
-digest of the names; the names are gathered only when they differ), then take the min and the
-max of every fingerprint over the ranks (the engine's one agreement reduction,
-`verify/replica_audit/group.py`: one all-reduce, whose size does not grow with the world
-size): equal means every rank holds the same bits. Only for the tensors that mismatch
-do they gather every rank's fingerprint (to find the majority value), and for at most
-`max_detail` of those the tensor itself, to say which ranks differ, by how much, in how many
-elements, and where first.
+What is a class's and not a script's: the tensors are named by the model (`param:`,
+`buffer:`, `grad:`, `optim:`), keyed by name alone, so that a gradient that is None on some
+ranks, or a tensor of another dtype or shape, is a finding of that tensor (`how`: "missing",
+"shape"); a name that only some ranks hold (optimizer state for a parameter that got a
+gradient on one rank only) is one too ("absent"), and the tensors every rank holds are
+compared all the same, where a script's audit reports the layout and stops.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from verify.checks import kinds
+from verify.replica_audit.compare import Entry, compare
 from verify.replica_audit.finding import TensorDiff
-from verify.replica_audit.fingerprint import MISSING, fingerprint, fingerprint_table, text_bits
-from verify.replica_audit.group import WorldGroup, agree, comm_device, min_max, who_differs
-from verify.replica_audit.measure import common_scale, elements, fitted_scale
-from verify.replica_audit.measure import unequal as unequal_elements
+from verify.replica_audit.fingerprint import text_bits
+from verify.replica_audit.group import WorldGroup
+from verify.replica_audit.measure import common_scale
 
-# `fingerprint`, `min_max` and `comm_device` are the engine's (`verify/replica_audit/`),
-# named here too for the callers that import them from the audit.
-__all__ = ["Auditor", "Checkpoint", "TensorDiff", "comm_device", "fingerprint", "min_max"]
-
-MOVED = (
-    "the fingerprints differed, but the values gathered right after are equal on every rank: "
-    "they changed between the two reads, so a collective on this tensor was still in flight "
-    "(a race: run with --sanitize, the default unless --no-sanitize, to name it)"
-)
+__all__ = ["Checkpoint", "ModelAudit", "TensorDiff", "measured"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +40,7 @@ class Checkpoint:
     seconds: float
 
 
-class Auditor:
+class ModelAudit:
     """Audits named tensors of a model (and optionally a replicated optimizer's state).
 
     Collective: `audit` must be called on all ranks at the same checkpoints with the same
@@ -63,7 +51,7 @@ class Auditor:
         optimizer: a replicated optimizer whose state should be identical on every rank, or
             None (sharded optimizers keep different state per rank by design).
         process_group: the group whose ranks are compared.
-        max_detail: at most this many mismatched tensors are gathered for a detailed report.
+        max_detail: at most this many mismatched tensors are measured for a detailed report.
     """
 
     def __init__(
@@ -76,10 +64,12 @@ class Auditor:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.process_group)
+        self.group = WorldGroup(process_group)
+        self.process_group = self.group.process_group
+        self.world_size = self.group.size
         self.max_detail = max_detail
         self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self._sizes: dict = {}  # the comparison's agreed sizes, by checkpoint kind
 
     def follow(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Audit `model` from now on, and `optimizer` when this auditor audits one (both
@@ -108,42 +98,46 @@ class Auditor:
         return [(f"grad:{n}", p.grad) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def audit(
-        self, label: str, named: list[tuple[str, torch.Tensor | None]]
+        self,
+        label: str,
+        named: list[tuple[str, torch.Tensor | None]],
+        *,
+        step: int = 0,
+        phase: str = "",
     ) -> tuple[Checkpoint, list[TensorDiff]]:
-        """Compare `named` tensors across ranks; every rank returns the same answer.
+        """Compare `named` tensors across ranks at checkpoint `label` (of `step`, in `phase`:
+        "gradients", "step", ...); every rank returns the same answer.
 
-        The tool's own collectives never depend on what a rank holds: the ranks first agree
-        on the names (a tensor some ranks hold and others do not, such as optimizer state
-        for a parameter that got a gradient on one rank only, is a mismatch of its own),
-        then compare the fingerprints of the names every rank holds."""
+        The tool's own collectives never depend on what a rank holds: when the ranks hold
+        different names, they agree on the names first (a tensor some ranks hold and others
+        do not is a mismatch of its own), then compare the tensors every rank holds."""
         if self.world_size > 1:
             # Ranks arrive at different times; the timer must not count waiting for the slowest.
             dist.barrier(group=self.process_group)
         start = time.perf_counter()
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
-        named, absent = self._common(label, named)
-        device = comm_device(self.process_group)
-        # One table on the device, copied to the host once: a copy per tensor is a GPU sync each.
-        local = fingerprint_table([t for _, t in named], device)
-        low, high = min_max(local, self.process_group)
-        bad = [i for i in range(len(named)) if not bool((low[i] == high[i]).all())]
-        seen = who_differs(WorldGroup(self.process_group), local[bad])  # after a mismatch
-        mismatches = absent + [
-            self._explain(label, named[i], *seen[k], detailed=k < self.max_detail)
-            for k, i in enumerate(bad)
+        entries = [Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in named]
+        where = (0, step, text_bits(phase or label))
+        outcome, absent = self._compare(entries, where), []
+        if outcome.layout:  # names some ranks hold and others do not
+            entries, absent = self._common(label, entries)
+            outcome = self._compare(entries, where)
+        found = absent + [
+            replace(outcome.diffs.get(i) or outcome.undescribed[i], at=label)
+            for i in outcome.mismatched
         ]
         seconds = time.perf_counter() - start
-        return Checkpoint(label, len(named) + len(absent), len(mismatches), seconds), mismatches
+        return Checkpoint(label, len(entries) + len(absent), len(found), seconds), found
 
-    def _common(self, label: str, named: list) -> tuple[list, list[TensorDiff]]:
-        """The tensors every rank holds, in rank 0's order, and a mismatch for each name
-        held by some ranks only. One fixed-size reduction when the names agree (the usual
-        case); the names themselves are gathered only when they do not."""
-        names = [n for n, _ in named]
-        # The names' digest is the script audit's digest of its keys (`text_bits`).
-        if all(agree([len(names), text_bits("\0".join(names))], self.process_group)):
-            return named, []
+    def _compare(self, entries: list[Entry], where: tuple[int, int, int]):
+        return compare(self.group, entries, where, sizes=self._sizes,
+                       max_detail=self.max_detail, per_phase=self.max_detail)  # fmt: skip
+
+    def _common(self, label: str, entries: list[Entry]) -> tuple[list[Entry], list[TensorDiff]]:
+        """The entries every rank holds, and a mismatch for each name held by some ranks
+        only (every rank's names gathered: only once the ranks found they differ)."""
+        names = [e.name for e in entries]
         every: list = [None] * self.world_size
         dist.all_gather_object(every, names, group=self.process_group)
         held = [set(n) for n in every]
@@ -165,65 +159,7 @@ class Auditor:
             absent.append(
                 TensorDiff(name, differ, reference, how="absent", detail=detail, at=label)
             )
-        return [(n, t) for n, t in named if n in common], absent
-
-    def _explain(
-        self,
-        label: str,
-        item: tuple[str, torch.Tensor | None],
-        reference: int,
-        differ: tuple[int, ...],
-        keys: list[tuple],
-        *,
-        detailed: bool,
-    ) -> TensorDiff:
-        """What one disagreeing tensor is: missing or a different dtype or shape on some
-        ranks (from every rank's fingerprint, `keys`), else, when `detailed`, measured."""
-        name, tensor = item
-        missing = [r for r in range(len(keys)) if keys[r][0] == MISSING]
-        if missing:
-            s = "s" if len(missing) > 1 else ""
-            detail = f"the tensor is None on rank{s} {missing}"
-            return TensorDiff(name, differ, reference, how="missing", detail=detail, at=label)
-        if len({k[0] for k in keys}) > 1:
-            detail = "dtype or shape differs between ranks"
-            return TensorDiff(name, differ, reference, how="shape", detail=detail, at=label)
-        if not detailed:
-            return TensorDiff(name, differ, reference, at=label)
-        return compare_gathered(label, name, tensor, differ, reference, self.process_group)
-
-
-def compare_gathered(label, name, tensor, differ, reference, process_group) -> TensorDiff:
-    """Gather `tensor` from every rank and measure how the differing ranks differ from the
-    reference rank's (`measure.py`): the largest difference on any of them, the elements that
-    differ on at least one, the first of those, and the one factor they all are of it."""
-    device = comm_device(process_group)
-    t = tensor.detach().contiguous().to(device)
-    copies = [torch.empty_like(t) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(copies, t, group=process_group)
-    ref = elements(copies[reference])
-    differs = torch.zeros(ref.numel(), dtype=torch.bool)
-    worst = 0.0
-    scales = []
-    for r in differ:
-        other = elements(copies[r])
-        mask, largest = unequal_elements(ref, other)
-        differs |= mask
-        worst = max(worst, largest)
-        scales.append(fitted_scale(other, ref))
-    if not differs.any():
-        # What differed a moment ago is equal now: a collective on it was still in flight when
-        # the fingerprint was taken (a race), and has landed since. No number to report.
-        return TensorDiff(name, differ, reference, detail=MOVED, moved=True, at=label)
-    first = int(differs.nonzero()[0])
-    shape = tuple(copies[reference].shape)
-    if copies[reference].is_complex():
-        shape = (*shape, 2)
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape)) if shape else ()
-    return TensorDiff(
-        name, differ, reference, max_abs_diff=worst, differing=int(differs.sum()),
-        numel=ref.numel(), first_index=index, scale=common_scale(scales), at=label,
-    )  # fmt: skip
+        return [e for e in entries if e.name in common], absent
 
 
 _DIFFER = {"grad": kinds.GRADIENTS_DIFFER, "param": kinds.PARAMETERS_DIFFER,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verify.checks import kinds, verdict
-from verify.checks.audit import Auditor, Checkpoint, TensorDiff, measured
+from verify.checks.audit import Checkpoint, ModelAudit, TensorDiff, measured
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
@@ -174,7 +174,7 @@ class AuditHooks(Hooks):
         # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
         sharded = run.impl is not None and run.impl.sharded
         sharded = sharded or hasattr(run.wrapped, "full_parameters")
-        self.auditor = Auditor(run.model, None if sharded else run.optimizer)
+        self.auditor = ModelAudit(run.model, None if sharded else run.optimizer)
         if sharded:
             self.notes.append(
                 "optimizer state is sharded: audited parameters, buffers and gradients"
@@ -250,7 +250,7 @@ class AuditHooks(Hooks):
                                          ranks, kind=kinds.LAYOUT, numbers={"problem": kind}))  # fmt: skip
 
     def _audit(self, label: str, step: int, phase: str, named) -> list[TensorDiff]:
-        checkpoint, found = self.auditor.audit(label, named)
+        checkpoint, found = self.auditor.audit(label, named, step=step, phase=phase)
         self.checkpoints.append(checkpoint)
         self.mismatches.extend(found)
         if found:  # one finding per checkpoint: the first tensor, and how many more

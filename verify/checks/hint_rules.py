@@ -5,7 +5,7 @@ and returns the usual cause and fix, or None.
 
 The scales are exact arithmetic, not guesses. Each check fits the factor c with which a
 wrong gradient is a multiple of the right one, and keeps it only where the fit is exact to
-rounding in every tensor of the finding (`reference.compare`, `audit.compare_gathered`, the script audit's `compare`).
+rounding in every tensor of the finding (`reference.compare`, the replica audit's `compare`).
 Summed and never divided, a gradient is N times the average (c = N); divided twice, 1/N;
 divided by a hard-coded 2, N/2; never reduced and zeroed, 0. A factor on some ranks only,
 the same in every tensor, is a scaling done on those ranks alone: a gradient clipping (one

@@ -4,7 +4,7 @@ compared: parameters, settings, gradients, ...) and its measured numbers, never 
 message.
 
 Gradients that differ across ranks by one factor in every tensor (`TensorDiff.scale`, fitted
-where the tensors are gathered: `script_audit/compare.py`) were scaled on some ranks only,
+where the tensors are gathered: `replica_audit/compare.py`) were scaled on some ranks only,
 as a gradient clipping under `if rank == 0:` does; any other difference gets the phase's
 hint.
 """

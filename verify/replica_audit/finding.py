@@ -40,7 +40,7 @@ class TensorDiff:
     ranks: tuple[int, ...]  # ranks whose value differs from the reference rank's
     reference_rank: int  # the rank holding the value most ranks hold (the lowest on a tie)
     max_abs_diff: float | None = None  # largest |difference| on any rank, vs the reference
-    differing: int | None = None  # elements that differ (a script's: on the worst rank)
+    differing: int | None = None  # elements that differ on at least one rank
     numel: int | None = None
     first_index: tuple[int, ...] | None = None  # first differing element
     values: tuple[str, ...] = ()  # a setting's value on each rank ("rank 0: 0.001")

@@ -1,5 +1,5 @@
 """Exact fingerprints of tensors, computed where they live: the one fingerprint of the replica
-audit (the class checks' `Auditor`, the script audit, the reference's digests).
+audit (its comparison, for a class's checks and a script's audit; the reference's digests).
 
 A fingerprint is built from the tensor's raw bytes read as integer words (64-bit where the
 byte size allows), never from its values as floats: a float sum rounds, so two tensors that
@@ -78,9 +78,9 @@ def fingerprint_table(
         owners.setdefault(t.device, []).extend([i] * len(parts))
         if each is not None:
             each(i)
-    meta = [MISSING if t is None else _meta(t) for t in tensors]
+    codes = [MISSING if t is None else meta(t) for t in tensors]
     table = torch.zeros(len(tensors), 3, dtype=torch.int64, device=device)
-    table[:, 0] = torch.tensor(meta, dtype=torch.int64).to(device)
+    table[:, 0] = torch.tensor(codes, dtype=torch.int64).to(device)
     for on, parts in pieces.items():
         if not parts:
             continue
@@ -97,8 +97,8 @@ def fingerprints(
     `fingerprint_table`'s)."""
     rows = fingerprint_table(tensors, torch.device("cpu"), each).tolist()
     return [
-        signed(mix(meta ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
-        for meta, total, weight in rows
+        signed(mix(code ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
+        for code, total, weight in rows
     ]
 
 
@@ -161,7 +161,8 @@ def signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _meta(t: torch.Tensor) -> int:
+def meta(t: torch.Tensor) -> int:
+    """The code for `t`'s dtype and shape: a fingerprint's first value."""
     key = (t.dtype, t.shape)
     code = _META.get(key)
     if code is None:

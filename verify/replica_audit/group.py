@@ -8,9 +8,10 @@ value. Its size is twice the number of values, whatever the world size: agreemen
 in the number of ranks, and per-rank detail is gathered only after a mismatch (`who_differs`:
 every rank's values of the rows that disagree, the reference rank and the ranks that differ).
 
-A group is anything with `rank`, `size`, `all_reduce_max` and `gather_tensor`: `WorldGroup` wraps a
-`torch.distributed` process group (the class checks' world group, or the matrix's own gloo
-group); the script audit's `SideGroup` (`verify/script_audit/side_group.py`) is another.
+A group is anything with `rank`, `size`, `all_reduce_max`, `gather_tensor` and `broadcast`:
+`WorldGroup` wraps a `torch.distributed` process group (the class checks' world group, or the
+matrix's own gloo group); the script audit's `SideGroup` (`verify/script_audit/side_group.py`)
+is another. `gather_ints` and `broadcast_text` are built on those.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ class Group(Protocol):
     size: int
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        """The element-wise maximum over the ranks of an int64 tensor, on the CPU (`values`
-        may be overwritten)."""
+        """The element-wise maximum over the ranks of an integer tensor (int64, or uint8), on
+        the CPU (`values` may be overwritten)."""
         ...
 
     def gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (a CPU tensor of one shape and dtype on every rank), on the CPU,
         in rank order."""
+        ...
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """`t` (a CPU tensor of one shape and dtype on every rank) as rank `src` of the group
+        holds it, on the CPU."""
         ...
 
 
@@ -60,6 +66,45 @@ class WorldGroup:
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.process_group)
         return [e.cpu() for e in every]
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        staged = t.to(comm_device(self.process_group))
+        dist.broadcast(staged, src=dist.get_global_rank(self.process_group, src),
+                       group=self.process_group)  # fmt: skip
+        return staged.cpu()
+
+
+def gather_ints(group: Group, values: list[int]) -> list[list[int]]:
+    """Every rank's list of int64 values (the same length on every rank), in rank order."""
+    return [t.tolist() for t in group.gather_tensor(torch.tensor(values, dtype=torch.int64))]
+
+
+def broadcast_text(group: Group, text: str, src: int) -> str:
+    """A string rank `src` holds (two broadcasts: its length, then its bytes)."""
+    data = text.encode() if group.rank == src else b""
+    n = int(group.broadcast(torch.tensor([len(data)], dtype=torch.int64), src).item())
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if group.rank == src:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return bytes(group.broadcast(buf, src).tolist()).decode()
+
+
+def gather_texts(group: Group, text: str, limit: int) -> list[str]:
+    """Every rank's `text`, cut to `limit` bytes of UTF-8 (`fit`), in rank order: one gather
+    of a fixed size, whatever each rank has to say."""
+    data = fit(text, limit).encode().ljust(limit, b"\0")
+    texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in texts]
+
+
+def fit(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8 at a separator (", " or "; "), never
+    mid-name, with ", ..." where it was cut."""
+    if len(text.encode()) <= limit:
+        return text
+    cut = text.encode()[: limit - 5].decode(errors="ignore")
+    at = max(cut.rfind(", "), cut.rfind("; "))
+    return (cut[:at] if at > 0 else cut) + ", ..."
 
 
 def as_group(group: Group | dist.ProcessGroup | None) -> Group:

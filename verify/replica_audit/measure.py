@@ -1,6 +1,6 @@
 """How one tensor differs from the reference rank's copy: the one measure of every audit, once
-its fingerprints disagreed (the class checks' `Auditor` on gathered copies, the script audit on
-the reference's copy broadcast to each rank).
+its fingerprints disagreed (`compare.py`, on the reference rank's copy broadcast to each
+rank).
 
 Elements are compared bitwise, as the fingerprints are: a NaN equals a NaN with the same bits,
 and -0.0 differs from 0.0. The largest difference is taken over the differing elements (an

@@ -52,11 +52,11 @@ from torch.optim.optimizer import (
 )
 
 from verify.recording.recorder import recorder_for
+from verify.replica_audit.compare import Entry, Outcome, compare
 from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.buffers import BroadcastBuffers
-from verify.script_audit.collect import Collector, Entry
-from verify.script_audit.compare import Outcome, compare
+from verify.script_audit.collect import Collector
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
 from verify.script_audit.naming import Modules
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings

@@ -24,10 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from verify.checks.kinds import AUDIT_LAYOUT, DIVERGENCE, NOTE
+from verify.replica_audit.compare import Entry, Outcome
 from verify.replica_audit.finding import Finding, TensorDiff, diff_numbers
 from verify.script_audit import report
-from verify.script_audit.collect import Entry
-from verify.script_audit.compare import Outcome
 
 MAX_SEEN = 32  # later steps kept per finding
 

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 from torch import nn
 
+from verify.replica_audit.compare import Entry
 from verify.replica_audit.fingerprint import fingerprints
 from verify.script_audit import report
-from verify.script_audit.collect import Collector, Entry
+from verify.script_audit.collect import Collector
 from verify.script_audit.naming import broadcasts_now, strip, syncs_buffers
 
 

@@ -1,9 +1,9 @@
 """What is meant to be replicated at an optimizer step, as named entries.
 
-An `Entry` is one thing every rank should hold bitwise alike: a tensor (compared by its
-fingerprint, `fingerprint.py`) or a setting (a number or a string, compared exactly). Its
-`key` (name, dtype, shape) is what the ranks first agree on: the ranks compare values only
-once they hold the same list of keys.
+An `Entry` (the replica audit's, `verify/replica_audit/compare.py`) is one thing every rank
+should hold bitwise alike: a tensor (compared by its fingerprint) or a setting (a number or
+a string, compared exactly). Its `key` (name, dtype, shape) is what the ranks first agree
+on: the ranks compare values only once they hold the same list of keys.
 
 Sharded tensors are never compared across ranks: a `DTensor` (FSDP2, tensor parallelism) is
 compared only when every placement is `Replicate()` (its local tensor is then the whole
@@ -18,32 +18,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from verify.replica_audit.compare import Entry
 from verify.script_audit import report
 from verify.script_audit.naming import Modules, strip
-
-
-@dataclass
-class Entry:
-    """One replicated thing at one audit point."""
-
-    phase: str  # one of report.PHASES
-    name: str
-    tensor: torch.Tensor | None = None  # compared by fingerprint
-    setting: float | str | None = None  # compared exactly
-    fingerprint: int | None = None  # already computed (a buffer fingerprinted at forward)
-    key_extra: str = ""  # dtype and shape of a pre-fingerprinted tensor
-
-    @property
-    def key(self) -> str:
-        if self.tensor is not None:
-            return f"{self.phase}|{self.name}|{self.tensor.dtype}|{tuple(self.tensor.shape)}"
-        kind = "setting" if self.setting is not None else self.key_extra or "none"
-        return f"{self.phase}|{self.name}|{kind}"
 
 
 class Collector:

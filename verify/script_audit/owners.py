@@ -31,11 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from verify.replica_audit.compare import Entry
 from verify.replica_audit.fingerprint import text_bits
-from verify.script_audit.collect import Entry
-from verify.script_audit.compare import fit
+from verify.replica_audit.group import broadcast_text, gather_ints, gather_texts
 from verify.script_audit.side_group import SideGroup
 
 MAX_DETAIL = 3  # parameters whose holders are described after a fault
@@ -88,8 +86,8 @@ def _describe(group: SideGroup, names: list[str], per_param: list[list[Entry]], 
     parts = []
     for i, ref in bad[:MAX_DETAIL]:
         keys = [_short(e.name, names[i]) for e in per_param[i]]
-        theirs = group.broadcast_text("\n".join(keys), ref).split("\n")
-        holders = [r for r, h in enumerate(group.gather([1 if keys else 0])) if h[0]]
+        theirs = broadcast_text(group, "\n".join(keys), ref).split("\n")
+        holders = [r for r, h in enumerate(gather_ints(group, [1 if keys else 0])) if h[0]]
         mine = ""
         if not keys:
             mine = f"rank {group.rank} holds none of it"
@@ -102,15 +100,13 @@ def _describe(group: SideGroup, names: list[str], per_param: list[list[Entry]], 
             )  # fmt: skip
         # The same entry names everywhere, yet the digests differ: a dtype or a shape does.
         forms = [_form(e, names[i]) for e in per_param[i]]
-        ref_forms = group.broadcast_text("\n".join(forms), ref).split("\n")
+        ref_forms = broadcast_text(group, "\n".join(forms), ref).split("\n")
         if keys and keys == theirs and forms != ref_forms:
             odd = [f for f, r in zip(forms, ref_forms) if f != r]
             mine = f"rank {group.rank} holds {', '.join(odd)} where rank {ref} holds " + ", ".join(
                 r for f, r in zip(forms, ref_forms) if f != r
             )
-        data = fit(mine, _TEXT).encode().ljust(_TEXT, b"\0")
-        texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        said = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in texts]
+        said = gather_texts(group, mine, _TEXT)
         who = ", ".join(map(str, holders))
         parts.append(f"{names[i]}'s state ({', '.join(theirs)}) is held by rank"
                      f"{'s' if len(holders) > 1 else ''} {who}: "

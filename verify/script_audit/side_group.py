@@ -71,10 +71,6 @@ class SideGroup:
         self._group().allreduce([t], opts).wait()
         return t.tolist()
 
-    def gather(self, values: list[int]) -> list[list[int]]:
-        """Every rank's list of int64 values (the same length on every rank)."""
-        return [t.tolist() for t in self.gather_tensor(torch.tensor(values, dtype=torch.int64))]
-
     def gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
         self._group().allgather([out], [t]).wait()
@@ -87,12 +83,3 @@ class SideGroup:
         opts.rootTensor = 0
         self._group().broadcast([t], opts).wait()
         return t
-
-    def broadcast_text(self, text: str, src: int) -> str:
-        """A string held by rank `src` (two broadcasts: its length, then its bytes)."""
-        data = text.encode() if self.rank == src else b""
-        n = self.broadcast(torch.tensor([len(data)], dtype=torch.int64), src).item()
-        buf = torch.zeros(int(n), dtype=torch.uint8)
-        if self.rank == src:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return bytes(self.broadcast(buf, src).tolist()).decode()

@@ -136,6 +136,7 @@ _TOOL_WORDS = (
     ("training/checkpoint.py", "the tool's optimizer state_dict round trip"),
     ("checks/consistency.py", "the tool's consistency audit"),
     ("checks/audit.py", "the tool's consistency audit"),
+    ("replica_audit/", "the tool's replica audit"),
     ("checks/agreement.py", "the tool's agreement on a cell's outcome"),
     ("checks/reference.py", "the tool's single-process reference"),
     ("checks/", "the tool's check"),
