@@ -78,20 +78,38 @@ def rank_several_ranks_differ(ctx):
         c[4] += 1
     auditor = ModelAudit(torch.nn.Linear(1, 1))
     _, found = auditor.audit("x", [("a", a), ("b", b), ("c", c)])
+    # The same names in another order on the odd ranks (optimizer state is in the order its
+    # parameters first stepped): matched by name, and rank 3's `f` still found.
+    e, f = torch.ones(2), torch.full((3,), 2.0 + (ctx.rank == 3))
+    named = [("e", e), ("f", f)] if ctx.rank % 2 == 0 else [("f", f), ("e", e)]
+    _, reordered = auditor.audit("y", named)
     # Tensor `d` differed by its fingerprints, but its values moved before the detail gathered
     # them (a collective still in flight): equal on every rank by then.
     moved = describe(WorldGroup(), Entry("grad", "d", torch.ones(3)), 0, (1,), [0] * 4)
     moved = replace(moved, at="x")
-    return [
-        (m.name, m.ranks, m.reference_rank, m.differing, m.first_index, m.max_abs_diff)
-        for m in found
-    ] + [(moved.moved, moved.differing, moved.line())]
+    # Rank 1's fingerprint differed, yet reads alike now, while rank 2 (which matched) changed
+    # in between: measured on the flagged ranks only, `g` moved, rank 2's values not pinned on 1.
+    g = torch.ones(3) * (2.0 if ctx.rank == 2 else 1.0)
+    elsewhere = describe(WorldGroup(), Entry("grad", "g", g), 0, (1,), [0] * 4)
+    return (
+        [
+            (m.name, m.ranks, m.reference_rank, m.differing, m.first_index, m.max_abs_diff)
+            for m in found
+        ]
+        + [(moved.moved, moved.differing, moved.line())]
+        + [[m.line() for m in reordered]]
+        + [(elsewhere.moved, elsewhere.differing)]
+    )
 
 
 def test_mismatch_reports_with_rank_0_odd_and_several_ranks_differing():
     run = launch(rank_several_ranks_differ, world_size=4, timeout_s=240)
     assert run.ok, run.summary()
-    a, b, c, d = run.values[0]
+    a, b, c, d, reordered, elsewhere = run.values[0]
+    assert elsewhere == (True, None), elsewhere
+    assert reordered == [
+        "y: f differs on rank 3 (vs rank 0): max |diff| 1, 3/3 elements differ, first at index [0]"
+    ], reordered
     assert a == ("a", (0,), 1, 1, (7,), 1.0)
     assert b == ("b", (1, 2), 0, 2, (1, 3), 2.0)
     assert c == ("c", (2,), 0, 1, (4,), 1.0)

@@ -117,12 +117,16 @@ class ModelAudit:
         start = time.perf_counter()
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
-        entries = [Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in named]
+        entries = [
+            Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in _unique(named)
+        ]
         where = (0, step, text_bits(phase or label))
         outcome, absent = self._compare(entries, where), []
-        if outcome.layout:  # names some ranks hold and others do not
+        if outcome.layout:  # names some ranks hold and others do not, or in another order
             entries, absent = self._common(label, entries)
             outcome = self._compare(entries, where)
+            if outcome.layout:  # never: the ranks now hold the same names in one order
+                raise RuntimeError(f"the replica audit at {label}: {outcome.layout}")
         found = absent + [
             replace(outcome.diffs.get(i) or outcome.undescribed[i], at=label)
             for i in outcome.mismatched
@@ -135,8 +139,10 @@ class ModelAudit:
                        max_detail=self.max_detail, per_phase=self.max_detail)  # fmt: skip
 
     def _common(self, label: str, entries: list[Entry]) -> tuple[list[Entry], list[TensorDiff]]:
-        """The entries every rank holds, and a mismatch for each name held by some ranks
-        only (every rank's names gathered: only once the ranks found they differ)."""
+        """The entries every rank holds, in rank 0's order (an optimizer's state is in the
+        order its parameters first stepped, which can differ by rank), and a mismatch for
+        each name held by some ranks only (every rank's names gathered: only once the ranks
+        found they differ)."""
         names = [e.name for e in entries]
         every: list = [None] * self.world_size
         dist.all_gather_object(every, names, group=self.process_group)
@@ -159,7 +165,8 @@ class ModelAudit:
             absent.append(
                 TensorDiff(name, differ, reference, how="absent", detail=detail, at=label)
             )
-        return [e for e in entries if e.name in common], absent
+        mine = {e.name: e for e in entries}
+        return [mine[n] for n in every[0] if n in common], absent
 
 
 _DIFFER = {"grad": kinds.GRADIENTS_DIFFER, "param": kinds.PARAMETERS_DIFFER,
@@ -184,6 +191,17 @@ def measured(found: list[TensorDiff], phase: str, step: int) -> tuple[str, dict]
     if prefix == "optim" and first.how == "absent":
         return kinds.STATE_ON_SOME, numbers
     return _DIFFER.get(prefix, kinds.STATE_DIFFERS), numbers
+
+
+def _unique(named: list[tuple[str, torch.Tensor | None]]) -> list:
+    """`named` with every name made unique by its occurrence (`optim:?.step #2`: the state of
+    a parameter the model does not name), so that the ranks can match tensors by name."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, t in named:
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if seen[name] == 1 else f"{name} #{seen[name]}", t))
+    return out
 
 
 def _list(ranks: list[int]) -> str:

@@ -227,7 +227,9 @@ def describe(
     differ, largest = unequal(a, b)
     if t.is_complex():  # compared part by part; counted by element, as `numel` is
         differ = differ.view(-1, 2).any(dim=1)
-    # The elements that differ on at least one rank: one reduction of a byte per element.
+    if group.rank not in ranks:  # measured on the ranks whose fingerprints differed only
+        differ, largest = torch.zeros_like(differ), 0.0
+    # The elements that differ on at least one of them: one reduction of a byte per element.
     union = group.all_reduce_max(differ.to(torch.uint8)).nonzero()
     if union.numel() == 0:  # alike now: it changed between the two reads
         return TensorDiff(entry.name, ranks, ref, detail=MOVED, moved=True)
@@ -238,7 +240,7 @@ def describe(
     # the one factor the differing ranks' values are of the reference's, if there is one
     scale = common_scale(None if math.isnan(rows[r][1]) else rows[r][1] for r in ranks)
     return TensorDiff(
-        entry.name, ranks, ref, max_abs_diff=max(r[0] for r in rows),
+        entry.name, ranks, ref, max_abs_diff=max(rows[r][0] for r in ranks),
         differing=union.shape[0], numel=t.numel(), first_index=tuple(int(i) for i in first),
         scale=scale,
     )  # fmt: skip

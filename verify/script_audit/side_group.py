@@ -52,7 +52,7 @@ class SideGroup:
         return self._pg
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        """The element-wise maximum over all ranks of an int64 CPU tensor, in place: the
+        """The element-wise maximum over all ranks of an integer CPU tensor, in place: the
         engine's group interface (`verify/replica_audit/group.py`)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
