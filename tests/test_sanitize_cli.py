@@ -28,6 +28,19 @@ def test_a_racy_script_is_caught_under_hang_nproc_sanitize(run_cli, tmp_path):
     assert {r["rank"] for r in doc["races"]} == {0, 1}
 
 
+def test_what_the_sanitizer_found_before_a_crash_is_reported_with_it(run_cli, tmp_path):
+    """Rank 1 raises after its racy steps: the crash is the diagnosis, and the races both
+    ranks found before it are reported too (the crashed rank's saved before it reported)."""
+    proc = run_cli(
+        "hang", "--nproc", "2", "--sanitize", "--out", str(tmp_path), "--json", "--", RACY,
+        "--then-raise",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert "the loss went NaN" in json.dumps(doc["diagnosis"]), doc["diagnosis"]
+    assert {r["rank"] for r in doc["races"]} == {0, 1}, doc["races"]
+
+
 def test_pytorch_ddp_is_clean_and_its_blind_spot_said(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["equivalence", "--impl", "torch-ddp", "--steps", "2", "--sanitize"]) == 0

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 from verify.launching.env import LAUNCHED_AUDIT_ENV, LAUNCHED_ENV, LAUNCHED_SANITIZE_ENV
 
-_adopted: dict = {}  # this process's job, sanitizer and auditor, once it joined
+_adopted: dict = {}  # this process's job and its set-ups running, once it joined
 _rehearsal: list = []  # --on-cpu: this process's rehearsal, from its import of torch
 
 
@@ -90,14 +90,14 @@ def _adopt() -> None:
         audit_every=None if every is None else int(every),
     )
     job = replace(job, on_failure=node_ranks.rank_failed(folder, rank))
-    sanitizer, auditor = rank_side.adopt(job)
+    running = rank_side.adopt(job)
     if _rehearsal:  # its report, under the rank now known
         from verify.oncpu import REPORT_SUFFIX
 
         ledger = _rehearsal[0].ledger
         ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
         ledger.save()
-    _adopted.update(job=job, sanitizer=sanitizer, auditor=auditor, failed=False)
+    _adopted.update(job=job, running=running, failed=False)
     with open(os.path.join(folder, f"rank{rank}.joined.tmp"), "w") as f:
         f.write(f"{world} {os.getpid()}\n")
     os.replace(os.path.join(folder, f"rank{rank}.joined.tmp"), _joined(folder, rank))
@@ -137,8 +137,8 @@ def _hook_exits() -> None:
 
 
 def _fail(exc: BaseException) -> None:
+    from verify.launching import setups
     from verify.launching.rank_job import error_report
-    from verify.launching.rank_script import finish_rank
 
     if _adopted["failed"]:
         return
@@ -146,18 +146,17 @@ def _fail(exc: BaseException) -> None:
     job = _adopted["job"]
     if _rehearsal:  # the call it could not map, when that is what the rank died of
         _rehearsal[0].finish(exc)
-    finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])  # what it found so far
+    setups.finish(_adopted["running"], exc)  # what they found so far
     job.on_failure(error_report(exc))  # waits (bounded) for the tool's diagnosis
 
 
 def _at_exit() -> None:
-    from verify.launching import node_ranks
-    from verify.launching.rank_script import finish_rank
+    from verify.launching import node_ranks, setups
 
     if _adopted["failed"]:
         return
     job = _adopted["job"]
     if _rehearsal:
         _rehearsal[0].finish()
-    finish_rank(job, _adopted["sanitizer"], _adopted["auditor"])
+    setups.finish(_adopted["running"])
     node_ranks.rank_ended(job.helper_dir, job.rank, 0)

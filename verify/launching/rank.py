@@ -138,15 +138,16 @@ def call(fn, ctx: RankContext, args: tuple) -> RankReport:
 # ------------------------------------------------------------ common set-up
 
 
-def adopt(job: RankJob) -> tuple:
+def adopt(job: RankJob) -> list:
     """Give a process a launcher started, which has just joined its process group, the set-up
     of a rank of the tool's (`launched.py`): its stack file and the script rank's watching
-    and audit (`rank_script.watch_and_audit`). Not what the launcher decides: its parent (it
-    dies with its launcher, not with the tool) and its threads. Returns (sanitizer, auditor)."""
-    from verify.launching.rank_script import watch_and_audit
+    and set-ups (`rank_script.watch_and_set_up`). Not what the launcher decides: its parent
+    (it dies with its launcher, not with the tool) and its threads. Returns the set-ups
+    running."""
+    from verify.launching.rank_script import watch_and_set_up
 
     _enable_faulthandler(job.stack_path)
-    return watch_and_audit(job)
+    return watch_and_set_up(job)
 
 
 def _die_with_parent(ppid: int) -> None:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verify.launching.outcome import RankReport, one_line
-from verify.script_audit.report import AuditSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,17 +44,15 @@ class RankJob:
     device_index: int | None = None  # cuda: the rank's GPU (`gpus.py`); None: local_rank
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
-    races_path: str | None = None  # run the script under the race sanitizer; findings here
+    # what runs around the script, in order: the race sanitizer, the replica audit, the
+    # rehearsal on the CPU, as the job asks (`setups.py`)
+    setups: tuple = ()
     # called with the failure report before the traceback is printed (a torchrun job's node
     # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled
     on_failure: Callable[[RankReport], None] | None = None
     # called once the script's init_process_group returned (a torchrun job's rank tells its
     # node watchdog it is up: `node_ranks.rank_up`); never pickled
     on_up: Callable[[], None] | None = None
-    audit: AuditSettings | None = None  # audit the script's replicas at its optimizer steps
-    # rehearse a script written for CUDA on this CPU rank (`verify/oncpu/`); its mapping
-    # report goes to this file. None: the script runs as written.
-    on_cpu_path: str | None = None
 
 
 def error_report(exc: BaseException, found: object = None) -> RankReport:

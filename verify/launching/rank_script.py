@@ -18,7 +18,7 @@ import runpy
 import sys
 import traceback
 
-from verify.launching import needs_cuda, process
+from verify.launching import needs_cuda, process, setups
 from verify.launching.outcome import RankReport, Up
 from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
 from verify.oncpu.report import REPORT_SUFFIX
@@ -44,6 +44,11 @@ def script_job(
     audit every `audit_every` optimizer steps when asked, and with `on_cpu` a script written
     for CUDA rehearsed on this CPU rank (`verify/oncpu/`)."""
     at = lambda name: os.path.join(report_dir, f"rank{rank}.{name}")  # noqa: E731
+    wanted = (
+        setups.Sanitize(at("races.json")) if sanitize else None,
+        None if audit_every is None else setups.Audit(AuditSettings(audit_every, at("audit.json"))),
+        setups.Rehearse(at(REPORT_SUFFIX)) if on_cpu else None,  # last: over the others
+    )
     return RankJob(
         kind="script",
         rank=rank,
@@ -55,9 +60,7 @@ def script_job(
         trace_path=at("trace"),
         helper_dir=report_dir,
         argv=tuple(argv),
-        races_path=at("races.json") if sanitize else None,
-        audit=None if audit_every is None else AuditSettings(audit_every, at("audit.json")),
-        on_cpu_path=at(REPORT_SUFFIX) if on_cpu else None,
+        setups=tuple(s for s in wanted if s is not None),
     )
 
 
@@ -77,9 +80,7 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
 
         spawned.install(job.helper_dir, job.rank)
     _report_up_after_init(dist, fd, job)
-    # before the script imports anything from torch.distributed
-    sanitizer, auditor = watch_and_audit(job)
-    rehearsal = _rehearse(job)  # over the wrappers above: they see gloo, not nccl
+    running = watch_and_set_up(job)  # before the script imports from torch.distributed
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -90,9 +91,10 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
             process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
-        if rehearsal is not None:  # a call the rehearsal could not map: no verdict, exit 2
-            needs = rehearsal.finish(exc)
-        else:
+        # What the set-ups found, saved before the report (os._exit skips `finally`); a call
+        # the rehearsal could not map is a usage error: no verdict, exit 2
+        needs = setups.finish(running, exc)
+        if needs is None and not setups.rehearsing(job.setups):
             needs = needs_cuda.classify(exc, _ASKED.get("backend"))
         # a usage error (needs is not None), said once by the parent (needs_cuda.py)
         report = error_report(exc, needs)
@@ -100,43 +102,24 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         if job.on_failure is not None:
             job.on_failure(report)
         _print_traceback(job, quiet=needs is not None)
-        _finish_audit(auditor)  # what it found before the crash (os._exit skips `finally`)
         os._exit(1)
     finally:
-        _save_races(sanitizer, job)
-        _finish_audit(auditor)
-        if rehearsal is not None:
-            rehearsal.finish()
+        setups.finish(running)  # (a second finish does nothing)
     process.send(fd, _SCRIPT_OK)
 
 
-def _rehearse(job: RankJob):
-    """A script written for CUDA, on this CPU rank (`verify/oncpu/`), when the job says so."""
-    if job.on_cpu_path is None:
-        return None
-    from verify import oncpu
-
-    return oncpu.install(job.on_cpu_path, job.rank)
-
-
-def watch_and_audit(job: RankJob) -> tuple:
+def watch_and_set_up(job: RankJob) -> list:
     """What every rank of a user's script gets, however it was started (the tool's own
     launch, a torchrun job's rank, a rank a launcher command started: `launched.py`): its
-    collectives traced, the helper thread that answers the watchdog, the race sanitizer and
-    the replica audit when the job asks. Returns (sanitizer, auditor), each None when off;
-    `finish_rank` saves what they found."""
+    collectives traced, the helper thread that answers the watchdog, and the job's set-ups
+    (`setups.py`: the race sanitizer, the replica audit, the rehearsal on the CPU). Returns
+    them running; `setups.finish` saves what they found."""
     if job.trace_path is not None:
         from verify.watching import tracer
 
         tracer.install(job.trace_path, rank=job.rank)
     start_helper(job)
-    return _sanitize(job), _audit(job)
-
-
-def finish_rank(job: RankJob, sanitizer, auditor) -> None:
-    """Save what the sanitizer and the audit found (also after a crash)."""
-    _save_races(sanitizer, job)
-    _finish_audit(auditor)
+    return setups.start(job.setups, job.rank)
 
 
 def _print_traceback(job: RankJob, quiet: bool) -> None:
@@ -149,47 +132,6 @@ def _print_traceback(job: RankJob, quiet: bool) -> None:
             return
     traceback.print_exc()
     sys.stderr.flush()
-
-
-def _sanitize(job: RankJob):
-    """The race sanitizer around a user's script (`hang --nproc N --sanitize`): a script has
-    no steps the tool knows of, so works never waited on are found when it ends."""
-    if job.races_path is None:
-        return None
-    from verify.sanitize import Sanitizer
-
-    sanitizer = Sanitizer(rank=job.rank)
-    sanitizer.install()
-    return sanitizer
-
-
-def _save_races(sanitizer, job: RankJob) -> None:
-    if sanitizer is None:
-        return
-    import json
-
-    with contextlib.suppress(Exception):
-        sanitizer.end_step()
-        with open(job.races_path, "w") as f:
-            json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
-
-
-def _audit(job: RankJob):
-    """The replica audit at every optimizer step (`audit --nproc N`, `verify/script_audit/`),
-    installed before the script builds its first module."""
-    if job.audit is None:
-        return None
-    from verify.script_audit import Auditor
-
-    auditor = Auditor(job.audit)
-    auditor.install()
-    return auditor
-
-
-def _finish_audit(auditor) -> None:
-    if auditor is not None:
-        with contextlib.suppress(Exception):
-            auditor.finish()
 
 
 def _report_up_after_init(dist, fd: int | None, job: RankJob) -> None:
