@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tests.processes import alive
 from verify.launching import LaunchResult, Raised, RankContext, launch, thread_budget
+from verify.launching.supervisor import Interrupted, interrupt, reset_interrupt
 from verify.launching.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -408,6 +409,52 @@ def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch):
     assert not zygote.abandoned and not zygote.forked
     children = [d for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == zygote.pid]
     assert not children, children
+
+
+def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
+    """Ctrl-C while a fresh zygote is still importing torch (seconds on a crowded machine, and
+    the launch waits up to 30 s for its answer): the launch stops waiting at once, starts no
+    fresh interpreter in its place, and the zygote, once up, forks nothing for it. A variable
+    of its own gives this test a fresh zygote."""
+    env = {"TORCH_DDP_VERIFY_TEST": f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"}
+    key = frozenset(env.items())
+    ended: list = []
+
+    def go():
+        try:
+            ended.append(launch(_parent_pid, world_size=2, env=env, timeout_s=60))
+        except Interrupted:
+            ended.append(time.monotonic())
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the first rank is asked of the zygote
+            zygote = Zygote._instances.get(key)
+            if zygote is not None and zygote._next >= 1:
+                break
+            time.sleep(0.01)
+        assert not zygote.forked, "the zygote answered first: nothing was waited on"
+        interrupt()
+        at = time.monotonic()
+        thread.join(60)
+    finally:
+        reset_interrupt()
+    assert ended and isinstance(ended[0], float), ended
+    assert ended[0] - at < 1.0, ended[0] - at
+    deadline = time.monotonic() + 60
+    while zygote.abandoned and time.monotonic() < deadline:  # until it answered, late
+        time.sleep(0.1)
+    assert not zygote.abandoned and not zygote.forked
+    deadline = time.monotonic() + 10
+    while (children := _children(zygote.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the late rank killed on arrival, until the zygote reaped it
+    assert not children, children
+
+
+def _children(pid: int) -> list[str]:
+    return [d for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == pid]
 
 
 def _ppid(pid: str) -> int | None:

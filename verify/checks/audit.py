@@ -27,7 +27,7 @@ from verify.replica_audit.fingerprint import text_bits
 from verify.replica_audit.group import WorldGroup
 from verify.replica_audit.measure import common_scale
 
-__all__ = ["Checkpoint", "ModelAudit", "TensorDiff", "measured"]
+__all__ = ["Checkpoint", "ModelAudit", "TensorDiff", "measured", "unique_names"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class ModelAudit:
         if self.world_size == 1:
             return Checkpoint(label, len(named), 0, time.perf_counter() - start), []
         entries = [
-            Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in _unique(named)
+            Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in unique_names(named)
         ]
         where = (0, step, text_bits(phase or label))
         outcome, absent = self._compare(entries, where), []
@@ -193,7 +193,7 @@ def measured(found: list[TensorDiff], phase: str, step: int) -> tuple[str, dict]
     return _DIFFER.get(prefix, kinds.STATE_DIFFERS), numbers
 
 
-def _unique(named: list[tuple[str, torch.Tensor | None]]) -> list:
+def unique_names(named: list[tuple[str, torch.Tensor | None]]) -> list:
     """`named` with every name made unique by its occurrence (`optim:?.step #2`: the state of
     a parameter the model does not name), so that the ranks can match tensors by name."""
     seen: dict[str, int] = {}

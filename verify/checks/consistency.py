@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verify.checks import kinds, verdict
-from verify.checks.audit import Checkpoint, ModelAudit, TensorDiff, measured
+from verify.checks.audit import Checkpoint, ModelAudit, TensorDiff, measured, unique_names
 from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
@@ -260,7 +260,7 @@ class AuditHooks(Hooks):
             kind, numbers = measured(found, phase, step)
             self.findings.append(Finding("consistency", phase, step, message, tensor,
                                          _ranks(found), kind=kind, numbers=numbers))  # fmt: skip
-            _resync(dict(named), found, self.auditor.process_group)
+            _resync(dict(unique_names(named)), found, self.auditor.process_group)
         return found
 
     def report(self, sanitize=None) -> ConsistencyReport:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from verify.launching import tree
@@ -67,17 +68,25 @@ class RankProcess:
         self.eof = False
         self._pumps: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def start(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Start the rank: forked from the zygote when there is one, else a fresh
+        interpreter. `cancelled()` true while the zygote is awaited (Ctrl-C): not started."""
         read_end, write_end = os.pipe()
         if self.zygote is not None and self.stream is None and self.err_path is None:
             try:
-                self._pid = self.zygote.spawn(self.job_path, self.env, self.log_path, write_end)
+                self._pid = self.zygote.spawn(
+                    self.job_path, self.env, self.log_path, write_end, cancelled
+                )
             finally:
                 if self._pid is not None:
                     os.close(write_end)
             if self._pid is not None:
                 os.set_blocking(read_end, False)
                 self.fd = read_end
+                return
+            if cancelled():
+                os.close(read_end)
+                os.close(write_end)
                 return
         self.zygote = None  # refused or gone: a fresh interpreter
         try:

@@ -101,7 +101,7 @@ def run(
     try:
         for rank in ranks:
             check_interrupted()
-            rank.start()
+            rank.start(cancelled=interrupted)
         sup = supervise(
             ranks,
             timeout_s=timeout_s,

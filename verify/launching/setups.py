@@ -37,10 +37,11 @@ class Sanitize:
 
         sanitizer = Sanitizer(rank=rank)
         sanitizer.install()
-        return _Running(lambda exc: self._save(sanitizer))
+        return _Running(lambda exc: self._save(sanitizer, ended=exc is None))
 
-    def _save(self, sanitizer) -> None:
-        sanitizer.end_step()
+    def _save(self, sanitizer, ended: bool) -> None:
+        if ended:  # works never waited on, at the end (after a crash: left by the crash)
+            sanitizer.end_step()
         with open(self.path, "w") as f:
             json.dump([r.to_dict() for r in sanitizer.findings], f, indent=1, default=str)
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = (
@@ -162,9 +163,18 @@ class Zygote:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def spawn(self, job_path: str, env: dict, log_path: str, report_fd: int) -> int | None:
+    def spawn(
+        self,
+        job_path: str,
+        env: dict,
+        log_path: str,
+        report_fd: int,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> int | None:
         """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
-        zygote refused or is gone (the caller then starts a fresh interpreter)."""
+        zygote refused or is gone (the caller then starts a fresh interpreter), or when
+        `cancelled()` says so while it waits (Ctrl-C: a zygote still importing torch on a
+        crowded machine can take many seconds to answer)."""
         deadline = time.monotonic() + self.REPLY_S - self.MARGIN_S
         with self.lock:
             self._next += 1
@@ -174,10 +184,14 @@ class Zygote:
                 socket.send_fds(self.sock, [request], [report_fd])
             except OSError:
                 return None
+        end = time.monotonic() + self.REPLY_S
         with self.changed:
-            answered = lambda: ident in self.replies or not self.alive  # noqa: E731
-            if not self.changed.wait_for(answered, timeout=self.REPLY_S):
-                self.abandoned.add(ident)  # a late rank is killed on arrival (`_read`)
+            while not (ident in self.replies or not self.alive):
+                left = end - time.monotonic()
+                if left <= 0 or cancelled():
+                    self.abandoned.add(ident)  # a late rank is killed on arrival (`_read`)
+                    break
+                self.changed.wait(min(left, 0.1))
             return self.replies.pop(ident, None)
 
     def exitcode(self, pid: int) -> int | None:
