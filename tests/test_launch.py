@@ -416,6 +416,8 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
     the launch waits up to 30 s for its answer): the launch stops waiting at once, starts no
     fresh interpreter in its place, and the zygote, once up, forks nothing for it. A variable
     of its own gives this test a fresh zygote."""
+    if os.environ.get("DDP_VERIFY_NO_ZYGOTE") == "1":
+        pytest.skip("no zygote (DDP_VERIFY_NO_ZYGOTE=1)")
     env = {"TORCH_DDP_VERIFY_TEST": f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"}
     key = frozenset(env.items())
     ended: list = []
@@ -435,6 +437,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
             if zygote is not None and zygote._next >= 1:
                 break
             time.sleep(0.01)
+        assert zygote is not None, "no zygote was started here"
         assert not zygote.forked, "the zygote answered first: nothing was waited on"
         interrupt()
         at = time.monotonic()
@@ -450,6 +453,39 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
     deadline = time.monotonic() + 10
     while (children := _children(zygote.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)  # the late rank killed on arrival, until the zygote reaped it
+    assert not children, children
+
+
+def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_request(tmp_path):
+    """Ctrl-C on the main thread of a caller with Python's own SIGINT handler: the
+    KeyboardInterrupt rises inside the wait for the zygote's answer (here raised by the
+    `cancelled` poll, where the signal would land). The request is given up on all the same:
+    the zygote, once up, forks nothing for it."""
+    if os.environ.get("DDP_VERIFY_NO_ZYGOTE") == "1":
+        pytest.skip("no zygote (DDP_VERIFY_NO_ZYGOTE=1)")
+    env = {"TORCH_DDP_VERIFY_TEST": f"kbd-{os.getpid()}-{time.monotonic_ns()}"}
+    zygote = Zygote.get(env)
+    assert zygote is not None, "no zygote was started here"
+
+    def signal_lands():
+        raise KeyboardInterrupt
+
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            zygote.spawn(str(tmp_path / "rank0.job"), dict(os.environ), str(tmp_path / "log"),
+                         write_end, cancelled=signal_lands)  # fmt: skip
+        assert zygote.abandoned and not zygote.forked
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    deadline = time.monotonic() + 60
+    while zygote.abandoned and time.monotonic() < deadline:  # until it answered, late
+        time.sleep(0.1)
+    assert not zygote.abandoned and not zygote.forked
+    deadline = time.monotonic() + 10
+    while (children := _children(zygote.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not children, children
 
 

@@ -77,10 +77,12 @@ class RankProcess:
                 self._pid = self.zygote.spawn(
                     self.job_path, self.env, self.log_path, write_end, cancelled
                 )
-            finally:
-                if self._pid is not None:
-                    os.close(write_end)
+            except BaseException:  # KeyboardInterrupt from the signal handler, in the wait
+                os.close(read_end)
+                os.close(write_end)
+                raise
             if self._pid is not None:
+                os.close(write_end)
                 os.set_blocking(read_end, False)
                 self.fd = read_end
                 return

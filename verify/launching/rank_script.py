@@ -87,6 +87,7 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         if exc.code in (None, 0):
             process.send(fd, _SCRIPT_OK)
         else:
+            setups.finish(running, exc)  # a failure, as under a launcher (`launched.py`)
             why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
             process.send(fd, RankReport.failure(why))
         raise

@@ -186,12 +186,17 @@ class Zygote:
                 return None
         end = time.monotonic() + self.REPLY_S
         with self.changed:
-            while not (ident in self.replies or not self.alive):
-                left = end - time.monotonic()
-                if left <= 0 or cancelled():
-                    self.abandoned.add(ident)  # a late rank is killed on arrival (`_read`)
-                    break
-                self.changed.wait(min(left, 0.1))
+            try:
+                while not (ident in self.replies or not self.alive):
+                    left = end - time.monotonic()
+                    if left <= 0 or cancelled():
+                        self.abandoned.add(ident)  # a late rank is killed on arrival (`_read`)
+                        break
+                    self.changed.wait(min(left, 0.1))
+            except BaseException:  # KeyboardInterrupt raised in the wait: given up on too
+                if ident not in self.replies:
+                    self.abandoned.add(ident)
+                raise
             return self.replies.pop(ident, None)
 
     def exitcode(self, pid: int) -> int | None:
