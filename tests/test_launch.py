@@ -402,13 +402,7 @@ def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch):
     result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
     assert result.ok, result.summary()
     assert set(result.values) == {os.getpid()}  # fresh interpreters, started by this process
-    zygote = Zygote._instances[frozenset(env.items())]
-    deadline = time.monotonic() + 60
-    while zygote.abandoned and time.monotonic() < deadline:  # until it answered both, late
-        time.sleep(0.1)
-    assert not zygote.abandoned and not zygote.forked
-    children = [d for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == zygote.pid]
-    assert not children, children
+    _forked_nothing_late(Zygote._instances[frozenset(env.items())])
 
 
 def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
@@ -446,14 +440,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
         reset_interrupt()
     assert ended and isinstance(ended[0], float), ended
     assert ended[0] - at < 1.0, ended[0] - at
-    deadline = time.monotonic() + 60
-    while zygote.abandoned and time.monotonic() < deadline:  # until it answered, late
-        time.sleep(0.1)
-    assert not zygote.abandoned and not zygote.forked
-    deadline = time.monotonic() + 10
-    while (children := _children(zygote.pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the late rank killed on arrival, until the zygote reaped it
-    assert not children, children
+    _forked_nothing_late(zygote)
 
 
 def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_request(tmp_path):
@@ -479,6 +466,12 @@ def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_reques
     finally:
         os.close(read_end)
         os.close(write_end)
+    _forked_nothing_late(zygote)
+
+
+def _forked_nothing_late(zygote: Zygote) -> None:
+    """Once the zygote answered every request the launch gave up on, it has forked nothing
+    for them: each late rank was killed on arrival, and reaped."""
     deadline = time.monotonic() + 60
     while zygote.abandoned and time.monotonic() < deadline:  # until it answered, late
         time.sleep(0.1)
