@@ -42,7 +42,10 @@ POLL_S = 0.05
 STARTUP_S = 60.0  # to start every interpreter and meet; 2 ranks take ~1.5 s on 2 idle cores
 STARTUP_CAP_S = 600.0  # however much CPU a starting rank keeps using
 EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
-_STACK_WAIT_S = 0.5
+# How long the ranks asked for a stack dump may take to write it: milliseconds when idle, but
+# a rank on a crowded machine may not run for a while (a CI run saw an empty dump after 0.5 s,
+# and a hang left unexplained). The wait ends as soon as every dump is written.
+_STACK_WAIT_S = 2.0
 _INTERRUPTED = threading.Event()
 
 
