@@ -252,3 +252,43 @@ def test_cut_short_a_rank_behind_is_no_fault_and_one_that_skipped_is_named():
     was killed after rank 0 gave up waiting for it, still names rank 1."""
     problems = deadline_loops.verdict_problems()
     assert not problems, "\n".join(problems)
+
+
+SLOW_RAISE = """
+import os, time
+import torch, torch.distributed as dist
+
+class ShapeError(Exception):
+    def __str__(self):
+        if not hasattr(self, "text"):  # a message that takes a while to form, once
+            time.sleep({slow})
+            self.text = "batch has the wrong shape"
+        return self.text
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x = torch.ones(4)
+dist.all_reduce(x)
+if rank == 0:
+    raise ShapeError()
+dist.all_reduce(x)  # rank 1 waits here for a rank that is failing, not hung
+"""
+
+
+def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path):
+    """A student's script: rank 0 raises an exception whose message takes longer to form
+    than the stall timeout, while rank 1 waits for it in an all-reduce. The run is a crash
+    of rank 0 naming its error, not a hang with rank 0 "outside any collective" in the
+    tool's launcher (before: a HANG, whenever a rank's failure report took longer than the
+    time left to the stall timeout, as when a peer's exit closed its connection just then)."""
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2))
+    options = HangOptions(
+        script=(str(script),), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
+        console="none",
+    )  # fmt: skip
+    result = check_hang(options)
+    d = result.diagnosis
+    assert result.verdict == "fault" and d.verdict == "crash" and d.culprit == 0, d.text()
+    assert "ShapeError" in d.headline and "wrong shape" in d.headline, d.headline
+    assert not [p for p in result.pids.values() if alive(p)]

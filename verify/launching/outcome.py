@@ -108,6 +108,13 @@ class Up:
 
 
 @dataclass(frozen=True)
+class Failing:
+    """The rank raised and is saving what its set-ups found and formatting its report: a
+    failure report follows (what made a peer fail may have closed this rank's connection
+    just as the watchdog called the run hung: it is a crash, not a hang)."""
+
+
+@dataclass(frozen=True)
 class RankReport:
     """How a rank ended, as it says itself: its last message.
 

@@ -19,7 +19,7 @@ import sys
 import traceback
 
 from verify.launching import needs_cuda, process, setups
-from verify.launching.outcome import RankReport, Up
+from verify.launching.outcome import Failing, RankReport, Up
 from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
 from verify.oncpu.report import REPORT_SUFFIX
 from verify.script_audit.report import AuditSettings
@@ -87,11 +87,13 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         if exc.code in (None, 0):
             process.send(fd, _SCRIPT_OK)
         else:
+            process.send(fd, Failing())
             setups.finish(running, exc)  # a failure, as under a launcher (`launched.py`)
             why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
             process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
+        process.send(fd, Failing())  # at once: saving and formatting below take a while
         # What the set-ups found, saved before the report (os._exit skips `finally`); a call
         # the rehearsal could not map is a usage error: no verdict, exit 2
         needs = setups.finish(running, exc)

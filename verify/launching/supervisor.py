@@ -11,7 +11,10 @@ watchdog is given, their trace headers and CPU time (`watching/watchdog.py`):
   process group (starting interpreters on a crowded machine is not the function's time; the
   start has `startup_s`, extended while a rank that is not up yet still uses CPU); for a
   script, `timeout_s` from the start;
-- the watchdog's hang verdict ends the run at once, rather than at the deadline;
+- the watchdog's hang verdict ends the run, rather than the deadline, once the ranks' stacks
+  are dumped and one more poll brought no failure: a rank whose peer's exit closed its
+  connection just then raises, says it is `Failing`, and the run is a crash, not a hang. A
+  rank that says it is failing stops the watchdog; it gets `FAILING_S` to send its report;
 - `interrupt()` (the CLI's Ctrl-C or SIGTERM) ends every supervised run in every thread
   within one poll, and refuses new ones: `Interrupted` is raised in each.
 
@@ -30,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 from verify import progress
-from verify.launching.outcome import RankOutcome, RankReport, Say, Up
+from verify.launching.outcome import Failing, RankOutcome, RankReport, Say, Up
 from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
 from verify.watching.procstat import CpuMeter
@@ -46,6 +49,8 @@ EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
 # a rank on a crowded machine may not run for a while (a CI run saw an empty dump after 0.5 s,
 # and a hang left unexplained). The wait ends as soon as every dump is written.
 _STACK_WAIT_S = 2.0
+# A rank that said it is failing saves what its set-ups found, then formats its report.
+FAILING_S = 10.0
 _INTERRUPTED = threading.Event()
 
 
@@ -105,6 +110,8 @@ def supervise(
     meters = {r.rank: CpuMeter(r.pid) for r in ranks if r.pid is not None}
     sampled = 0.0
     stalled = False
+    failing: set[int] = set()  # ranks that raised and are writing their report
+    dumps: dict[int, str | None] = {}
     while None in outcomes:
         check_interrupted()
         now = time.monotonic()
@@ -121,11 +128,13 @@ def supervise(
             sampled = now
             for meter in meters.values():
                 meter.sample(now)
-        if watchdog is not None and not failures:
+        if watchdog is not None and not failures and not failing:
+            if stalled:  # the poll after the dumps brought no failure: hung
+                break
             pids = [r.pid if outcomes[r.rank] is None and r.running() else None for r in ranks]
             if watchdog.poll(pids, now, up):
                 stalled = True
-                break
+                dumps = _dump_stacks([r for r, pid in zip(ranks, pids) if pid], stack_paths)
         pending = [r for r in ranks if outcomes[r.rank] is None]
         fds = [r.fd for r in pending if r.fd is not None and not r.eof]
         if fds:
@@ -143,6 +152,11 @@ def supervise(
                 if isinstance(msg, Say):
                     progress.say(msg.task, msg.done, msg.total, msg.after)
                     continue
+                if isinstance(msg, Failing):
+                    failing.add(r.rank)
+                    stalled = False
+                    grace_end = min(grace_end, time.monotonic() + FAILING_S)
+                    continue
                 if isinstance(msg, Up):
                     up.add(r.rank)
                     if clock_from_up and len(up) == n:  # fn's clock starts now
@@ -158,19 +172,23 @@ def supervise(
                 outcomes[r.rank] = RankOutcome(r.rank, "crashed", error=why, stack=stack)
                 failures.append((alive_at, r.rank))
         if failures:
+            stalled = False  # a rank failed as the stall was called: a crash
             grace_end = min(grace_end, time.monotonic() + GRACE_S)
     order = root_cause_order(failures, outcomes)
     leftover = [r for r in range(n) if outcomes[r] is None]
     live = [r for r in leftover if ranks[r].running()]
     if report_dir is not None and live:
         capture.request_flight_recorder(report_dir, live)
-    dumps = _dump_stacks([ranks[r] for r in live], stack_paths)
+    if not stalled:  # (a hang's were dumped when it was called)
+        dumps = _dump_stacks([ranks[r] for r in live], stack_paths)
     timed_out = bool(leftover) and not failures and not stalled
     for r in leftover:
         if stalled:
             why = f"no rank progressed for {watchdog.stall_timeout_s:g}s (stall timeout)"
         elif failures:
             why = f"still running {GRACE_S:g}s after rank {order[0]} failed"
+        elif failing & set(leftover):
+            why = f"still writing the report of a raise {FAILING_S:g}s after it began"
         elif clock_from_up and len(up) < n:
             why = f"the ranks were not all up after {time.monotonic() - start:.0f}s"
         else:
