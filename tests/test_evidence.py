@@ -22,7 +22,7 @@ from tests.processes import alive, session_members
 from verify.checks.hang import HangOptions, check_hang
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.checks.verdict import EXIT_CODES
-from verify.launching import thread_budget
+from verify.launching import supervisor, thread_budget
 from verify.launching.threads import JOBS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,14 +275,19 @@ dist.all_reduce(x)  # rank 1 waits here for a rank that is failing, not hung
 """
 
 
-def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path):
+@pytest.mark.parametrize("reports", [True, False], ids=["reports", "never-reports"])
+def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path, monkeypatch, reports):
     """A student's script: rank 0 raises an exception whose message takes longer to form
     than the stall timeout, while rank 1 waits for it in an all-reduce. The run is a crash
     of rank 0 naming its error, not a hang with rank 0 "outside any collective" in the
     tool's launcher (before: a HANG, whenever a rank's failure report took longer than the
-    time left to the stall timeout, as when a peer's exit closed its connection just then)."""
+    time left to the stall timeout, as when a peer's exit closed its connection just then).
+    A rank whose report does not come within the supervisor's time for it (shortened here)
+    is a crash all the same, never a run with no verdict."""
+    if not reports:
+        monkeypatch.setattr(supervisor, "FAILING_S", 3.0)  # (10 s)
     script = tmp_path / "train.py"
-    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2))
+    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2 if reports else 8))
     options = HangOptions(
         script=(str(script),), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
         console="none",
@@ -290,5 +295,8 @@ def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path):
     result = check_hang(options)
     d = result.diagnosis
     assert result.verdict == "fault" and d.verdict == "crash" and d.culprit == 0, d.text()
-    assert "ShapeError" in d.headline and "wrong shape" in d.headline, d.headline
+    if reports:
+        assert "ShapeError" in d.headline and "wrong shape" in d.headline, d.headline
+    else:
+        assert "rank 0 raised, and sent no report within" in d.headline, d.headline
     assert not [p for p in result.pids.values() if alive(p)]

@@ -14,7 +14,8 @@ watchdog is given, their trace headers and CPU time (`watching/watchdog.py`):
 - the watchdog's hang verdict ends the run, rather than the deadline, once the ranks' stacks
   are dumped and one more poll brought no failure: a rank whose peer's exit closed its
   connection just then raises, says it is `Failing`, and the run is a crash, not a hang. A
-  rank that says it is failing stops the watchdog; it gets `FAILING_S` to send its report;
+  rank that says it is failing stops the watchdog; it gets `FAILING_S`, and longer while it
+  uses CPU, to send its report: one that sends none is a crash all the same;
 - `interrupt()` (the CLI's Ctrl-C or SIGTERM) ends every supervised run in every thread
   within one poll, and refuses new ones: `Interrupted` is raised in each.
 
@@ -49,7 +50,8 @@ EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
 # a rank on a crowded machine may not run for a while (a CI run saw an empty dump after 0.5 s,
 # and a hang left unexplained). The wait ends as soon as every dump is written.
 _STACK_WAIT_S = 2.0
-# A rank that said it is failing saves what its set-ups found, then formats its report.
+# A rank that said it is failing saves what its set-ups found, then formats its report;
+# while it still uses CPU it gets more time, up to the run's deadline.
 FAILING_S = 10.0
 _INTERRUPTED = threading.Event()
 
@@ -110,12 +112,17 @@ def supervise(
     meters = {r.rank: CpuMeter(r.pid) for r in ranks if r.pid is not None}
     sampled = 0.0
     stalled = False
-    failing: set[int] = set()  # ranks that raised and are writing their report
+    failing: dict[int, float] = {}  # rank -> when it said it raised; it is writing its report
     dumps: dict[int, str | None] = {}
+    dumped: dict[int, int] = {}  # what each stack file held after a hang's dumps
     while None in outcomes:
         check_interrupted()
         now = time.monotonic()
         if now >= grace_end:
+            writing = [r for r in failing if outcomes[r] is None and r in meters]
+            if now < deadline and any(meters[r].busy() for r in writing):
+                grace_end = now + 1.0
+                continue
             break
         if now >= deadline:
             starting = [r for r in range(n) if r not in up and outcomes[r] is None]
@@ -135,6 +142,7 @@ def supervise(
             if watchdog.poll(pids, now, up):
                 stalled = True
                 dumps = _dump_stacks([r for r, pid in zip(ranks, pids) if pid], stack_paths)
+                dumped = {r: _size(path) for r, path in enumerate(stack_paths)}
         pending = [r for r in ranks if outcomes[r.rank] is None]
         fds = [r.fd for r in pending if r.fd is not None and not r.eof]
         if fds:
@@ -153,7 +161,7 @@ def supervise(
                     progress.say(msg.task, msg.done, msg.total, msg.after)
                     continue
                 if isinstance(msg, Failing):
-                    failing.add(r.rank)
+                    failing[r.rank] = time.time()
                     stalled = False
                     grace_end = min(grace_end, time.monotonic() + FAILING_S)
                     continue
@@ -168,27 +176,33 @@ def supervise(
                 break
             if outcomes[r.rank] is None and exited:
                 why = stacks.describe_exit(r.exitcode) + " before reporting"
-                stack = _read(stack_paths[r.rank])  # faulthandler wrote there on a fatal signal
+                # faulthandler wrote there on a fatal signal (after a withdrawn hang's dump)
+                stack = _read(stack_paths[r.rank], after=dumped.get(r.rank, 0))
                 outcomes[r.rank] = RankOutcome(r.rank, "crashed", error=why, stack=stack)
                 failures.append((alive_at, r.rank))
         if failures:
             stalled = False  # a rank failed as the stall was called: a crash
             grace_end = min(grace_end, time.monotonic() + GRACE_S)
-    order = root_cause_order(failures, outcomes)
     leftover = [r for r in range(n) if outcomes[r] is None]
     live = [r for r in leftover if ranks[r].running()]
     if report_dir is not None and live:
         capture.request_flight_recorder(report_dir, live)
     if not stalled:  # (a hang's were dumped when it was called)
         dumps = _dump_stacks([ranks[r] for r in live], stack_paths)
+    for r, said_at in failing.items():
+        if outcomes[r] is None:  # raised, but its report never came: a crash all the same
+            why = f"raised, and sent no report within {time.time() - said_at:.0f}s"
+            stack = dumps.get(r) or _read(stack_paths[r])
+            outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
+            failures.append((said_at, r))
+            leftover.remove(r)
+    order = root_cause_order(failures, outcomes)
     timed_out = bool(leftover) and not failures and not stalled
     for r in leftover:
         if stalled:
             why = f"no rank progressed for {watchdog.stall_timeout_s:g}s (stall timeout)"
         elif failures:
             why = f"still running {GRACE_S:g}s after rank {order[0]} failed"
-        elif failing & set(leftover):
-            why = f"still writing the report of a raise {FAILING_S:g}s after it began"
         elif clock_from_up and len(up) < n:
             why = f"the ranks were not all up after {time.monotonic() - start:.0f}s"
         else:
@@ -225,16 +239,18 @@ def root_cause_order(failures: list[tuple[float, int]], outcomes) -> tuple[int, 
 
 def _dump_stacks(ranks: list[RankProcess], stack_paths: list[str]) -> dict[int, str | None]:
     """Ask each live rank for a faulthandler dump of all its threads, then read them."""
-    asked = []
+    asked, old = [], []  # a file may hold an earlier dump: this one is written once it grew
     for r in ranks:
+        size = _size(stack_paths[r.rank])
         # The file appears only once the handler is registered: before that, SIGUSR1 kills.
         if os.path.exists(stack_paths[r.rank]) and r.signal(signal.SIGUSR1):
             asked.append(r.rank)
+            old.append(size)
     end, sizes = time.monotonic() + _STACK_WAIT_S, None
     while asked and time.monotonic() < end:
         time.sleep(0.05)
         sizes, before = [_size(stack_paths[r]) for r in asked], sizes
-        if all(sizes) and sizes == before:  # written and no longer growing
+        if all(map(int.__gt__, sizes, old)) and sizes == before:  # grew, then stopped
             break
     return {r.rank: _read(stack_paths[r.rank]) for r in ranks}
 
@@ -246,9 +262,11 @@ def _size(path: str) -> int:
         return 0
 
 
-def _read(path: str) -> str | None:
+def _read(path: str, after: int = 0) -> str | None:
+    """The file's text from byte `after` on; None when there is none."""
     try:
-        with open(path, errors="replace") as f:
-            return f.read() or None
+        with open(path, "rb") as f:
+            f.seek(after)
+            return f.read().decode(errors="replace") or None
     except OSError:
         return None
