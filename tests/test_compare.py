@@ -74,12 +74,14 @@ def audit(script, *args, nproc: int, out: str, **flags):
                                     console="none", **flags))  # fmt: skip
 
 
-# The tests that read `runs` go to one xdist worker (pyproject's `--dist loadgroup`): a module
+# The tests that read `runs` go to one xdist worker (pyproject's `--dist loadgroup`): a
 # fixture is set up once per worker that runs one of its tests, and these runs take a minute.
+# Session-scoped, as a module's fixture is torn down whenever the worker's next test is of
+# another module, and set up again for the next of these (twice in a suite run: 65 s each).
 RUNS_ON_ONE_WORKER = pytest.mark.xdist_group("compare-runs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """Every run of the module: the recordings, then each run against them."""
     base = tmp_path_factory.mktemp("compare")
