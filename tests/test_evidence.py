@@ -10,6 +10,7 @@ machine. Detection is asserted with slack (stall + 8 s), since the suite shares 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -300,3 +301,20 @@ def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path, monkeyp
     else:
         assert "rank 0 raised, and sent no report within" in d.headline, d.headline
     assert not [p for p in result.pids.values() if alive(p)]
+
+
+def test_under_torchrun_a_rank_slow_to_report_its_raise_is_a_crash(run_cli, tmp_path):
+    """The same script as a torchrun job under `hang --`: the node watchdog reads the
+    rank's `failing` mark and waits for its failure, rather than calling the job hung with
+    rank 0 "outside any collective, at __str__" (before: a HANG)."""
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2))
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", str(script)]
+    ran = run_cli("hang", "--json", "--stall-timeout", str(STALL_S), "--out", str(tmp_path),
+                  "--", *command)  # fmt: skip
+    report = json.loads(ran.stdout)
+    assert (ran.returncode, report["verdict"]) == (1, "fault"), ran.stderr
+    d = report["diagnosis"]
+    assert d["verdict"] == "crash" and d["culprit"] == 0, d
+    assert "ShapeError: batch has the wrong shape" in d["headline"], d["headline"]
+    assert not [p for p in report["pids"].values() if alive(p)]

@@ -89,7 +89,11 @@ def _adopt() -> None:
         sanitize=os.environ.get(LAUNCHED_SANITIZE_ENV) == "1",
         audit_every=None if every is None else int(every),
     )
-    job = replace(job, on_failure=node_ranks.rank_failed(folder, rank))
+    job = replace(
+        job,
+        on_failure=node_ranks.rank_failed(folder, rank),
+        on_failing=node_ranks.rank_failing(folder, rank),
+    )
     running = rank_side.adopt(job)
     if _rehearsal:  # its report, under the rank now known
         from verify.oncpu import REPORT_SUFFIX
@@ -144,6 +148,7 @@ def _fail(exc: BaseException) -> None:
         return
     _adopted["failed"] = True
     job = _adopted["job"]
+    job.on_failing()  # at once: what follows takes a while
     if _rehearsal:  # the call it could not map, when that is what the rank died of
         _rehearsal[0].finish(exc)
     setups.finish(_adopted["running"], exc)  # what they found so far

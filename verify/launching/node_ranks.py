@@ -5,8 +5,9 @@ The ranks of a node share its report folder, and tell the watchdog (a thread of 
 0) how they ended through files there, since a rank's process may be gone by the time the
 watchdog looks: `rank<r>.up` (the script's `init_process_group` returned, `rank_up`: a rank
 whose collectives PyTorch DDP issues from C++ records none, and without it would read as
-starting), `rank<r>.failed` (the failure, left by `rank_failed` before the traceback is
-printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
+starting), `rank<r>.failing` (the rank raised and is writing its report, `rank_failing`:
+for `FAILING_S` it reads as busy, never hung), `rank<r>.failed` (the failure, left by
+`rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
 `job.diagnosed` once the job's verdict is out, which a failing rank waits for (bounded), so
 that the diagnosis comes before the raw error.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
-from verify.launching.supervisor import GRACE_S
+from verify.launching.supervisor import FAILING_S, GRACE_S
 from verify.watching import capture, trace_file
 from verify.watching.blind import Stillness
 from verify.watching.findings import Diagnosis
@@ -112,7 +113,8 @@ class NodeRanks:
             self._still.sample(r, meter, now)
             joined = (h is not None and h.events > 0) or os.path.exists(self._path(r, "up"))
             starting = not joined and up_s < STARTUP_S
-            busy = busy or starting or (meter is not None and meter.busy())
+            failing = time.time() - _mtime(self._path(r, "failing")) < FAILING_S
+            busy = busy or starting or failing or (meter is not None and meter.busy())
             still.append(self._still.still_s(r, now))
             blocked = blocked or bool(self._still.blocked(r))
         events = sum(h.events for h in headers.values() if h is not None)
@@ -209,6 +211,16 @@ def rank_failed(report_dir: str, rank: int):
     return hook
 
 
+def rank_failing(report_dir: str, rank: int):
+    """The hook a rank calls as soon as its script raised (`RankJob.on_failing`): its
+    failure follows once its set-ups saved what they found, and the watchdog waits for it."""
+
+    def hook() -> None:
+        _leave(os.path.join(report_dir, f"rank{rank}.failing"), None)
+
+    return hook
+
+
 def rank_up(report_dir: str, rank: int):
     """The hook a rank calls once its script's `init_process_group` returned
     (`RankJob.on_up`): it has met its peers, and is no longer starting."""
@@ -236,6 +248,13 @@ def _failed(report_dir: str, rank: int) -> str:
 
 def _ok(report_dir: str, rank: int) -> str:
     return os.path.join(report_dir, f"rank{rank}.ended")
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return float("-inf")
 
 
 def _leave(path: str, value) -> None:

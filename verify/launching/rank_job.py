@@ -53,6 +53,10 @@ class RankJob:
     # called once the script's init_process_group returned (a torchrun job's rank tells its
     # node watchdog it is up: `node_ranks.rank_up`); never pickled
     on_up: Callable[[], None] | None = None
+    # called as soon as the script raised, before its set-ups save what they found and its
+    # report is formatted (a torchrun job's node watchdog waits for it rather than calling
+    # the job hung: `node_ranks.rank_failing`); never pickled
+    on_failing: Callable[[], None] | None = None
 
 
 def error_report(exc: BaseException, found: object = None) -> RankReport:

@@ -87,13 +87,13 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         if exc.code in (None, 0):
             process.send(fd, _SCRIPT_OK)
         else:
-            process.send(fd, Failing())
+            _failing(job, fd)
             setups.finish(running, exc)  # a failure, as under a launcher (`launched.py`)
             why = f"exited with code {exc.code}" if isinstance(exc.code, int) else str(exc.code)
             process.send(fd, RankReport.failure(why))
         raise
     except BaseException as exc:
-        process.send(fd, Failing())  # at once: saving and formatting below take a while
+        _failing(job, fd)  # at once: saving and formatting below take a while
         # What the set-ups found, saved before the report (os._exit skips `finally`); a call
         # the rehearsal could not map is a usage error: no verdict, exit 2
         needs = setups.finish(running, exc)
@@ -109,6 +109,13 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
     finally:
         setups.finish(running)  # (a second finish does nothing)
     process.send(fd, _SCRIPT_OK)
+
+
+def _failing(job: RankJob, fd: int | None) -> None:
+    """Tell whoever watches this rank that it raised and a failure report follows."""
+    process.send(fd, Failing())
+    if job.on_failing is not None:
+        job.on_failing()
 
 
 def watch_and_set_up(job: RankJob) -> list:

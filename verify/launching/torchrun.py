@@ -194,6 +194,7 @@ def script_main(
         job,
         on_failure=node_ranks.rank_failed(report_dir, rank),
         on_up=node_ranks.rank_up(report_dir, rank),
+        on_failing=node_ranks.rank_failing(report_dir, rank),
     )
     try:
         rank_side.run_job(job, None)
