@@ -288,7 +288,7 @@ def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path, monkeyp
     if not reports:
         monkeypatch.setattr(supervisor, "FAILING_S", 3.0)  # (10 s)
     script = tmp_path / "train.py"
-    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2 if reports else 8))
+    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2 if reports else 60))
     options = HangOptions(
         script=(str(script),), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
         console="none",

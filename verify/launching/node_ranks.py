@@ -216,7 +216,8 @@ def rank_failing(report_dir: str, rank: int):
     failure follows once its set-ups saved what they found, and the watchdog waits for it."""
 
     def hook() -> None:
-        _leave(os.path.join(report_dir, f"rank{rank}.failing"), None)
+        with contextlib.suppress(OSError):  # the failure itself must still be reported
+            _leave(os.path.join(report_dir, f"rank{rank}.failing"), None)
 
     return hook
 

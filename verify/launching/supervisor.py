@@ -14,8 +14,9 @@ watchdog is given, their trace headers and CPU time (`watching/watchdog.py`):
 - the watchdog's hang verdict ends the run, rather than the deadline, once the ranks' stacks
   are dumped and one more poll brought no failure: a rank whose peer's exit closed its
   connection just then raises, says it is `Failing`, and the run is a crash, not a hang. A
-  rank that says it is failing stops the watchdog; it gets `FAILING_S`, and longer while it
-  uses CPU, to send its report: one that sends none is a crash all the same;
+  rank that says it is failing stops the watchdog; it gets `FAILING_S`, and up to
+  `FAILING_CAP_S` while it uses CPU, to send its report: one that sends none is a crash all
+  the same, dated when it said it raised;
 - `interrupt()` (the CLI's Ctrl-C or SIGTERM) ends every supervised run in every thread
   within one poll, and refuses new ones: `Interrupted` is raised in each.
 
@@ -51,8 +52,9 @@ EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
 # and a hang left unexplained). The wait ends as soon as every dump is written.
 _STACK_WAIT_S = 2.0
 # A rank that said it is failing saves what its set-ups found, then formats its report;
-# while it still uses CPU it gets more time, up to the run's deadline.
+# while it still uses CPU (its tree's: a data loader's workers count) it gets more time.
 FAILING_S = 10.0
+FAILING_CAP_S = 60.0
 _INTERRUPTED = threading.Event()
 
 
@@ -119,8 +121,9 @@ def supervise(
         check_interrupted()
         now = time.monotonic()
         if now >= grace_end:
-            writing = [r for r in failing if outcomes[r] is None and r in meters]
-            if now < deadline and any(meters[r].busy() for r in writing):
+            cap = time.time() - FAILING_CAP_S
+            writing = [r for r, t in failing.items() if outcomes[r] is None and t > cap]
+            if now < deadline and any(meters[r].busy() for r in writing if r in meters):
                 grace_end = now + 1.0
                 continue
             break
@@ -171,8 +174,8 @@ def supervise(
                         deadline = time.monotonic() + timeout_s
                     continue
                 outcomes[r.rank], failed_at = _outcome(r, msg)
-                if failed_at is not None:
-                    failures.append((failed_at, r.rank))
+                if failed_at is not None:  # a slow report is dated when the rank raised
+                    failures.append((min(failed_at, failing.get(r.rank, failed_at)), r.rank))
                 break
             if outcomes[r.rank] is None and exited:
                 why = stacks.describe_exit(r.exitcode) + " before reporting"
@@ -184,6 +187,7 @@ def supervise(
             stalled = False  # a rank failed as the stall was called: a crash
             grace_end = min(grace_end, time.monotonic() + GRACE_S)
     leftover = [r for r in range(n) if outcomes[r] is None]
+    reported = not leftover
     live = [r for r in leftover if ranks[r].running()]
     if report_dir is not None and live:
         capture.request_flight_recorder(report_dir, live)
@@ -210,7 +214,7 @@ def supervise(
         status = "killed" if failures else "timeout"
         stack = dumps.get(r) or _read(stack_paths[r])
         outcomes[r] = RankOutcome(r, status, error=why, stack=stack)
-    if not leftover:  # every rank reported: let them tear down and exit on their own
+    if reported:  # every rank reported: let them tear down and exit on their own
         until = time.monotonic() + EXIT_WAIT_S
         for rank in ranks:
             while rank.running() and time.monotonic() < until:
