@@ -6,7 +6,8 @@ The ranks of a node share its report folder, and tell the watchdog (a thread of 
 watchdog looks: `rank<r>.up` (the script's `init_process_group` returned, `rank_up`: a rank
 whose collectives PyTorch DDP issues from C++ records none, and without it would read as
 starting), `rank<r>.failing` (the rank raised and is writing its report, `rank_failing`:
-for `FAILING_S` it reads as busy, never hung), `rank<r>.failed` (the failure, left by
+for `FAILING_S` it reads as busy, never hung; a rank that leaves no failure by then, or by
+`FAILING_CAP_S` while it uses CPU, has crashed), `rank<r>.failed` (the failure, left by
 `rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
 `job.diagnosed` once the job's verdict is out, which a failing rank waits for (bounded), so
 that the diagnosis comes before the raw error.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
-from verify.launching.supervisor import FAILING_S, GRACE_S
+from verify.launching.supervisor import FAILING_CAP_S, FAILING_S, GRACE_S
 from verify.watching import capture, trace_file
 from verify.watching.blind import Stillness
 from verify.watching.findings import Diagnosis
@@ -83,7 +84,18 @@ class NodeRanks:
         return os.path.join(self.report_dir, f"rank{r}.{what}")
 
     def failed(self) -> bool:
-        return any(os.path.exists(_failed(self.report_dir, r)) for r in self.ranks)
+        return any(
+            os.path.exists(_failed(self.report_dir, r)) or self._gave_up(r) for r in self.ranks
+        )
+
+    def _gave_up(self, r: int) -> bool:
+        """Rank r said it raised (`rank_failing`) but left no failure in time: `FAILING_S`,
+        or up to `FAILING_CAP_S` while it uses CPU (as `supervisor.supervise` waits)."""
+        age = time.time() - _mtime(self._path(r, "failing"))  # inf: no mark, it never raised
+        if not FAILING_S <= age < float("inf") or self.ended(r):
+            return False
+        meter = self._meters.get(r)
+        return age >= FAILING_CAP_S or meter is None or not meter.busy()
 
     def ended(self, r: int) -> bool:
         if os.path.exists(_failed(self.report_dir, r)) or os.path.exists(_ok(self.report_dir, r)):
@@ -156,6 +168,11 @@ class NodeRanks:
                 outcomes[r] = RankOutcome(r, "error", error=error, traceback=tb)
             elif os.path.exists(_ok(self.report_dir, r)):
                 outcomes[r] = RankOutcome(r, "ok")
+            elif self._gave_up(r):  # as on one machine: a crash all the same
+                said_at = _mtime(self._path(r, "failing"))
+                why = f"raised, and sent no report within {time.time() - said_at:.0f}s"
+                outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
+                failed_at[r] = said_at
             elif r in live:
                 status = "timeout" if reason == "hang" else "killed"
                 why = "no rank of the job progressed" if reason == "hang" else "still running"
