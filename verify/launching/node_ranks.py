@@ -79,6 +79,9 @@ class NodeRanks:
         ask = capture.asker(report_dir, capture.read_in_torch)
         self._still = Stillness(ask, stall_timeout_s / 2)
         self._events = 0
+        # A mark older than this is an earlier attempt's, left in a reused folder (torchrun's
+        # --max-restarts, a fixed DDP_VERIFY_HANG_DIR): not this attempt's rank raising.
+        self._since = time.time()
 
     def _path(self, r: int, what: str) -> str:
         return os.path.join(self.report_dir, f"rank{r}.{what}")
@@ -88,14 +91,29 @@ class NodeRanks:
             os.path.exists(_failed(self.report_dir, r)) or self._gave_up(r) for r in self.ranks
         )
 
+    def _failing_since(self, r: int) -> float | None:
+        """When rank r said it raised (`rank_failing`) in this attempt; None if it has not."""
+        said = _mtime(self._path(r, "failing"))
+        return said if said >= self._since else None
+
     def _gave_up(self, r: int) -> bool:
-        """Rank r said it raised (`rank_failing`) but left no failure in time: `FAILING_S`,
-        or up to `FAILING_CAP_S` while it uses CPU (as `supervisor.supervise` waits)."""
-        age = time.time() - _mtime(self._path(r, "failing"))  # inf: no mark, it never raised
-        if not FAILING_S <= age < float("inf") or self.ended(r):
+        """Rank r said it raised but left no failure in time: `FAILING_S`, or up to
+        `FAILING_CAP_S` while it uses CPU (as `supervisor.supervise` waits)."""
+        said = self._failing_since(r)
+        if said is None or time.time() - said < FAILING_S or self.ended(r):
             return False
         meter = self._meters.get(r)
-        return age >= FAILING_CAP_S or meter is None or not meter.busy()
+        busy = meter is not None and meter.busy()
+        return time.time() - said >= FAILING_CAP_S or not busy
+
+    def _meter(self, r: int, pid: int | None, now: float) -> CpuMeter | None:
+        """Rank r's CPU meter, sampled now (None before its trace names its process)."""
+        meter = self._meters.get(r)
+        if pid is not None and (meter is None or meter.pid != pid):
+            meter = self._meters[r] = CpuMeter(pid)
+        if meter is not None:
+            meter.sample(now)
+        return meter
 
     def ended(self, r: int) -> bool:
         if os.path.exists(_failed(self.report_dir, r)) or os.path.exists(_ok(self.report_dir, r)):
@@ -114,18 +132,18 @@ class NodeRanks:
         busy, blocked, still = False, False, []
         for r in self.ranks:
             h = headers[r]
+            said = self._failing_since(r) if r in live else None
+            failing = said is not None and time.time() - said < FAILING_S
             if r not in live or (h is not None and h.pending):
                 self._still.drop(r)
+                if said is not None:  # raised with a collective open: writing its failure
+                    meter = self._meter(r, h.pid if h else None, now)
+                    busy = busy or failing or (meter is not None and meter.busy())
                 continue
-            meter = self._meters.get(r)
-            if h is not None and (meter is None or meter.pid != h.pid):
-                meter = self._meters[r] = CpuMeter(h.pid)
-            if meter is not None:
-                meter.sample(now)
+            meter = self._meter(r, h.pid if h else None, now)
             self._still.sample(r, meter, now)
             joined = (h is not None and h.events > 0) or os.path.exists(self._path(r, "up"))
             starting = not joined and up_s < STARTUP_S
-            failing = time.time() - _mtime(self._path(r, "failing")) < FAILING_S
             busy = busy or starting or failing or (meter is not None and meter.busy())
             still.append(self._still.still_s(r, now))
             blocked = blocked or bool(self._still.blocked(r))
@@ -163,16 +181,17 @@ class NodeRanks:
         for r in self.ranks:
             stack = _read(self._path(r, "stack"))
             failed = _read(_failed(self.report_dir, r), binary=True)
+            said = self._failing_since(r)  # a failure is dated from the raise, as on one machine
             if failed is not None:
                 error, tb, failed_at[r] = pickle.loads(failed)
+                failed_at[r] = min(failed_at[r], said or failed_at[r])
                 outcomes[r] = RankOutcome(r, "error", error=error, traceback=tb)
             elif os.path.exists(_ok(self.report_dir, r)):
                 outcomes[r] = RankOutcome(r, "ok")
-            elif self._gave_up(r):  # as on one machine: a crash all the same
-                said_at = _mtime(self._path(r, "failing"))
-                why = f"raised, and sent no report within {time.time() - said_at:.0f}s"
+            elif said is not None and r in live:  # its failure not written (yet): a crash
+                why = f"raised, and sent no report within {time.time() - said:.0f}s"
                 outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
-                failed_at[r] = said_at
+                failed_at[r] = said
             elif r in live:
                 status = "timeout" if reason == "hang" else "killed"
                 why = "no rank of the job progressed" if reason == "hang" else "still running"
@@ -180,7 +199,7 @@ class NodeRanks:
             else:
                 why = "exited without a report (a signal, or os._exit)"
                 outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
-                failed_at[r] = time.time()
+                failed_at[r] = said or time.time()
         traces = {r: trace_file.read_trace(self._path(r, "trace"), TAIL) for r in self.ranks}
         return NodeReport(node, host, traces, outcomes, failed_at)
 
