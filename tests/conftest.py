@@ -24,6 +24,7 @@
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _GroupsKept:
+    """In an xdist worker under `--dist loadgroup`: every test marked `xdist_group` must carry
+    its group in its node id, which is what sends a group to one worker. pytest 9.2 stopped
+    reading what pytest-xdist 3.8 writes there, and the groups were silently ignored (a
+    session fixture of tests/test_compare.py ran twice, a minute each): fail instead."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook has marked the groups
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        if not (os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup")):
+            return
+        grouped = [i for i in items if i.get_closest_marker("xdist_group") is not None]
+        lost = [i.nodeid for i in grouped if "@" not in i.nodeid]
+        if lost:  # (xdist shows a worker's error as an INTERNALERROR: said on stderr first)
+            why = (
+                f"--dist loadgroup: {len(lost)} tests marked xdist_group carry no group in "
+                f"their node id ({lost[0]}): pytest {pytest.__version__} does not keep what "
+                "pytest-xdist writes there (pyproject.toml's dev extra says which pytest works)"
+            )
+            print(why, file=sys.__stderr__, flush=True)
+            raise pytest.UsageError(why)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupsKept(), "ddp-verify-groups-kept")
 
 
 @pytest.fixture
