@@ -255,25 +255,7 @@ def test_cut_short_a_rank_behind_is_no_fault_and_one_that_skipped_is_named():
     assert not problems, "\n".join(problems)
 
 
-SLOW_RAISE = """
-import os, time
-import torch, torch.distributed as dist
-
-class ShapeError(Exception):
-    def __str__(self):
-        if not hasattr(self, "text"):  # a message that takes a while to form, once
-            time.sleep({slow})
-            self.text = "batch has the wrong shape"
-        return self.text
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-x = torch.ones(4)
-dist.all_reduce(x)
-if rank == 0:
-    raise ShapeError()
-dist.all_reduce(x)  # rank 1 waits here for a rank that is failing, not hung
-"""
+SLOW_RAISE = str(ROOT / "tests" / "fixtures" / "slow_raise.py")
 
 
 @pytest.mark.parametrize("reports", [True, False], ids=["reports", "never-reports"])
@@ -287,10 +269,9 @@ def test_a_rank_slow_to_report_its_raise_is_a_crash_not_a_hang(tmp_path, monkeyp
     is a crash all the same, never a run with no verdict."""
     if not reports:
         monkeypatch.setattr(supervisor, "FAILING_S", 3.0)  # (10 s)
-    script = tmp_path / "train.py"
-    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2 if reports else 60))
+    slow = str(STALL_S * 2 if reports else 60)
     options = HangOptions(
-        script=(str(script),), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
+        script=(SLOW_RAISE, slow), nproc=2, stall_timeout_s=STALL_S, out=str(tmp_path),
         console="none",
     )  # fmt: skip
     result = check_hang(options)
@@ -310,9 +291,8 @@ def test_under_torchrun_a_rank_slow_to_report_its_raise_is_a_crash(run_cli, tmp_
     rank 0 "outside any collective, at __str__" (before: a HANG). A rank that leaves no
     failure within the supervisor's FAILING_S (10 s) is a crash all the same, as on one
     machine (before: a HANG once the mark expired)."""
-    script = tmp_path / "train.py"
-    script.write_text(SLOW_RAISE.format(slow=STALL_S * 2 if reports else 60))
-    command = ["torchrun", "--standalone", "--nproc-per-node", "2", str(script)]
+    slow = str(STALL_S * 2 if reports else 60)
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", SLOW_RAISE, slow]
     ran = run_cli("hang", "--json", "--stall-timeout", str(STALL_S), "--out", str(tmp_path),
                   "--", *command)  # fmt: skip
     report = json.loads(ran.stdout)
