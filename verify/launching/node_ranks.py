@@ -8,9 +8,9 @@ whose collectives PyTorch DDP issues from C++ records none, and without it would
 starting), `rank<r>.failing` (the rank raised and is writing its report, `rank_failing`:
 for `FAILING_S` it reads as busy, never hung; a rank that leaves no failure by then, or by
 `FAILING_CAP_S` while it uses CPU, has crashed), `rank<r>.failed` (the failure, left by
-`rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned, `rank_ended`). The watchdog leaves
-`job.diagnosed` once the job's verdict is out, which a failing rank waits for (bounded), so
-that the diagnosis comes before the raw error.
+`rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned,
+`rank_ended`). The watchdog leaves `job.diagnosed` once the job's verdict is out, which a
+failing rank waits for (bounded), so that the diagnosis comes before the raw error.
 """
 
 from __future__ import annotations
