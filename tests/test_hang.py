@@ -457,6 +457,9 @@ def blind_problems(jobs: dict, slack_s: float = 10.0) -> list[str]:
         said = [line for n in nodes for line in n.ours()]
         if any(n.leftover for n in nodes):
             problems.append(f"{name}: left running: {[n.leftover for n in nodes]}")
+        if any(n.killed for n in nodes):  # the test's deadline, not the tool's verdict
+            problems.append(f"{name}: killed at tests/torchrun_jobs.py's deadline: {said}")
+            continue
         if name == "ok":
             if [n.returncode for n in nodes] != [0] * len(nodes) or "OK: " not in said[0]:
                 problems.append(f"ok: {said} {nodes[0].stderr[-2000:]}")

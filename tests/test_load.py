@@ -250,6 +250,8 @@ def _check_verdicts(window: Window) -> None:
     assert b.verdict == "hang" and b.culprit == 1 and "parked" in b.headline, b.text()
     hang, computed = window["nodes-skip"], window["nodes-compute"]
     said = [line for node in hang for line in node.ours()]
+    late = [n.folder for n in (*hang, *computed) if n.killed]
+    assert not late, f"killed at tests/torchrun_jobs.py's deadline: {late} {said}"
     assert "HANG: rank 1 skipped all_reduce #9" in hang[0].ours()[0], said
     assert "printed by node 0" in hang[1].ours()[0], said
     assert [n.returncode for n in computed] == [0, 0], computed[0].stderr[-3000:]

@@ -10,8 +10,13 @@ time it arrived (`Node.when`), so a test can time a verdict from what the script
 
 The port: node 0's agent hosts the job's store on it, so it must be free when the agent binds
 it. The OS picks one (bind to port 0, read it, close); under `pytest -n auto` another test may
-take it in between, so a launch whose agent could not bind is retried with a new port.
-(`--standalone` picks its own.)
+take it in between, so node 1 starts only once node 0's own agent listens there (else it could
+join another job's store), and a launch whose agent could not bind is retried with a new
+port. (`--standalone` picks its own.)
+
+The time limit: a job may take `STARTUP_S` to print its first line and `RUN_S` from then on;
+a node still running then is killed, and says so (`Node.killed`), so that a test names the
+deadline rather than a missing verdict.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.processes import session_members
+from tests.processes import descendants, listeners, session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 _IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+# Under tests/test_load.py's window the kernel shares the CPU among sessions, and each agent
+# leads its own among dozens: starting one (torch imported twice) has taken over 100 s.
+STARTUP_S = 240.0
+RUN_S = 150.0  # from a node's first line: the stall timeouts here are seconds
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class Node:
     folder: Path  # the node's working directory: its report folder is under profiles/
     leftover: tuple[int, ...]  # processes of its session still alive at the end (none, or a bug)
     lines: tuple[tuple[float, str], ...] = ()  # (time.monotonic() it arrived, line), both pipes
+    killed: bool = False  # still running at the test's deadline (module docstring)
 
     def report(self) -> Path:
         return next((self.folder / "profiles").glob("hang_torchrun_*"))
@@ -69,7 +79,7 @@ def two_nodes(
              "--master-addr", "127.0.0.1", "--master-port", str(port)]
             for node in (0, 1)
         ]  # fmt: skip
-        nodes = _launch(folder, cmds, [module, script, *args], stall_s)
+        nodes = _launch(folder, cmds, [module, script, *args], stall_s, port=port)
         if not any(_IN_USE.search(n.stderr) for n in nodes):
             return nodes
     return nodes
@@ -91,36 +101,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(folder: Path, agents: list[list[str]], job: list[str], stall_s: float) -> list[Node]:
-    """One torchrun agent per entry of `agents` (its own flags), each running `-m job`."""
+def _launch(
+    folder: Path, agents: list[list[str]], job: list[str], stall_s: float, port: int = 0
+) -> list[Node]:
+    """One torchrun agent per entry of `agents` (its own flags), each running `-m job`; with
+    `port`, the first hosts the job's store there and the others start once it listens."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), DDP_VERIFY_STALL_TIMEOUT=str(stall_s), OMP_NUM_THREADS="1")
-    procs, readers = [], []
-    for node, flags in enumerate(agents):
-        cwd = folder / f"node{node}"
-        cwd.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", *job]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )  # fmt: skip
-        )
-        readers.append(_Reader(procs[-1]))
-    left = []
+    procs, readers, left = [], [], []
+    begun = time.monotonic()
     try:
-        end = time.monotonic() + 150
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for node, flags in enumerate(agents):
+            if node and port and not _hosts(procs[0], port, begun + STARTUP_S):
+                break  # node 0 could not bind (or died): the others would join another job
+            cwd = folder / f"node{node}"
+            cwd.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "-m", *job]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+            readers.append(_Reader(procs[-1]))
+        killed = _wait(procs, readers, begun)
         for reader in readers:
             reader.join()
         left = [_left_of(proc.pid) for proc in procs]
@@ -130,9 +139,35 @@ def _launch(folder: Path, agents: list[list[str]], job: list[str], stall_s: floa
                 os.killpg(proc.pid, signal.SIGKILL)  # its ranks too, should any be left
     return [
         Node(proc.returncode, reader.text("stdout"), reader.text("stderr"),
-             folder / f"node{node}", tuple(gone), tuple(reader.lines))
+             folder / f"node{node}", tuple(gone), tuple(reader.lines), proc in killed)
         for node, (proc, reader, gone) in enumerate(zip(procs, readers, left))
     ]  # fmt: skip
+
+
+def _hosts(proc: subprocess.Popen, port: int, until: float) -> bool:
+    """Whether `proc` (node 0's agent) or a process below it came to listen on `port` before
+    `until`; False when it exited first (another process holds the port: EADDRINUSE)."""
+    while time.monotonic() < until and proc.poll() is None:
+        if any(x.port == port for x in listeners({proc.pid, *descendants(proc.pid)})):
+            return True
+        time.sleep(0.2)  # (each look reads /proc: every process's stat and these fds)
+    return False
+
+
+def _wait(procs: list[subprocess.Popen], readers: list[_Reader], begun: float) -> set:
+    """Wait for every agent, up to `STARTUP_S` from `begun` for the first line any prints and
+    `RUN_S` from that line; kill those still running then, and return them."""
+    while any(proc.poll() is None for proc in procs):
+        first = min((r.lines[0][0] for r in readers if r.lines), default=None)
+        end = begun + STARTUP_S if first is None else first + RUN_S
+        if time.monotonic() > end:
+            late = {proc for proc in procs if proc.poll() is None}
+            for proc in late:
+                proc.kill()
+                proc.wait()
+            return late
+        time.sleep(0.1)
+    return set()
 
 
 class _Reader:
