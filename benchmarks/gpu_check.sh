@@ -78,10 +78,13 @@ export -f audit_cost
 part audit_cost 90 bash -c audit_cost
 wait
 
-# the CPU suite on every core, alone, in what is left of the call's 600 s (at least 150 s)
+# the CPU suite on every core, alone, in what is left of the call's 600 s (at least 150 s),
+# but for its load test: that one's subject is 2 busy cores (CI's), and its hogs on all 16
+# held the rest of the suite past 325 s on an H100 machine (2026-11-27), over the call
 left=$((580 - SECONDS))
 ((left < 150)) && left=150
-part cpu_suite $left $py -m pytest -p no:cacheprovider $ungrouped -m "not gpu" -n 14 -v -rfEs --timeout 220
+part cpu_suite $left $py -m pytest -p no:cacheprovider $ungrouped -m "not gpu" -n 14 -v -rfEs \
+    --timeout 220 --deselect tests/test_load.py::test_verdicts_hold_with_every_core_busy
 
 # exit 1 when any part failed or ran out of time (each log ends "[part] exit N in S s")
 ! grep -h "^\[[^]]*\] exit [1-9]" "$out"/*.log

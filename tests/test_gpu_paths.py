@@ -24,7 +24,7 @@ from impls.bucketed import Bucket
 from impls.faulty.hang_scenarios import nonfinite_count
 from impls.faulty.race_faults import ReusesStagingBuffer
 from verify.checks.consistency import ConsistencyOptions
-from verify.launching import gpus, launch, torchrun
+from verify.launching import gpus, launch, needs_cuda, torchrun
 from verify.launching.rank_job import BLOCKING_WAIT_ENV, block_nccl_waits, group_kwargs
 from verify.options import launch_knobs
 from verify.perf import traces
@@ -172,6 +172,35 @@ def test_torchrun_over_two_nodes_needs_a_gpu_per_local_rank(gpus_visible, monkey
         BenchOptions(world_size=16, out=str(tmp_path), device="cuda")
     monkeypatch.delenv("MASTER_ADDR")  # not under torchrun: every rank is on this machine
     assert torchrun.local_ranks(16) == 16
+
+
+def _set_device(index: int) -> None:
+    """What `torch.cuda.set_device(index)` raises past the last GPU (torch 2.11's words)."""
+    raise RuntimeError(
+        "CUDA error: invalid device ordinal\nGPU device may be out of range, do you have enough GPUs?"
+    )
+
+
+def test_more_ranks_than_gpus_is_a_usage_error_naming_the_call(gpus_visible, monkeypatch):
+    """A script giving each rank its own GPU, started with more ranks here than GPUs (two on
+    one, as the GPU run of the CPU suite did): one line naming the call, how many ranks can
+    run, and the rehearsal; a wrong index with GPUs enough is the script's own crash."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    gpus_visible(1)
+    try:
+        _set_device(1)
+    except RuntimeError as exc:
+        needs = needs_cuda.classify(exc, "nccl")
+        gpus_visible(2)
+        assert needs_cuda.classify(exc) is None
+    line = needs.message("gloo")
+    assert needs.where.endswith(f"test_gpu_paths.py:{_set_device.__code__.co_firstlineno + 2}")
+    said = (
+        ": `raise RuntimeError(` needs a GPU for each rank, and this machine has 1 GPU for 2 "
+        "ranks: start at most 1 rank here, or run the script where each rank has a GPU, or "
+        "rehearse it on CPU ranks as it is with --on-cpu"
+    )
+    assert said in line and line.endswith("--on-cpu") and "\n" not in line, line
 
 
 # --- a traced NCCL rank's waits end when its collectives do (item 8) --------------------------

@@ -95,6 +95,8 @@ def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str
     if not process:
         return run_main(*args)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not on_cpu:  # the CUDA script where there is no GPU, on a machine with GPUs too
+        env["CUDA_VISIBLE_DEVICES"] = ""
     argv = [sys.executable, "-m", "verify", *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
@@ -251,17 +253,24 @@ def test_each_cuda_call_has_a_cpu_stand_in():
     installed (no ranks: the calls that need a group are the verdict tests' above)."""
     probe = CUDA / "cuda_calls.py"
     code = (
-        "import runpy, sys, verify.oncpu as o\n"
+        "import os, runpy, sys, verify.oncpu as o\n"
         "r = o.install(sys.argv[1], 0)\n"
+        "print('GPUs hidden:', repr(os.environ['CUDA_VISIBLE_DEVICES']))\n"
         "runpy.run_path(sys.argv[2], run_name='__main__')\n"
         "r.finish()\n"
     )
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"on_cpu_calls_{os.getpid()}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_WORLD_SIZE": "4"}
+    # as on a GPU machine: the rehearsal hides its GPUs, so torch never reaches one
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LOCAL_WORLD_SIZE": "4",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
     p = subprocess.run([sys.executable, "-c", code, str(out), str(probe)], env=env,
                        capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "all calls ran" in p.stdout, p.stdout
+    assert "all calls ran" in p.stdout and "GPUs hidden: ''" in p.stdout, p.stdout
     mapped = json.loads(out.read_text())
     out.unlink()
     calls = {m["call"] for m in mapped["mapped"]}

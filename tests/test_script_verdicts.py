@@ -62,7 +62,9 @@ def run_cli(out: Path, name: str) -> subprocess.CompletedProcess | Ran:
             "--", str(FIXTURES / script[0]), *script[1:]]  # fmt: skip
     if name not in IN_A_PROCESS:
         return run_main(*args)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the CUDA script where there is no GPU, on a machine with GPUs too (on one GPU, two
+    # ranks of it are the other usage error: tests/test_gpu_paths.py)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     argv = [sys.executable, "-m", "verify", *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 

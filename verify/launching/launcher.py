@@ -108,6 +108,8 @@ def start(
         LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
         STALL_ENV: repr(stall_timeout_s),
     }
+    if on_cpu:  # the GPUs hidden from the launcher too, as in each rank (verify/oncpu/)
+        child_env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
     reaping = contextlib.ExitStack()
     reaping.enter_context(tree.subreaper())

@@ -9,8 +9,12 @@ what to do (`run_watched_script`, `checks/script.py`): among others, rehearse it
 `--on-cpu` (`verify/oncpu/`). The script's own `assert torch.cuda.is_available()` is the
 same error in its words.
 
-A rank recognizes the error (`classify`: only where this process has no usable CUDA, so a
-CUDA error on a GPU machine stays a crash) and hands a `NeedsCuda` to the parent as the
+A script that gives each rank a GPU of its own (`set_device(local_rank)`), started with more
+ranks than the machine has GPUs, is the same usage error: CUDA's "invalid device ordinal"
+where this node's ranks outnumber its GPUs says how many ranks can run here.
+
+A rank recognizes the error (`classify`: only where this process has no usable CUDA, or too
+few GPUs for this node's ranks, so any other CUDA error on a GPU machine stays a crash) and hands a `NeedsCuda` to the parent as the
 partial report of its failure (`error_report`'s `found`), its traceback going to its stderr
 file only.
 """
@@ -32,6 +36,7 @@ _SIGNS = (
     "doesn't have NCCL built in",
     "ProcessGroupNCCL is only supported with GPUs",
 )
+_ORDINAL = "invalid device ordinal"  # CUDA's words for a GPU index this machine lacks
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,18 @@ class NeedsCuda:
     where: str  # path:line in the user's code
     why: str  # "this torch is built without CUDA", ...
     backend: str | None = None  # the backend the script passes init_process_group, if nccl
+    gpus: int = 0  # where there are too few: the GPUs this machine has (0: CUDA is missing)
 
     def message(self, backend_flag: str | None = None) -> str:
         """One line for the user; `backend_flag`: the tool's --backend, said to be overridden
         when the script hard-codes another."""
+        if self.gpus:
+            fewer = f"start at most {self.gpus} rank{'s' if self.gpus > 1 else ''} here"
+            return (
+                f"{self.where}: `{self.call}` needs a GPU for each rank, and {self.why}: "
+                f"{fewer}, or run the script where each rank has a GPU, or rehearse it on CPU "
+                "ranks as it is with --on-cpu"
+            )
         text = (
             f"{self.where}: `{self.call}` needs CUDA, and {self.why}: run the script where "
             "each rank has a GPU, or let it choose its device and backend by "
@@ -62,12 +75,15 @@ class NeedsCuda:
 
 def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None:
     """A `NeedsCuda` when `exc` is torch saying CUDA or NCCL is missing and this process has
-    no usable CUDA; else None. `backend`: what the script passed init_process_group, if it
-    did."""
+    no usable CUDA, or CUDA saying a GPU index is out of range where this node's ranks
+    outnumber its GPUs; else None. `backend`: what the script passed init_process_group, if
+    it did."""
     import torch
     import torch.distributed as dist
 
     text = str(exc)
+    if _ORDINAL in text:
+        return _too_few_gpus(exc)
     asserted = _asserts_cuda(exc)
     if not (says_cuda_missing(exc) or asserted):
         return None
@@ -82,11 +98,35 @@ def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None
         why = "this machine has no usable GPU"
     else:
         why = "this torch has no NCCL"
-    frame = user_frame(exc)
-    where = "?" if frame is None else f"{shown(frame.filename)}:{frame.lineno}"
-    call = (frame.line or "").strip() if frame is not None else ""
+    where, call = _located(exc)
     asked = str(backend).lower() if backend is not None else None
     return NeedsCuda(call or text, where, why, asked if asked and "nccl" in asked else None)
+
+
+def _too_few_gpus(exc: BaseException) -> NeedsCuda | None:
+    """An out-of-range GPU index where this node starts more ranks than it has GPUs (its
+    LOCAL_WORLD_SIZE, else WORLD_SIZE: every rank here); else None (a script's own wrong
+    index, on a machine with GPUs enough, is its fault: a crash)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gpus = torch.cuda.device_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 0)
+    if ranks <= gpus:
+        return None
+    where, call = _located(exc)
+    call = call or str(exc).splitlines()[0]
+    noun = "GPU" if gpus == 1 else "GPUs"
+    return NeedsCuda(call, where, f"this machine has {gpus} {noun} for {ranks} ranks", gpus=gpus)
+
+
+def _located(exc: BaseException) -> tuple[str, str]:
+    """Where `exc` left the user's code (path:line, "?" when nowhere) and that line."""
+    frame = user_frame(exc)
+    if frame is None:
+        return "?", ""
+    return f"{shown(frame.filename)}:{frame.lineno}", (frame.line or "").strip()
 
 
 def _asserts_cuda(exc: BaseException) -> bool:

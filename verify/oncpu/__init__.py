@@ -2,7 +2,8 @@
 
 Nearly every public DDP script is written for GPUs: `device = f"cuda:{local_rank}"`,
 `torch.cuda.set_device`, `init_process_group("nccl")`, `DDP(model, device_ids=[...])`,
-autocast to cuda, a GradScaler. A rehearsal runs it as it is, on a machine without GPUs, by
+autocast to cuda, a GradScaler. A rehearsal runs it as it is, on a machine without GPUs
+(where there are some, they are hidden from the rank: the same run on any machine), by
 replacing those calls in the rank before the script's first line (`rank_script.py`, when
 the rank's job says `on_cpu`: the same set-up for the tool's own ranks, a torchrun rank and a
 launcher's), in this order:
@@ -52,8 +53,15 @@ class Rehearsal:
 def install(report_path: str | None, rank: int) -> Rehearsal:
     """Map a CUDA script's calls to the CPU in this process (module docstring), counting them
     into `report_path` (None: in memory only)."""
+    import os
+
     from verify.oncpu import amp_dist, cuda_api, devices
 
+    # A rehearsal runs on the CPU on any machine: a GPU machine's devices are hidden from
+    # torch (read at CUDA's first use, which comes later), so torch answers itself as a
+    # CPU-only machine would and a GPU is never touched (a library asking torch.cuda beside
+    # the patches, or a rank's set_device(1) on a one-GPU machine, would reach a real one).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     ledger, patches = Ledger(report_path, rank), Patches()
     devices.install(ledger, patches)
     cuda_api.install(ledger, patches)
