@@ -183,14 +183,20 @@ def _set_device(index: int) -> None:
 
 def test_more_ranks_than_gpus_is_a_usage_error_naming_the_call(gpus_visible, monkeypatch):
     """A script giving each rank its own GPU, started with more ranks here than GPUs (two on
-    one, as the GPU run of the CPU suite did): one line naming the call, how many ranks can
-    run, and the rehearsal; a wrong index with GPUs enough is the script's own crash."""
+    one, as the GPU run of the CPU suite did): in the rank past the last GPU, one line naming
+    the call, how many ranks can run, and the rehearsal. A wrong index with GPUs enough, in a
+    rank a GPU exists for, or under a backend the script chose for CPU ranks, is a crash."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     gpus_visible(1)
     try:
         _set_device(1)
     except RuntimeError as exc:
         needs = needs_cuda.classify(exc, "nccl")
+        assert needs_cuda.classify(exc, "gloo") is None  # CPU ranks binding a GPU: a crash
+        monkeypatch.setenv("LOCAL_RANK", "0")  # rank 0 asking for cuda:1: the script's bug
+        assert needs_cuda.classify(exc) is None
+        monkeypatch.setenv("LOCAL_RANK", "1")
         gpus_visible(2)
         assert needs_cuda.classify(exc) is None
     line = needs.message("gloo")

@@ -43,6 +43,7 @@ def test_one_diagnosis_for_a_job_on_two_nodes(tmp_path):
         }
         jobs = {name: run.result() for name, run in runs.items()}
     for name, nodes in jobs.items():
+        assert not any(n.killed for n in nodes), f"{name}: killed at the test's deadline"
         assert not any(n.leftover for n in nodes), (name, [n.leftover for n in nodes])
     assert_pair_reads_as_a_desync(jobs["pair"])
     assert_hang_named_by_one_node(jobs["skip"], STALL_S)

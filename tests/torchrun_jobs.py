@@ -81,7 +81,9 @@ def two_nodes(
         ]  # fmt: skip
         nodes = _launch(folder, cmds, [module, script, *args], stall_s, port=port)
         if not any(_IN_USE.search(n.stderr) for n in nodes):
-            return nodes
+            break
+    # node 1 starts only once node 0 listens (module docstring): a lone node 0 never did
+    assert len(nodes) == 2, f"node 0 never listened on port {port}: {nodes[0].stderr[-3000:]}"
     return nodes
 
 
@@ -109,10 +111,9 @@ def _launch(
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), DDP_VERIFY_STALL_TIMEOUT=str(stall_s), OMP_NUM_THREADS="1")
     procs, readers, left = [], [], []
-    begun = time.monotonic()
     try:
         for node, flags in enumerate(agents):
-            if node and port and not _hosts(procs[0], port, begun + STARTUP_S):
+            if node and port and not _hosts(procs[0], port, time.monotonic() + STARTUP_S):
                 break  # node 0 could not bind (or died): the others would join another job
             cwd = folder / f"node{node}"
             cwd.mkdir(parents=True, exist_ok=True)
@@ -129,7 +130,7 @@ def _launch(
                 )  # fmt: skip
             )
             readers.append(_Reader(procs[-1]))
-        killed = _wait(procs, readers, begun)
+        killed = _wait(procs, readers, time.monotonic())
         for reader in readers:
             reader.join()
         left = [_left_of(proc.pid) for proc in procs]
@@ -154,16 +155,17 @@ def _hosts(proc: subprocess.Popen, port: int, until: float) -> bool:
     return False
 
 
-def _wait(procs: list[subprocess.Popen], readers: list[_Reader], begun: float) -> set:
-    """Wait for every agent, up to `STARTUP_S` from `begun` for the first line any prints and
-    `RUN_S` from that line; kill those still running then, and return them."""
+def _wait(procs: list[subprocess.Popen], readers: list[_Reader], started: float) -> set:
+    """Wait for every agent: each may take `STARTUP_S` from `started` (when the last began)
+    to print its first line and `RUN_S` from that line, the job the latest of these; kill the
+    sessions of those still running then (its ranks with the agent), and return them."""
     while any(proc.poll() is None for proc in procs):
-        first = min((r.lines[0][0] for r in readers if r.lines), default=None)
-        end = begun + STARTUP_S if first is None else first + RUN_S
-        if time.monotonic() > end:
+        ends = [r.lines[0][0] + RUN_S if r.lines else started + STARTUP_S for r in readers]
+        if time.monotonic() > max(ends):
             late = {proc for proc in procs if proc.poll() is None}
             for proc in late:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             return late
         time.sleep(0.1)

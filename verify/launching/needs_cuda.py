@@ -10,13 +10,14 @@ what to do (`run_watched_script`, `checks/script.py`): among others, rehearse it
 same error in its words.
 
 A script that gives each rank a GPU of its own (`set_device(local_rank)`), started with more
-ranks than the machine has GPUs, is the same usage error: CUDA's "invalid device ordinal"
-where this node's ranks outnumber its GPUs says how many ranks can run here.
+ranks than the machine has GPUs, is the same usage error: CUDA's "invalid device ordinal" in
+a rank past the last GPU, where this node's ranks outnumber its GPUs, says how many ranks can
+run here (`_too_few_gpus`).
 
-A rank recognizes the error (`classify`: only where this process has no usable CUDA, or too
-few GPUs for this node's ranks, so any other CUDA error on a GPU machine stays a crash) and hands a `NeedsCuda` to the parent as the
-partial report of its failure (`error_report`'s `found`), its traceback going to its stderr
-file only.
+A rank recognizes the error (`classify`: only where this process has no usable CUDA, or no
+GPU for its local rank, so any other CUDA error on a GPU machine stays a crash) and hands a
+`NeedsCuda` to the parent as the partial report of its failure (`error_report`'s `found`),
+its traceback going to its stderr file only.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None
 
     text = str(exc)
     if _ORDINAL in text:
-        return _too_few_gpus(exc)
+        return _too_few_gpus(exc, backend)
     asserted = _asserts_cuda(exc)
     if not (says_cuda_missing(exc) or asserted):
         return None
@@ -103,17 +104,23 @@ def classify(exc: BaseException, backend: str | None = None) -> NeedsCuda | None
     return NeedsCuda(call or text, where, why, asked if asked and "nccl" in asked else None)
 
 
-def _too_few_gpus(exc: BaseException) -> NeedsCuda | None:
-    """An out-of-range GPU index where this node starts more ranks than it has GPUs (its
-    LOCAL_WORLD_SIZE, else WORLD_SIZE: every rank here); else None (a script's own wrong
-    index, on a machine with GPUs enough, is its fault: a crash)."""
+def _too_few_gpus(exc: BaseException, backend: str | None) -> NeedsCuda | None:
+    """An out-of-range GPU index in a rank whose local rank is past this machine's GPUs,
+    where this node starts more ranks than it has GPUs (its LOCAL_WORLD_SIZE, else
+    WORLD_SIZE: every rank here); else None, a crash: a script's own wrong index (rank 0
+    asking for cuda:1, GPUs shared by `local_rank % device_count()`), or a rank whose script
+    chose gloo (accelerate's CPU ranks still bind a barrier to `cuda:<local rank>`:
+    docs/audit.md says to hide the GPUs there)."""
     import torch
 
+    if backend is not None and "nccl" not in str(backend).lower():
+        return None
     if not torch.cuda.is_available():
         return None
     gpus = torch.cuda.device_count()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 0)
-    if ranks <= gpus:
+    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    if ranks <= gpus or local_rank < gpus:
         return None
     where, call = _located(exc)
     call = call or str(exc).splitlines()[0]
