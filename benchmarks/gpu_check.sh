@@ -15,7 +15,9 @@
 # 19 of 32 in 310 s; on one GPU they now run side by side (tests/conftest.py), and the other
 # 13 took 163 s at 8 at a time (6 here: the measurements run beside them). The
 # measurements' timings are taken beside the tests: they
-# prove the paths run, not their speed. The CPU suite runs last, alone: its load test's hogs
+# prove the paths run, not their speed. Seen on one H100 (2026-11-27): the gpu-marked tests
+# 27 passed and 5 skipped in 217 s, the measurements beside them done by then; the CPU suite
+# with its load test did not end in the 325 s left. The CPU suite runs last, alone: its load test's hogs
 # take every core.
 set -u
 [[ ${1:-} == all ]] || { echo 'say all' >&2; exit 2; }
@@ -48,7 +50,17 @@ part() {  # part NAME SECONDS COMMAND...: run it under a limit, log into $out/NA
 part gpu_tests 300 $py -m pytest -p no:cacheprovider $ungrouped -m gpu -n 6 -v -rfEs --timeout 240 &
 part bench_ws1 60 $py -m verify bench --device cuda --world-size 1 --out /tmp/gpu_bench --no-sweep
 part bench_ws2 80 $py -m verify bench --device cuda --backend gloo --world-size 2 --out /tmp/gpu_bench --no-sweep
-part zero_round_trip 40 $py -m verify matrix --impl torch-zero --rows round-trip --device cuda --backend gloo
+# PyTorch's ZeroRedundancyOptimizer keeps a second copy of its state after a round trip on a
+# GPU (docs/certification.md quotes this run): the part passes when the matrix says so, exit 1
+zero_round_trip() {
+    $py -m verify matrix --impl torch-zero --rows round-trip --device cuda --backend gloo \
+        | tee /dev/stderr | grep "state held twice on a rank" >/dev/null  # (all of it: no SIGPIPE)
+    local found=$? code=${PIPESTATUS[0]}
+    echo "[the documented FAIL] matrix exit $code, finding printed: $((found == 0))"
+    ((code == 1 && found == 0))
+}
+export -f zero_round_trip
+part zero_round_trip 40 bash -c zero_round_trip
 # a CUDA script under torchrun (the launcher form), then recorded and run again against its
 # recording (the same training: the comparison's verdict on CUDA tensors); one log, as what
 # comes back from a device call is at most 8 files
