@@ -94,18 +94,21 @@ _PERF_RUNS = {
 }
 
 
+_COMPARE_RANKS = ("bench-audit", "bench-tracer")  # no one-rank run: nothing to compare
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("command", [*_PERF_RUNS, "comm"])
+@pytest.mark.parametrize(
+    ("command", "world"),
+    [(c, w) for c in [*_PERF_RUNS, "comm"] for w in (1, 2) if w > 1 or c not in _COMPARE_RANKS],
+)
 def test_every_measurement_runs_on_gpus(command, world, tmp_path, capsys):
     """At one rank on NCCL; at two on the GPUs there are (`on_gpus`: gloo on one GPU)."""
-    if command in ("bench-audit", "bench-tracer") and world < 2:
-        pytest.skip(f"{command} compares ranks: needs two")
     if command == "comm":
         args = ["--world-sizes", str(world), "--max-mb", "4", "--repeats", "2", *_TINY]
     else:
         args = [*_PERF_RUNS[command], "--world-size", str(world)]
-    if command not in ("bench-audit", "bench-tracer"):
+    if command not in _COMPARE_RANKS:
         args += ["--out", str(tmp_path)]
     backend = on_gpus(world)["backend"]
     args += ["--device", "cuda", "--backend", backend, "--json"]
