@@ -36,7 +36,7 @@ from verify.perf.base import Measured, next_step, parameters
 from verify.perf.timing import timed
 from verify.recording.recorder import Recorder
 from verify.replica_audit.group import gather_ints
-from verify.script_audit import Auditor, AuditSettings
+from verify.script_audit import AuditSettings, StepHooks
 from verify.script_audit.report import STATE_EVERY
 from verify.training.trainer import Trainer
 
@@ -108,7 +108,7 @@ def run_record_bench(options: RecordBenchOptions) -> RecordBenchResult:
 def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
     """The two arms (module docstring), after a warm-up step of each."""
     folder = tempfile.mkdtemp(prefix="bench-record-")
-    auditor = Auditor(AuditSettings(every=1, path=None))
+    auditor = StepHooks(AuditSettings(every=1, path=None))
     recorder = Recorder(os.path.join(folder, "recording"))
     auditor.install()  # before the model exists, as in a script's rank
     recorder.install()

@@ -21,7 +21,7 @@ from benchmarks.costs import take_turns
 from verify.launching import RankContext
 from verify.perf.base import next_step, parameters
 from verify.perf.timing import timed
-from verify.script_audit import Auditor, AuditSettings
+from verify.script_audit import AuditSettings, StepHooks
 from verify.training.trainer import Trainer
 
 GOAL = 1.02
@@ -30,7 +30,7 @@ GOAL = 1.02
 def script_audit_bench_on_rank(ctx: RankContext, options) -> dict:
     """Plain and audited steps, interleaved (module docstring); `options` is the
     `AuditBenchOptions` of `bench-audit`."""
-    auditor = Auditor(AuditSettings(every=1, path=None))
+    auditor = StepHooks(AuditSettings(every=1, path=None))
     auditor.install()  # before the model exists, as in a script's rank
     try:
         trainer = Trainer(ctx, options.train_spec())

@@ -53,7 +53,7 @@ from torch import nn
 from tests.consoles import Ran, run_main
 from tests.processes import still_running
 from verify.launching import RankContext, launch
-from verify.script_audit import Auditor, AuditSettings
+from verify.script_audit import AuditSettings, StepHooks
 
 pytest.importorskip("pytorch_lightning", reason="needs the dev extra (pytorch-lightning)")
 pytest.importorskip("accelerate", reason="needs the dev extra (accelerate)")
@@ -194,7 +194,7 @@ class _IgnoresClosure(torch.optim.SGD):
 
 
 def _closure_points_on_rank(ctx: RankContext) -> tuple:
-    auditor = Auditor(AuditSettings())
+    auditor = StepHooks(AuditSettings())
     auditor.install()
     try:
         torch.manual_seed(0)

@@ -5,6 +5,7 @@ the world size; a script's finding is the one `Finding` every check reports."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 from dataclasses import fields
@@ -17,12 +18,11 @@ from verify.checks import audit as class_audit
 from verify.checks.audit import ModelAudit
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.launching import launch
-from verify.replica_audit.compare import Entry, compare
-from verify.replica_audit.compare import compare as engine_compare
+from verify.replica_audit.compare import Auditor, Entry, compare
 from verify.replica_audit.finding import Finding
 from verify.replica_audit.fingerprint import fingerprint, fingerprint_table, fingerprints
 from verify.replica_audit.group import WorldGroup, agree, min_max
-from verify.script_audit import auditor as script_auditor
+from verify.script_audit import hooks as script_hooks
 from verify.script_audit import report
 from verify.script_audit.side_group import SideGroup
 
@@ -39,11 +39,20 @@ def stencil_on_rows(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_one_fingerprint_and_one_comparison_serve_every_audit():
+def test_one_auditor_one_fingerprint_and_one_comparison_serve_every_audit():
     """A class's checkpoints and a script's audit points are compared by the engine's one
-    comparison, over one fingerprint table (three values a tensor, mixed into one integer);
-    neither audit keeps a fingerprint or a comparison of its own."""
-    assert class_audit.compare is script_auditor.compare is engine_compare
+    Auditor (the only class of that name in the product), over one fingerprint table (three
+    values a tensor, mixed into one integer); neither audit keeps a fingerprint, a comparison
+    or an auditor of its own."""
+    assert class_audit.Auditor is script_hooks.Auditor is Auditor
+    named = [
+        (path, node.name)
+        for path in sorted((Path(__file__).resolve().parents[1] / "verify").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Auditor")
+    ]
+    assert [(p.name, n) for p, n in named] == [("compare.py", "Auditor")], named
+    assert not hasattr(class_audit, "compare") and not hasattr(script_hooks, "compare")
     for gone in ("verify.script_audit.fingerprint", "verify.script_audit.compare"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(gone)

@@ -1,7 +1,8 @@
 """Bitwise replica audit of a class: are parameters, buffers, gradients and optimizer state
 identical on every rank at each checkpoint? Decided by the replica audit's one comparison
-(`verify/replica_audit/compare.py`), which exchanges per-tensor fingerprints, not tensors: at
-steady state one all-reduce of fixed size, per-rank detail only where the ranks disagree.
+(`verify/replica_audit/compare.py`, through its one `Auditor`), which exchanges per-tensor
+fingerprints, not tensors: at steady state one all-reduce of fixed size, per-rank detail only
+where the ranks disagree.
 
 What is a class's and not a script's: the tensors are named by the model (`param:`,
 `buffer:`, `grad:`, `optim:`), keyed by name alone, so that a gradient that is None on some
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verify.checks import kinds
-from verify.replica_audit.compare import Entry, compare
+from verify.replica_audit.compare import Auditor, Entry
 from verify.replica_audit.finding import TensorDiff
 from verify.replica_audit.fingerprint import text_bits
 from verify.replica_audit.group import WorldGroup
@@ -69,7 +70,7 @@ class ModelAudit:
         self.world_size = self.group.size
         self.max_detail = max_detail
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self._sizes: dict = {}  # the comparison's agreed sizes, by checkpoint kind
+        self.auditor = Auditor(self.group, max_detail=max_detail, per_phase=max_detail)
 
     def follow(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Audit `model` from now on, and `optimizer` when this auditor audits one (both
@@ -121,10 +122,10 @@ class ModelAudit:
             Entry(n.split(":", 1)[0], n, tensor=t, typed_key=False) for n, t in unique_names(named)
         ]
         where = (0, step, text_bits(phase or label))
-        outcome, absent = self._compare(entries, where), []
+        outcome, absent = self.auditor.check(entries, where), []
         if outcome.layout:  # names some ranks hold and others do not, or in another order
             entries, absent = self._common(label, entries)
-            outcome = self._compare(entries, where)
+            outcome = self.auditor.check(entries, where)
             if outcome.layout:  # never: the ranks now hold the same names in one order
                 raise RuntimeError(f"the replica audit at {label}: {outcome.layout}")
         found = absent + [
@@ -133,10 +134,6 @@ class ModelAudit:
         ]
         seconds = time.perf_counter() - start
         return Checkpoint(label, len(entries) + len(absent), len(found), seconds), found
-
-    def _compare(self, entries: list[Entry], where: tuple[int, int, int]):
-        return compare(self.group, entries, where, sizes=self._sizes,
-                       max_detail=self.max_detail, per_phase=self.max_detail)  # fmt: skip
 
     def _common(self, label: str, entries: list[Entry]) -> tuple[list[Entry], list[TensorDiff]]:
         """The entries every rank holds, in rank 0's order (an optimizer's state is in the

@@ -51,11 +51,11 @@ class Audit:
     settings: AuditSettings
 
     def start(self, rank: int) -> _Running:
-        from verify.script_audit import Auditor
+        from verify.script_audit import StepHooks
 
-        auditor = Auditor(self.settings)
-        auditor.install()
-        return _Running(lambda exc: auditor.finish())
+        hooks = StepHooks(self.settings)
+        hooks.install()
+        return _Running(lambda exc: hooks.finish())
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,6 @@
     departure.py  the first departure and what follows
     command.py    the `compare` command, and what `audit --record/--against` add
 
-The recorder is called by the script audit's `Auditor` (`verify/script_audit/auditor.py`) at
+The recorder is called by the script audit's `StepHooks` (`verify/script_audit/hooks.py`) at
 the points it audits, with the entries it collected and named (`collect.py`, `naming.py`).
 """

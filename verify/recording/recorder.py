@@ -1,5 +1,5 @@
 """The recorder inside a rank of `audit --record DIR` (and `--against DIR`): at the points the
-script audit already audits (`verify/script_audit/auditor.py` calls `add` with the entries it
+script audit already audits (`verify/script_audit/hooks.py` calls `add` with the entries it
 collected, `collect.py`, named as `naming.py` names them), it keeps per entry one row.
 
 What is kept per optimizer step, and why (docs/compare.md, "What a recording holds"):
@@ -36,7 +36,7 @@ from verify.recording.loss import LossTap
 from verify.recording.sketch import BLOCKS, COLUMNS, sketch, sketched_numel
 from verify.replica_audit.fingerprint import text_bits, value_bits
 
-BEFORE = 0  # the audit point before a step (`auditor.py`)
+BEFORE = 0  # the audit point before a step (`hooks.py`)
 
 
 @dataclass

@@ -3,10 +3,10 @@ audits a class (`verify/checks/audit.py`: consistency, the matrix's cells), a cl
 layout (`verify/checks/layout.py`), the matrix's agreement on each cell
 (`verify/checks/agreement.py`) or a user's script (`verify/script_audit/`).
 
-    compare.py     the one comparison of an audit point's entries across the ranks, for a
-                   class's checkpoints (`checks/audit.py`) and a script's audit points
-                   (`script_audit/auditor.py`): what each rank holds, the fingerprints, who
-                   differs, and the first few differences measured
+    compare.py     the one comparison of an audit point's entries across the ranks, and the
+                   one Auditor that asks it for a class's checkpoints (`checks/audit.py`) and
+                   a script's audit points (`script_audit/hooks.py`): what each rank holds,
+                   the fingerprints, who differs, and the first few differences measured
     fingerprint.py one exact fingerprint per tensor, computed where it lives
     group.py       the small group interface and the one agreement reduction over it
                    (min and max in one all-reduce, O(1) in the world size); who differs,

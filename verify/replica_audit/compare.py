@@ -1,7 +1,9 @@
-"""The replica audit's one comparison: do all ranks hold the same entries, bitwise? Every audit
-calls it: a class's checkpoints (`verify/checks/audit.py`) and a script's audit points
-(`verify/script_audit/auditor.py`). Decided in one all-reduce of fixed size at steady state,
-per-rank detail gathered only where the ranks disagree.
+"""The replica audit's one comparison and its one `Auditor`: do all ranks hold the same
+entries, bitwise? Every audit asks it, through an `Auditor` of its group: a class's
+checkpoints (`verify/checks/audit.py`: `ModelAudit`) and a script's audit points
+(`verify/script_audit/hooks.py`: `StepHooks`), the drivers that say what is compared and
+when. Decided in one all-reduce of fixed size at steady state, per-rank detail gathered only
+where the ranks disagree.
 
 1. The header: a digest of the entries' keys, their count and where the ranks are (`where`:
    the optimizer, its step and the point), all-reduced as minimum and maximum (the engine's
@@ -107,6 +109,31 @@ class Outcome:
     # who differs, for the mismatched entries `known` does not cover and `diffs` does not
     # describe: the ranks, and a None tensor or another dtype or shape; nothing measured
     undescribed: dict[int, TensorDiff] = field(default_factory=dict)
+
+
+class Auditor:
+    """Compares entries across the ranks of `group` at each audit point (`compare`),
+    remembering from one point to the next how many entries the ranks agreed on there (its
+    `sizes`: the one all-reduce of steady state). At most `max_detail` differing tensors of a
+    point are described in full, `per_phase` of one phase."""
+
+    def __init__(
+        self, group: Group, *, max_detail: int = MAX_DETAIL, per_phase: int = PER_PHASE
+    ) -> None:
+        self.group = group
+        self.max_detail, self.per_phase = max_detail, per_phase
+        self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
+
+    def check(
+        self,
+        entries: list[Entry],
+        where: tuple[int, int, int],
+        known: Callable[[Entry], bool] = lambda e: False,
+    ) -> Outcome:
+        """`compare` of `entries` at `where` = (optimizer index, step, point) over this
+        auditor's group, with its sizes and detail budget."""
+        return compare(self.group, entries, where, known, self.sizes,
+                       self.max_detail, self.per_phase)  # fmt: skip
 
 
 def compare(

@@ -9,7 +9,7 @@ Sharded tensors are never compared across ranks: a `DTensor` (FSDP2, tensor para
 compared only when every placement is `Replicate()` (its local tensor is then the whole
 value); any other placement is counted as sharded and skipped. `ZeroRedundancyOptimizer`
 keeps its state in a local optimizer over this rank's shard: its steps run nested inside the
-outer step and are not audited (`auditor.py`), and the outer optimizer holds no state (its
+outer step and are not audited (`hooks.py`), and the outer optimizer holds no state (its
 local state is counted, `local_shard`). State that a plain optimizer keeps on some ranks
 only is sorted out by `owners.py`.
 """

@@ -106,7 +106,7 @@ class AuditReport:
 # The script audit's own keys of a finding, kept in its JSON beside the one Finding's.
 _SCRIPT_KEYS = ("optimizer", "count", "detail", "echo_of", "seen_at", "fault")
 
-STATE_EVERY = 16  # audited steps between two reads of the optimizer state (auditor.py)
+STATE_EVERY = 16  # audited steps between two reads of the optimizer state (hooks.py)
 
 
 @dataclass(frozen=True)

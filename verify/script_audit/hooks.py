@@ -1,8 +1,10 @@
 """The audit inside a rank of a user's script: PyTorch's global optimizer step hooks.
 
-`Auditor.install()` runs before the script's first line (`launching/rank_script.py`). From then on,
-every `step()` of every optimizer the script creates is audited, on every rank in the same
-order (a step is a point all ranks reach together in data-parallel training):
+`StepHooks.install()` runs before the script's first line (`launching/rank_script.py`). From
+then on, every `step()` of every optimizer the script creates is audited by the replica
+audit's one `Auditor` (`verify/replica_audit/compare.py`), over the audit's own group, on
+every rank in the same order (a step is a point all ranks reach together in data-parallel
+training):
 
     before step N   the first audited step: the parameters (did the replicas start equal?);
                     every param group's settings (lr, betas, ...); the GradScaler's scale;
@@ -52,7 +54,7 @@ from torch.optim.optimizer import (
 )
 
 from verify.recording.recorder import recorder_for
-from verify.replica_audit.compare import Entry, Outcome, compare
+from verify.replica_audit.compare import Auditor, Entry, Outcome
 from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.buffers import BroadcastBuffers
@@ -65,7 +67,7 @@ from verify.script_audit.side_group import SideGroup
 BEFORE, AFTER, STATE = 0, 1, 2  # the audit points of a step
 
 
-class Auditor:
+class StepHooks:
     """The hooks and what they found so far (module docstring)."""
 
     def __init__(self, settings: AuditSettings) -> None:
@@ -73,6 +75,7 @@ class Auditor:
         self.modules = Modules()
         self.collect = Collector(self.modules)
         self.group = SideGroup()
+        self.auditor = Auditor(self.group)
         self.joins = Joins()
         self.book = Book()
         self.scalers: weakref.WeakSet = weakref.WeakSet()
@@ -95,7 +98,6 @@ class Auditor:
         self.depth = 0
         self.audits = self.audited_steps = self.tensors = self.sharded = 0
         self.seconds = 0.0  # time spent inside the audit, in all
-        self.sizes: dict = {}  # (optimizer index, point) -> entries the ranks agreed on
         self.sharded_state: dict[str, int] = {}  # label -> state entries held by one rank each
         self.stopped: str | None = None
         self._handles: list = []
@@ -264,10 +266,9 @@ class Auditor:
             if not self.group.ready():
                 self.recorder.settle(self.group, agreed=True)
                 return Outcome()
-        outcome = compare(
-            self.group, entries, (index, step, point),
-            known=lambda e: self.book.known(label, e.phase, e.name), sizes=self.sizes,
-        )  # fmt: skip
+        outcome = self.auditor.check(
+            entries, (index, step, point), lambda e: self.book.known(label, e.phase, e.name)
+        )
         if self.recorder is not None:  # the ranks have just compared: in step, and told
             self.recorder.settle(self.group, agreed=not outcome.layout)  # the layouts agree
         self.audits += 1
