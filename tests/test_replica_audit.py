@@ -41,10 +41,14 @@ def stencil_on_rows(t: torch.Tensor) -> torch.Tensor:
 
 def test_one_auditor_one_fingerprint_and_one_comparison_serve_every_audit():
     """A class's checkpoints and a script's audit points are compared by the engine's one
-    Auditor (the only class of that name in the product), over one fingerprint table (three
+    Auditor (the only class named *Auditor in the product), over one fingerprint table (three
     values a tensor, mixed into one integer); neither audit keeps a fingerprint, a comparison
-    or an auditor of its own."""
+    or an auditor of its own. Each script's hooks hold their own, at the script's detail
+    budget (a class's: `rank_stencil_on_one_rank`)."""
     assert class_audit.Auditor is script_hooks.Auditor is Auditor
+    one, two = (script_hooks.StepHooks(report.AuditSettings()) for _ in range(2))
+    assert (one.auditor.max_detail, one.auditor.per_phase) == (12, 3)
+    assert one.auditor.group is one.group and one.auditor.sizes is not two.auditor.sizes
     named = [
         (path, node.name)
         for path in sorted((Path(__file__).resolve().parents[1] / "verify").rglob("*.py"))
@@ -84,7 +88,9 @@ def rank_stencil_on_one_rank(ctx):
     if ctx.rank == 0:
         flat = torch.cat([torch.zeros(1), bias])
         bias = flat[1:]  # 4 bytes in: not aligned to an 8-byte word
-    _, found = ModelAudit(torch.nn.Linear(1, 1)).audit("step 1", [("w", weight), ("b", bias)])
+    audit = ModelAudit(torch.nn.Linear(1, 1))
+    assert (audit.auditor.max_detail, audit.auditor.per_phase) == (8, 8)  # a class's budget
+    _, found = audit.audit("step 1", [("w", weight), ("b", bias)])
     return [(m.name, m.ranks, m.differing) for m in found]
 
 

@@ -68,7 +68,6 @@ class ModelAudit:
         self.group = WorldGroup(process_group)
         self.process_group = self.group.process_group
         self.world_size = self.group.size
-        self.max_detail = max_detail
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.auditor = Auditor(self.group, max_detail=max_detail, per_phase=max_detail)
 

@@ -132,8 +132,8 @@ class Auditor:
     ) -> Outcome:
         """`compare` of `entries` at `where` = (optimizer index, step, point) over this
         auditor's group, with its sizes and detail budget."""
-        return compare(self.group, entries, where, known, self.sizes,
-                       self.max_detail, self.per_phase)  # fmt: skip
+        return compare(self.group, entries, where, known=known, sizes=self.sizes,
+                       max_detail=self.max_detail, per_phase=self.per_phase)  # fmt: skip
 
 
 def compare(
