@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -413,6 +414,79 @@ def test_torchrun_node_watchdog(tmp_path):
     assert f"hang_script.py:{_all_reduce_line()}" in d["headline"]
     assert "verify.hang_run (node watchdog)" in stderr, stderr[-3000:]
     assert session_members(proc.pid) == []  # torchrun and every rank are gone
+
+
+RERUN = """
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if sys.argv[1] == "crash" and rank == 1:
+    raise ValueError("batch 0 has no labels")  # the bug of the first run
+w = torch.zeros(3)
+for step in range(4):
+    g = torch.ones(3) * (rank + 1)
+    dist.all_reduce(g)
+    w -= 0.1 * g / dist.get_world_size()
+print(f"rank {rank}: w={w.tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def rerun_problems(folder: Path) -> list[str]:
+    """torchrun reuses a run id given by `--rdzv-id` (and by `--max-restarts`): a run that
+    crashed, then its fixed rerun with the same id, in `folder`. What is wrong: the rerun's
+    node watchdog must read only its own ranks' files, so it passes (the first run's
+    `rank1.failed` made it a CRASH naming the old error), each run's report in a folder of
+    its own, and nothing left running."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "train.py"
+    script.write_text(RERUN)
+    crashed = one_node(folder, str(script), "crash", rdzv_id="exp7")
+    fixed = one_node(folder, str(script), "ok", rdzv_id="exp7")
+    said = crashed.ours()[0] if crashed.ours() else crashed.stderr[-3000:]
+    problems = [f"{name}: killed at tests/torchrun_jobs.py's deadline"
+                for name, node in (("crash", crashed), ("ok", fixed)) if node.killed]  # fmt: skip
+    if crashed.returncode == 0 or "CRASH" not in said or "rank 1 raised ValueError" not in said:
+        problems.append(f"the crash: exit {crashed.returncode}, {said}")
+    if fixed.returncode != 0 or not fixed.ours() or "OK: no hang" not in fixed.ours()[-1]:
+        problems.append(f"the fixed rerun: exit {fixed.returncode}, {fixed.stderr[-3000:]}")
+    folders = sorted(p.name for p in (folder / "node0" / "profiles").glob("hang_torchrun_*"))
+    host = socket.gethostname()
+    if folders != [f"hang_torchrun_exp7_{host}", f"hang_torchrun_exp7_{host}-2"]:
+        problems.append(f"report folders {folders}")
+    left = [p for node in (crashed, fixed) for p in node.leftover]
+    return problems + ([f"left running: {left}"] if left else [])
+
+
+def test_a_rerun_under_the_same_run_id_is_judged_on_its_own_files(tmp_path):
+    """`rerun_problems`: none (under CPU hogs: tests/test_load.py)."""
+    problems = rerun_problems(tmp_path)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--stall-timeout", "3", "train.py"], "unexpected argument --stall-timeout: the one "
+         "option is --on-cpu; the stall timeout is DDP_VERIFY_STALL_TIMEOUT"),
+        (["nothere.py"], "script nothere.py does not exist"),
+        (["--on-cpu"], "no script given"),
+    ],
+)  # fmt: skip
+def test_hang_run_bad_input_is_one_line(tmp_path, argv, said):
+    """`torchrun ... -m verify.hang_run` with an option it does not take (the CLI's) or no
+    script: one line naming it and what is accepted, exit 2, before torch is imported (each
+    rank ran the option as a script: a traceback each and a CRASH)."""
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ran = subprocess.run([sys.executable, "-m", "verify.hang_run", *argv], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ran.returncode == 2 and ran.stdout == "", ran.stderr
+    assert ran.stderr.splitlines() == [ran.stderr.strip()] and said in ran.stderr, ran.stderr
+    assert ran.stderr.startswith("verify.hang_run: error: ")
 
 
 DDP_WAIT = str(ROOT / "tests" / "fixtures" / "ddp_checkpoint_wait.py")

@@ -19,7 +19,8 @@ nothing is left running afterwards. So do two jobs of two torchrun agents (two n
 `tests/test_multinode.py`): the early exit is a hang named by rank 0's node, and a rank that
 computes for twice the stall timeout on node 1 while node 0 waits is no finding; so do the
 cases where the trace is blind (PyTorch DDP under torchrun, uneven data, a script that starts
-its own ranks), in a test of their own, and so does `audit` under PyTorch's join() (uneven
+its own ranks, a fixed rerun under a crashed run's torchrun run id), in a test of their own,
+and so does `audit` under PyTorch's join() (uneven
 data: a pass; a rank parked inside the join: a HANG naming it). The CPU
 meters under them still read a process at `nice 19` that computes as busy and a waiting one as
 idle (tests/test_procstat.py).
@@ -106,7 +107,7 @@ STALL_S = 3.0
 # at once they held the detection of an mp.spawn script's stall to 13.6 s (bound: 11 s).
 WORKERS = 8
 LONGEST = (
-    "own", "launchers", "scenarios", "compare", "script:hang", "blind", "script:muon-two-gpus", "uneven",
+    "own", "rerun", "launchers", "scenarios", "compare", "script:hang", "blind", "script:muon-two-gpus", "uneven",
     "on-cpu-launcher", "frameworks", "on-cpu", "script:muon",
     "nodes-skip", "script:no-step", "hints", "script:no-step-after-init", "nodes-compute", "join",
 )  # fmt: skip
@@ -133,6 +134,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "blind": (test_hang.blind_jobs, folder / "blind", two_nodes),
             "uneven": (test_evidence.uneven_problems, str(folder / "uneven")),
             "own": (test_evidence.own_ranks_problems, str(folder / "own")),
+            "rerun": (test_hang.rerun_problems, folder / "rerun"),
         },
         "verdicts": {
             "scenarios": (
@@ -275,10 +277,11 @@ def _check_blind(window: Window) -> None:
     file while its peer waits inside DDP's C++ is a HANG naming both; a rank evaluating for
     twice the stall timeout while its peer waits there is no finding), uneven data (the rank
     that left early is named, returning or waiting in a barrier; under join() no finding),
-    and scripts whose rank starts processes (mp.spawn: UNWATCHED; DataLoader workers: pass)
+    and scripts whose rank starts processes (mp.spawn: UNWATCHED; DataLoader workers: pass),
+    and a fixed rerun under a crashed run's `--rdzv-id` (a pass, in a folder of its own)
     give the verdicts they give on an idle machine, and leave nothing running."""
     problems = test_hang.blind_problems(window["blind"], slack_s=20.0)
-    problems += window["uneven"] + window["own"]
+    problems += window["uneven"] + window["own"] + window["rerun"]
     assert not problems, "\n".join(problems)
     assert not [p for p in window.hogs if alive(p)]
 

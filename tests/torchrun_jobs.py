@@ -5,7 +5,7 @@
 node, each in its own folder (its report folder lands there) and its own session, waits for
 both (bounded), kills whatever is left of either session, and returns what each printed.
 `one_node(folder, script, *args)` does the same for `torchrun --standalone --nproc-per-node
-2`. `module=` runs `verify.audit_run` instead. Every line either printed is kept with the
+2` (or a fixed run id: `rdzv_id`). `module=` runs `verify.audit_run` instead. Every line either printed is kept with the
 time it arrived (`Node.when`), so a test can time a verdict from what the script said.
 
 The port: node 0's agent hosts the job's store on it, so it must be free when the agent binds
@@ -88,12 +88,21 @@ def two_nodes(
 
 
 def one_node(
-    folder: Path, script: str, *args: str, stall_s: float = 3.0, module: str = MODULE
+    folder: Path,
+    script: str,
+    *args: str,
+    stall_s: float = 3.0,
+    module: str = MODULE,
+    rdzv_id: str | None = None,
 ) -> Node:
-    """`torchrun --standalone --nproc-per-node 2 -m MODULE script ARGS`, in `folder`."""
-    (node,) = _launch(
-        folder, [["--standalone", "--nproc-per-node", "2"]], [module, script, *args], stall_s
-    )
+    """`torchrun --standalone --nproc-per-node 2 -m MODULE script ARGS`, in `folder`; with
+    `rdzv_id`, a c10d rendezvous of that id on loopback instead (a run id the user fixed, as
+    `--rdzv-id` does, where --standalone makes a new one every run)."""
+    flags = ["--standalone"]
+    if rdzv_id is not None:
+        flags = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-id", rdzv_id,
+                 "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+    (node,) = _launch(folder, [[*flags, "--nproc-per-node", "2"]], [module, script, *args], stall_s)
     return node
 
 

@@ -14,13 +14,41 @@ the stall timeout (default 10 s). See `verify/launching/torchrun.py`.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from verify.launching.torchrun import script_main
+USAGE = "usage: python -m verify.hang_run [--on-cpu] train.py ARGS"
+
+
+def parse(argv: list[str]) -> tuple[list[str], bool]:
+    """(the script and its arguments, on_cpu); ValueError naming what is wrong on bad input
+    (an option the module does not take, as `--stall-timeout` would be under `verify hang`,
+    ran as the script's path in every rank: a traceback each and a CRASH)."""
+    on_cpu = argv[:1] == ["--on-cpu"]  # a CUDA script rehearsed on CPU ranks (docs/audit.md)
+    script = argv[1:] if on_cpu else argv
+    if script[:1] == ["--"]:
+        script = script[1:]
+    if not script:
+        raise ValueError(f"no script given ({USAGE})")
+    if script[0].startswith("-"):
+        raise ValueError(
+            f"unexpected argument {script[0]}: the one option is --on-cpu; the stall timeout "
+            f"is DDP_VERIFY_STALL_TIMEOUT ({USAGE})"
+        )
+    if not os.path.isfile(script[0]):
+        raise ValueError(f"script {script[0]} does not exist")
+    return script, on_cpu
+
 
 if __name__ == "__main__":
-    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+    if sys.argv[1:2] in (["-h"], ["--help"]):
         print(__doc__)
-        raise SystemExit(0 if sys.argv[1:] else 2)
-    on_cpu = sys.argv[1] == "--on-cpu"  # a CUDA script rehearsed on CPU ranks (docs/audit.md)
-    script_main(sys.argv[2 if on_cpu else 1 :], on_cpu=on_cpu)
+        raise SystemExit(0)
+    try:
+        script, on_cpu = parse(sys.argv[1:])
+    except ValueError as exc:
+        print(f"verify.hang_run: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from verify.launching.torchrun import script_main  # (torch: once the input is good)
+
+    script_main(script, on_cpu=on_cpu)

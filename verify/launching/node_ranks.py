@@ -79,8 +79,9 @@ class NodeRanks:
         ask = capture.asker(report_dir, capture.read_in_torch)
         self._still = Stillness(ask, stall_timeout_s / 2)
         self._events = 0
-        # A mark older than this is an earlier attempt's, left in a reused folder (torchrun's
-        # --max-restarts, a fixed DDP_VERIFY_HANG_DIR): not this attempt's rank raising.
+        # A mark older than this is not this attempt's rank raising. (Under verify.hang_run a
+        # folder is one attempt's, `torchrun.script_report_dir`; the launcher form's run
+        # folder is the tool run's, which a launcher's own restarts would share.)
         self._since = time.time()
 
     def _path(self, r: int, what: str) -> str:

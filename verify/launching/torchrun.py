@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import itertools
 import os
 import pickle
 import socket
@@ -143,16 +145,92 @@ def _several_nodes() -> bool:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
 
+@functools.cache
 def script_report_dir() -> str:
-    """This node's report folder under torchrun (module docstring): one a run (a static
-    rendezvous, --master-addr, has no run id: its agent names it), one a node."""
+    """This node's report folder under torchrun (module docstring): one a run attempt, one a
+    node. Its name is `profiles/hang_torchrun_<run id>_<host>[_node<k>]` (or
+    DDP_VERIFY_HANG_DIR); where that folder is another attempt's, `-2`, `-3`, ... after it.
+
+    Why a folder an attempt: the watchdog reads the ranks' files there (traces, `rank<r>.failed`,
+    `.ended`, `.stack`, `.audit.json`), and an earlier run's would be read as this one's: a
+    clean rerun under a fixed `--rdzv-id` was a CRASH naming the last run's error. A run id is
+    fixed by `--rdzv-id`, reused by `--max-restarts`, and a static rendezvous has none (its
+    agent names it). The node's ranks agree on the folder without talking: each claims it for
+    this attempt (`_attempt`), the first one atomically, the others finding their claim there."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     if run_id == "none":
         run_id = f"agent{os.getppid()}"
     node = f"_node{os.environ['GROUP_RANK']}" if _several_nodes() else ""
-    return os.environ.get(HANG_DIR_ENV) or os.path.join(
+    base = os.environ.get(HANG_DIR_ENV) or os.path.join(
         "profiles", f"hang_torchrun_{run_id}_{socket.gethostname()}{node}"
     )
+    return _claim(base, _attempt())
+
+
+def _attempt() -> str:
+    """This attempt, the same in every rank of this node: the agent that started the ranks
+    (their parent, with its start time, so a reused pid is another agent) and its restart."""
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/stat") as f:  # field 22: start time, in clock ticks
+            started = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{agent}.{started}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _claim(base: str, attempt: str) -> str:
+    """The first of `base`, `base-2`, ... that is this attempt's: claimed by it (a file
+    `attempt` holding it), or claimed now. A folder claimed by another attempt, or holding
+    the files of a run older than claims, is passed over (a user's own files are not ours:
+    DDP_VERIFY_HANG_DIR may name a folder that holds them). The claim is linked into place whole,
+    so a rank never reads it half written (where links are refused, it is written in place,
+    and read until it is whole)."""
+    mine = os.path.join(os.path.dirname(base) or ".", f".attempt-{os.getpid()}")
+    os.makedirs(os.path.dirname(mine), exist_ok=True)
+    with open(mine, "w") as f:
+        f.write(attempt)
+    try:
+        for n in itertools.count(1):
+            folder = base if n == 1 else f"{base}-{n}"
+            os.makedirs(folder, exist_ok=True)
+            claim = os.path.join(folder, "attempt")
+            if not os.path.exists(claim) and not _has_reports(folder):
+                _link(mine, claim, attempt)
+            if _read_claim(claim) == attempt:
+                return folder
+    finally:
+        os.remove(mine)
+    raise AssertionError("unreachable: the folders are counted without end")
+
+
+def _has_reports(folder: str) -> bool:
+    """The folder holds what a rank or a watchdog writes (`node_ranks.py`)."""
+    return any(n.startswith(("rank", "report.", "job.")) for n in os.listdir(folder))
+
+
+def _link(mine: str, claim: str, attempt: str) -> None:
+    """Put the claim `attempt` at `claim` unless it is there: linked whole, or written."""
+    try:
+        os.link(mine, claim)
+    except FileExistsError:
+        pass  # another rank claimed it first
+    except OSError:  # a file system without hard links
+        with contextlib.suppress(FileExistsError), open(claim, "x") as f:
+            f.write(attempt)
+
+
+def _read_claim(claim: str) -> str | None:
+    for _ in range(50):  # 2.5 s at most for a claim written in place to be whole
+        try:
+            with open(claim) as f:
+                text = f.read()
+        except OSError:
+            return None
+        if text:
+            return text
+        time.sleep(0.05)
+    return None
 
 
 def script_main(
