@@ -35,7 +35,7 @@ def parse(argv: list[str]) -> tuple[list[str], bool]:
             f"unexpected argument {script[0]}: the one option is --on-cpu; the stall timeout "
             f"is DDP_VERIFY_STALL_TIMEOUT ({USAGE})"
         )
-    if not os.path.isfile(script[0]):
+    if not os.path.exists(script[0]):  # (a folder or a zip with __main__.py runs too)
         raise ValueError(f"script {script[0]} does not exist")
     return script, on_cpu
 

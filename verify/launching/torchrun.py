@@ -24,7 +24,9 @@ import functools
 import itertools
 import os
 import pickle
+import re
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -164,12 +166,17 @@ def script_report_dir() -> str:
     base = os.environ.get(HANG_DIR_ENV) or os.path.join(
         "profiles", f"hang_torchrun_{run_id}_{socket.gethostname()}{node}"
     )
-    return _claim(base, _attempt())
+    return _claim(os.path.normpath(base), _attempt())
 
 
 def _attempt() -> str:
-    """This attempt, the same in every rank of this node: the agent that started the ranks
-    (their parent, with its start time, so a reused pid is another agent) and its restart."""
+    """This attempt, the same in every local rank, the watchdog's too: torchrun's log folder
+    of the attempt (`<log dir>/<run id>_<random>/attempt_<restart>`, made afresh by each
+    agent, given to every rank through a wrapper too), else the ranks' parent, the agent,
+    with its start time (a reused pid is another agent) and the restart count."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if error_file:  # <attempt folder>/<local rank>/error.json
+        return os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
     agent = os.getppid()
     try:
         with open(f"/proc/{agent}/stat") as f:  # field 22: start time, in clock ticks
@@ -183,52 +190,57 @@ def _claim(base: str, attempt: str) -> str:
     """The first of `base`, `base-2`, ... that is this attempt's: claimed by it (a file
     `attempt` holding it), or claimed now. A folder claimed by another attempt, or holding
     the files of a run older than claims, is passed over (a user's own files are not ours:
-    DDP_VERIFY_HANG_DIR may name a folder that holds them). The claim is linked into place whole,
-    so a rank never reads it half written (where links are refused, it is written in place,
-    and read until it is whole)."""
-    mine = os.path.join(os.path.dirname(base) or ".", f".attempt-{os.getpid()}")
-    os.makedirs(os.path.dirname(mine), exist_ok=True)
-    with open(mine, "w") as f:
-        f.write(attempt)
-    try:
-        for n in itertools.count(1):
-            folder = base if n == 1 else f"{base}-{n}"
-            os.makedirs(folder, exist_ok=True)
-            claim = os.path.join(folder, "attempt")
-            if not os.path.exists(claim) and not _has_reports(folder):
-                _link(mine, claim, attempt)
-            if _read_claim(claim) == attempt:
-                return folder
-    finally:
-        os.remove(mine)
+    DDP_VERIFY_HANG_DIR may name a folder that holds them)."""
+    for n in itertools.count(1):
+        folder = base if n == 1 else f"{base}-{n}"
+        os.makedirs(folder, exist_ok=True)
+        claim = os.path.join(folder, "attempt")
+        if not os.path.exists(claim) and not _has_reports(folder):
+            _put(claim, attempt)
+        if _read_claim(claim) == attempt:
+            return folder
     raise AssertionError("unreachable: the folders are counted without end")
+
+
+_OURS = re.compile(r"rank\d+\.|report\.(json|txt)$|job\.diagnosed$")
 
 
 def _has_reports(folder: str) -> bool:
     """The folder holds what a rank or a watchdog writes (`node_ranks.py`)."""
-    return any(n.startswith(("rank", "report.", "job.")) for n in os.listdir(folder))
+    return any(_OURS.match(name) for name in os.listdir(folder))
 
 
-def _link(mine: str, claim: str, attempt: str) -> None:
-    """Put the claim `attempt` at `claim` unless it is there: linked whole, or written."""
+def _put(claim: str, attempt: str) -> None:
+    """The claim `attempt` at `claim`, unless one is there: written whole under a name of its
+    own, then linked into place (a link fails where the name is taken), so no rank reads it
+    half written; where links are refused, written in place (`_read_claim` waits for its
+    end of line)."""
+    fd, mine = tempfile.mkstemp(prefix=".attempt-", dir=os.path.dirname(claim))
     try:
+        with os.fdopen(fd, "w") as f:
+            f.write(attempt + "\n")
         os.link(mine, claim)
     except FileExistsError:
         pass  # another rank claimed it first
     except OSError:  # a file system without hard links
         with contextlib.suppress(FileExistsError), open(claim, "x") as f:
-            f.write(attempt)
+            f.write(attempt + "\n")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(mine)
 
 
 def _read_claim(claim: str) -> str | None:
-    for _ in range(50):  # 2.5 s at most for a claim written in place to be whole
+    """The attempt that claimed the folder; None if none did (2.5 s at most for a claim
+    written in place to be whole)."""
+    for _ in range(50):
         try:
             with open(claim) as f:
                 text = f.read()
         except OSError:
             return None
-        if text:
-            return text
+        if text.endswith("\n"):
+            return text[:-1]
         time.sleep(0.05)
     return None
 
