@@ -18,6 +18,7 @@ from verify.checks import audit as class_audit
 from verify.checks.audit import ModelAudit
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.launching import launch
+from verify.replica_audit import compare as compare_module
 from verify.replica_audit.compare import Auditor, Entry, compare
 from verify.replica_audit.finding import Finding
 from verify.replica_audit.fingerprint import fingerprint, fingerprint_table, fingerprints
@@ -61,6 +62,16 @@ def test_one_auditor_one_fingerprint_and_one_comparison_serve_every_audit():
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(gone)
     assert not hasattr(class_audit, "compare_gathered")
+    # the ranks are reached through the group interface only (a class's names too, once they
+    # differ: `gather_whole_texts`), never by pickled objects of their own
+    engine = [Path(class_audit.__file__), *Path(compare_module.__file__).parent.glob("*.py")]
+    calls = {
+        (path.name, node.attr)
+        for path in engine
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr.endswith("_object")
+    }
+    assert not calls, calls
     ts = [torch.randn(300, 1000), torch.arange(7), None]
     table = fingerprint_table(ts, torch.device("cpu"))
     assert [tuple(row) for row in table.tolist()] == [tuple(fingerprint(t).tolist()) for t in ts]

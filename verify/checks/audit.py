@@ -23,9 +23,9 @@ from torch import nn
 
 from verify.checks import kinds
 from verify.replica_audit.compare import Auditor, Entry
-from verify.replica_audit.finding import TensorDiff
+from verify.replica_audit.finding import TensorDiff, rank_list
 from verify.replica_audit.fingerprint import text_bits
-from verify.replica_audit.group import WorldGroup
+from verify.replica_audit.group import WorldGroup, gather_whole_texts
 from verify.replica_audit.measure import common_scale
 
 __all__ = ["Checkpoint", "ModelAudit", "TensorDiff", "measured", "unique_names"]
@@ -139,9 +139,9 @@ class ModelAudit:
         order its parameters first stepped, which can differ by rank), and a mismatch for
         each name held by some ranks only (every rank's names gathered: only once the ranks
         found they differ)."""
-        names = [e.name for e in entries]
-        every: list = [None] * self.world_size
-        dist.all_gather_object(every, names, group=self.process_group)
+        # (one name a line: a name is a tensor's key, which holds no line break)
+        texts = gather_whole_texts(self.group, "\n".join(e.name for e in entries))
+        every = [t.split("\n") if t else [] for t in texts]
         held = [set(n) for n in every]
         common = set.intersection(*held)
         absent = []
@@ -155,8 +155,8 @@ class ModelAudit:
             reference = next(r for r in range(self.world_size) if r not in differ)
             counts = ", ".join(f"rank {r}: {len(every[r])}" for r in range(self.world_size))
             detail = (
-                f"held on rank{'s' if len(have) > 1 else ''} {_list(have)} only, not on "
-                f"rank{'s' if len(lack) > 1 else ''} {_list(lack)} (tensors held: {counts})"
+                f"held on rank{'s' if len(have) > 1 else ''} {rank_list(have)} only, not on "
+                f"rank{'s' if len(lack) > 1 else ''} {rank_list(lack)} (tensors held: {counts})"
             )
             absent.append(
                 TensorDiff(name, differ, reference, how="absent", detail=detail, at=label)
@@ -198,7 +198,3 @@ def unique_names(named: list[tuple[str, torch.Tensor | None]]) -> list:
         seen[name] = seen.get(name, 0) + 1
         out.append((name if seen[name] == 1 else f"{name} #{seen[name]}", t))
     return out
-
-
-def _list(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))

@@ -55,7 +55,7 @@ class TensorDiff:
         if not self.ranks:  # not described: beyond the detail gathered at its audit point
             return self.name
         s = "s" if len(self.ranks) > 1 else ""
-        head = f"{self.name} on rank{s} {_ranks(self.ranks)} vs rank {self.reference_rank}"
+        head = f"{self.name} on rank{s} {rank_list(self.ranks)} vs rank {self.reference_rank}"
         if self.values:
             return f"{head}: {', '.join(self.values)}"
         if self.differing is None:
@@ -174,7 +174,8 @@ def diff_numbers(diffs: tuple[TensorDiff, ...]) -> list[dict]:
     return [{k: v for k, v in asdict(d).items() if k in _SCRIPT_KEYS} for d in diffs]
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
+def rank_list(ranks: tuple[int, ...] | list[int]) -> str:
+    """`0, 1, 2`: the ranks named, the first 8 of them and how many more."""
     if len(ranks) > 8:
         return ", ".join(map(str, ranks[:8])) + f" and {len(ranks) - 8} more"
     return ", ".join(map(str, ranks))

@@ -11,7 +11,7 @@ every rank's values of the rows that disagree, the reference rank and the ranks 
 A group is anything with `rank`, `size`, `all_reduce_max`, `gather_tensor` and `broadcast`:
 `WorldGroup` wraps a `torch.distributed` process group (the class checks' world group, or the
 matrix's own gloo group); the script audit's `SideGroup` (`verify/script_audit/side_group.py`)
-is another. `gather_ints` and `broadcast_text` are built on those.
+is another. `gather_ints`, `broadcast_text` and the text gathers are built on those.
 """
 
 from __future__ import annotations
@@ -95,6 +95,19 @@ def gather_texts(group: Group, text: str, limit: int) -> list[str]:
     data = fit(text, limit).encode().ljust(limit, b"\0")
     texts = group.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in texts]
+
+
+def gather_whole_texts(group: Group, text: str) -> list[str]:
+    """Every rank's `text`, whole, in rank order: the byte counts gathered first, then one
+    gather padded to the longest (for what must not be cut: the names each rank holds, once
+    the ranks found they hold different ones)."""
+    data = text.encode()
+    counts = [n for (n,) in gather_ints(group, [len(data)])]
+    padded = torch.zeros(max(max(counts), 1), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    texts = group.gather_tensor(padded)
+    return [bytes(t[:n].tolist()).decode() for t, n in zip(texts, counts, strict=True)]
 
 
 def fit(text: str, limit: int) -> str:
