@@ -107,7 +107,7 @@ STALL_S = 3.0
 # at once they held the detection of an mp.spawn script's stall to 13.6 s (bound: 11 s).
 WORKERS = 8
 LONGEST = (
-    "own", "rerun", "launchers", "scenarios", "compare", "script:hang", "blind", "script:muon-two-gpus", "uneven",
+    "own", "rerun", "launchers", "scenarios", "compare", "script:hang", "script:never-met", "blind", "script:muon-two-gpus", "uneven",
     "on-cpu-launcher", "frameworks", "on-cpu", "script:muon",
     "nodes-skip", "script:no-step", "hints", "script:no-step-after-init", "nodes-compute", "join",
 )  # fmt: skip

@@ -13,7 +13,11 @@ idle and with every core busy:
   and 2 both holding (and both applying) the even matrices' momentum: a fault, named;
 - a script with its device and backend hard-coded for GPUs (audit_needs_cuda.py) is a usage
   error on a machine without CUDA: exit 2, one line with the call and its file:line, no
-  traceback on the console.
+  traceback on the console;
+- a script whose ranks meet at a tcp:// address of its own (audit_tcp_init.py, written for a
+  launch of its own) never meets under torchrun or the tool: a HANG that says the ranks never
+  met in init_process_group and where torchrun's ranks meet, not a collective (its ranks
+  count as starting for the first minute, so this case takes one).
 
 Each case is the real command line. The two usage errors (their one line on stderr, and no
 traceback from a real interpreter on its way out) run as `python -m verify` in a process of
@@ -52,6 +56,7 @@ CASES = {  # name -> (command, nproc, script and its arguments)
     "muon-two-gpus": ("audit", 3, ("audit_muon.py", "two-gpus")),
     "cuda-set-device": ("audit", 2, ("audit_needs_cuda.py", "set-device")),
     "cuda-nccl": ("hang", 2, ("audit_needs_cuda.py", "nccl")),
+    "never-met": ("hang", 2, ("audit_tcp_init.py",)),
 }
 IN_A_PROCESS = ("cuda-set-device", "cuda-nccl")  # a real interpreter's console: no traceback
 
@@ -113,6 +118,11 @@ def problems(done: dict[str, subprocess.CompletedProcess | Ran]) -> list[str]:
         want(name, p.stderr.count("\n") == 1 and line in p.stderr, "one line naming the call")
         want(name, "Traceback" not in p.stdout + p.stderr, "no traceback on the console")
     want("cuda-nccl", "--backend gloo does not change" in done["cuda-nccl"].stderr, "--backend")
+    met = done["never-met"]
+    want("never-met", met.returncode == 1, "exit 1")
+    want("never-met", "HANG: the ranks never met: every rank is still inside init_process_group"
+         in met.stdout and "audit_tcp_init.py:15" in met.stdout, "the meeting that never was")  # fmt: skip
+    want("never-met", "init_method='env://'" in met.stdout, "where torchrun's ranks meet")
     return found
 
 

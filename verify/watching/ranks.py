@@ -158,6 +158,19 @@ def stall_finding(ranks, traces) -> TraceFinding:
             f"{'; '.join(at(r) for r in parked)}: parked outside any collective with no CPU "
             f"progress, while {'; '.join(at(r) for r in blocked)}: {blind}"
         )
+    elif live and all(stacks.dump_in_rendezvous(r.stack) for r in live):
+        # Every rank still inside init_process_group: they never met (a store at an address
+        # no launcher hosts, another port or world size on some rank). torchrun's ranks, and
+        # the tool's, meet at MASTER_ADDR:MASTER_PORT; with TORCHELASTIC_USE_AGENT_STORE set
+        # no rank hosts a store of its own, so a tcp:// address of the script's waits forever.
+        culprit = live[0].rank
+        message = (
+            "the ranks never met: every rank is still inside init_process_group, "
+            f"{'; '.join(at(r) for r in live)}. Are they given one address, port and world "
+            "size? Under torchrun (and this tool) ranks meet at MASTER_ADDR:MASTER_PORT with "
+            "init_method='env://', the default: a tcp:// or file:// address of the script's "
+            "own is not where they meet"
+        )
     else:
         culprit = live[0].rank if live else 0
         message = (

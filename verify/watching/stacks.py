@@ -114,6 +114,13 @@ def dump_in_torch(stack: str | None) -> bool:
     return bool(frames) and frames[0][0].startswith(_BLOCKING_TORCH)
 
 
+def dump_in_rendezvous(stack: str | None) -> bool:
+    """Whether a faulthandler dump shows the rank's work thread inside `init_process_group`:
+    it has not met its peers yet (the store's connect, the backend's first handshake)."""
+    return any(name == "init_process_group" and path.endswith("distributed_c10d.py")
+               for path, _, name in _main_thread_frames(stack))  # fmt: skip
+
+
 def innermost_frames(stack: str | None, depth: int = 3) -> str:
     """`f (file:line) <- g (file:line)`: the innermost user frames of the thread that runs the
     rank's work in a faulthandler dump (the thread that entered this tool's rank entry point;
