@@ -52,6 +52,7 @@ FIRST = (
     "tests/test_script_audit.py::test_each_bug",
     "tests/test_hang.py::test_every_scenario",
     "tests/test_multinode.py::",
+    "tests/test_script_verdicts.py::test_script_verdicts",  # a minute, mostly waiting
     "tests/test_impls.py::test_every_impl_on_every_hard_case",
     "tests/test_equivalence.py::test_every_correct",
 )
