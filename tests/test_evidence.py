@@ -175,6 +175,7 @@ def uneven_problems(out: str) -> list[str]:
     return problems
 
 
+@pytest.mark.under_load
 def test_uneven_data_names_the_rank_that_left_early(tmp_path):
     problems = uneven_problems(str(tmp_path))
     assert not problems, "\n".join(problems)
@@ -232,6 +233,7 @@ def own_ranks_problems(out: str) -> list[str]:
     return problems
 
 
+@pytest.mark.under_load
 def test_a_script_that_starts_its_own_ranks_is_said_to_be_unwatched(tmp_path):
     problems = own_ranks_problems(str(tmp_path))
     assert not problems, "\n".join(problems)
@@ -246,6 +248,7 @@ def test_a_script_that_starts_no_process_group_is_not_silently_passed(tmp_path):
     assert "NO COLLECTIVES: no collective was observed" in hang(result)
 
 
+@pytest.mark.under_load
 def test_cut_short_a_rank_behind_is_no_fault_and_one_that_skipped_is_named():
     """Student-style loops never seen elsewhere (tests/fixtures/deadline_loops.py): a correct
     one cut short by the deadline while rank 0 evaluates is a timeout with no finding (it

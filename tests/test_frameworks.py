@@ -171,14 +171,21 @@ def problems(done: dict[str, Ran]) -> list[str]:
 
 
 def test_lightning_accelerate_and_closure_scripts(tmp_path):
-    done = run_all(tmp_path, list(CASES))
+    """The cases the hog window does not run (`TIMING`: `test_the_timing_cases`)."""
+    done = run_all(tmp_path, [name for name in CASES if name not in TIMING])
     assert not problems(done), "\n\n".join(problems(done))
 
 
-def loaded_problems(out: Path) -> list[str]:
+@pytest.mark.under_load
+def test_the_timing_cases(tmp_path):
+    found = loaded_problems(tmp_path, at_once=None)
+    assert not found, "\n\n".join(found)
+
+
+def loaded_problems(out: Path, at_once: int | None = LOADED_AT_ONCE) -> list[str]:
     """The cases whose verdict hangs on timing (`TIMING`), for the hog window of
     tests/test_load.py: what is wrong with them, and any rank left running."""
-    done = run_all(out, TIMING, at_once=LOADED_AT_ONCE)
+    done = run_all(out, TIMING, at_once=at_once)
     left = still_running(out)
     return problems(done) + ([f"ranks left running: {left}"] if left else [])
 

@@ -461,6 +461,7 @@ def rerun_problems(folder: Path) -> list[str]:
     return problems + ([f"left running: {left}"] if left else [])
 
 
+@pytest.mark.under_load
 def test_a_rerun_under_the_same_run_id_is_judged_on_its_own_files(tmp_path):
     """`rerun_problems`: none (under CPU hogs: tests/test_load.py)."""
     problems = rerun_problems(tmp_path)
@@ -546,6 +547,10 @@ def blind_problems(jobs: dict, slack_s: float = 10.0) -> list[str]:
             problems.append(f"{name}: the parked rank is not named: {head}")
         if "rank 0 at main (" not in head or "blocked inside torch's C++" not in head:
             problems.append(f"{name}: the rank blocked in DDP is not named: {head}")
+        if len(nodes) == 2 and "[rank 1 runs on node 1," not in head:
+            problems.append(f"{name}: rank 1's node is not named: {head}")
+        if len(nodes) == 2 and "printed by node 0" not in "".join(nodes[1].ours()[:1]):
+            problems.append(f"{name}: node 1 does not point to node 0: {nodes[1].ours()}")
         report = json.loads(next(nodes[0].folder.glob("profiles/*/report.json")).read_text())
         if report["culprit"] != 1 or report["detection_s"] > STALL_S + 2:
             problems.append(f"{name}: {report['culprit']=} {report['detection_s']=}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.matrix import MatrixOptions, run_matrix
@@ -115,16 +117,19 @@ def hint_problems(out: str) -> list[str]:
     return bucket_problems() + clip_problems() + script_problems(out)
 
 
+@pytest.mark.under_load
 def test_a_last_bucket_never_sent_gets_one_hint_on_every_workload():
     problems = bucket_problems()
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.under_load
 def test_clipping_on_one_rank_is_named_and_clipping_everywhere_is_no_finding():
     problems = clip_problems()
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.under_load
 def test_a_script_that_clips_on_the_main_process_gets_the_clipping_hint(tmp_path):
     problems = script_problems(str(tmp_path))
     assert not problems, "\n".join(problems)

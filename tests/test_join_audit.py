@@ -13,6 +13,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.processes import alive
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_audit import audit as audit_text
@@ -101,6 +103,7 @@ def join_problems(out: str, names: tuple[str, ...] = tuple(CASES)) -> list[str]:
     return problems
 
 
+@pytest.mark.under_load
 def test_join_steps_every_rank_took_are_audited_the_rest_counted(tmp_path):
     problems = join_problems(str(tmp_path))
     assert not problems, "\n".join(problems)

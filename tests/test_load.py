@@ -45,6 +45,11 @@ module fixture: xdist spread such tests over its workers, or set the fixture up 
 worker's queue ran dry, and the window ran three times.) The hogs are started and killed by
 the test, bounded by the jobs' own time limits; then each check (`CHECKS`) asserts on its
 jobs' results, and every check that fails is reported.
+
+A job's idle run, the same function and assertions, is a test marked `under_load` in the file
+the job comes from: skipped in a run that includes this window, which checks its verdicts
+once (tests/conftest.py), run when its file runs alone. The three ways a change to a verdict
+is tested: its file alone (idle), this window (loaded), fresh code in both.
 """
 
 from __future__ import annotations
@@ -303,6 +308,7 @@ def _check_script_verdicts(window: Window) -> None:
     cases = test_script_verdicts.CASES
     done = {name: window[f"script:{name}"] for name in cases}
     problems = test_script_verdicts.problems(done)
+    problems += test_script_verdicts.log_problems(window.folder / "scripts")
     assert not problems, "\n\n".join(problems)
     pids = report_pids(window.folder / "scripts")
     assert pids and not [p for p in pids if alive(p)], "a rank left running"

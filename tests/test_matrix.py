@@ -191,6 +191,7 @@ def race_verdict_problems() -> list[str]:
     return problems
 
 
+@pytest.mark.under_load
 def test_a_race_is_named_by_default_after_a_no_sync_micro_batch_too():
     """The matrix sanitizes by default, and a race under no_sync() is named, not only its
     symptom. (Without the sanitizer the racy class's cells passed or failed by timing: 24, then

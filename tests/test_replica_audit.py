@@ -119,6 +119,7 @@ def stencil_problems() -> list[str]:
     ]
 
 
+@pytest.mark.under_load
 def test_the_class_audit_names_a_rank_whose_rows_changed_in_a_cancelling_pattern():
     assert not stencil_problems()
 

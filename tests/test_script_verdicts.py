@@ -126,12 +126,20 @@ def problems(done: dict[str, subprocess.CompletedProcess | Ran]) -> list[str]:
     return found
 
 
+def log_problems(out: Path) -> list[str]:
+    """c10d's INFO log, kept off the console, is not lost: it is in the rank's stderr file
+    (of the cases `run_all` ran into `out`)."""
+    stderr = next((out / "muon").glob("audit_*/rank0.stderr")).read_text()
+    if "DDP Initialized with" in stderr and "broadcast_buffers: 1" in stderr:
+        return []
+    return [f"muon: c10d's INFO log is not in rank 0's stderr file:\n{stderr[-2000:]}"]
+
+
+@pytest.mark.under_load
 def test_script_verdicts(tmp_path):
     done = run_all(tmp_path)
-    assert not problems(done), "\n\n".join(problems(done))
-    # c10d's INFO log is not lost: it is in the rank's stderr file
-    stderr = next((tmp_path / "muon").glob("audit_*/rank0.stderr")).read_text()
-    assert "DDP Initialized with" in stderr and "broadcast_buffers: 1" in stderr
+    found = problems(done) + log_problems(tmp_path)
+    assert not found, "\n\n".join(found)
 
 
 # ------------------------------------------------------------ who holds the optimizer state
