@@ -103,6 +103,76 @@ def test_a_hang_through_torchrun_is_diagnosed(run_cli, tmp_path):
         assert not alive(pid)
 
 
+RETRIED = """\
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, world_size, attempt):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(int(sys.argv[1]) + attempt)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if step == 2 and rank == 1 and attempt == 0:
+            raise RuntimeError("flaky disk on rank 1")
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    for attempt in range(2):  # one retry, as torchrun --max-restarts 1 would
+        try:
+            mp.spawn(train, args=(2, attempt), nprocs=2)
+            break
+        except Exception as exc:
+            print(f"attempt {attempt} failed: {exc}", file=sys.stderr)
+"""
+
+
+def retry_problems(folder: str) -> list[str]:
+    """A script that retries `mp.spawn` once when a rank raises (as torchrun `--max-restarts
+    1` restarts its workers): its second attempt starts after the verdict, while the tool
+    gives the launcher ten seconds to end. What is wrong: the CRASH must come with what the
+    failed attempt audited (two steps), not with the retry's files written over it (four
+    steps, before its ranks were left unadopted), and nothing left running."""
+    from verify.checks.script_audit import AuditOptions, check_audit
+
+    os.makedirs(folder, exist_ok=True)
+    script = os.path.join(folder, "train.py")
+    with open(script, "w") as f:
+        f.write(RETRIED)
+    command = (sys.executable, script, free_port())
+    r = check_audit(AuditOptions(script=command, out=folder, console="none", timeout_s=300))
+    d = r.run.diagnosis
+    problems = []
+    if r.verdict != "fault" or d.verdict != "crash" or "flaky disk on rank 1" not in d.headline:
+        problems.append(f"{r.verdict}: {d.text()}")
+    if r.audit is None or r.audit.audited_steps != 2:
+        problems.append(f"audited steps: {r.audit and r.audit.audited_steps} (want 2)")
+    if list(Path(r.run.report_dir).glob("rank*.ended")):
+        problems.append("the retry's ranks wrote into the run's report folder")
+    left = [p for p in r.run.pids.values() if alive(p)]
+    return problems + ([f"left running: {left}"] if left else [])
+
+
+@pytest.mark.under_load
+def test_a_crash_is_reported_with_its_own_attempts_audit_after_a_retry(tmp_path):
+    problems = retry_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
+
+
 def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
     """SIGINT to the tool alone (torchrun's workers are in sessions of their own, which a
     terminal's Ctrl-C never reaches): exit 130, and none of the launcher's processes left."""

@@ -170,7 +170,10 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "join": (test_join_audit.join_problems, out, ("fresh", "parked", "no-join")),
         },
         "compare": {"compare": (test_compare.verdict_problems, folder / "compare")},
-        "launchers": {"launchers": (test_launchers.launcher_problems, str(folder / "launchers"))},
+        "launchers": {
+            "launchers": (test_launchers.launcher_problems, str(folder / "launchers")),
+            "retry": (test_launchers.retry_problems, str(folder / "retry")),
+        },
         "on cpu": {
             "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),
             "on-cpu-launcher": (test_on_cpu.launcher_loaded_problems, folder / "on-cpu-launcher"),
@@ -324,10 +327,12 @@ def _check_compare(window: Window) -> None:
 
 def _check_launchers(window: Window) -> None:
     """`audit -- torchrun ...` of a hand-written loop that leaves one gradient un-averaged
-    (named at step 0, rank 1), `audit -- python spawn_clean.py` (mp.spawn: a pass, every step
-    audited), and `hang -- torchrun ...` with a rank parked while its peer waits in DDP's
-    reducer (a HANG naming it): the verdicts of an idle machine (tests/test_launchers.py)."""
-    problems = window["launchers"]
+        (named at step 0, rank 1), `audit -- python spawn_clean.py` (mp.spawn: a pass, every step
+        audited), and `hang -- torchrun ...` with a rank parked while its peer waits in DDP's
+        reducer (a HANG naming it), and a script that retries mp.spawn after a rank raised (the
+    CRASH with the failed attempt's audit, not the retry's): the verdicts of an idle machine
+    (tests/test_launchers.py)."""
+    problems = window["launchers"] + window["retry"]
     assert not problems, "\n".join(problems)
 
 

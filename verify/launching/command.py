@@ -26,6 +26,7 @@ import subprocess
 import time
 
 from verify.launching import launched, tree
+from verify.launching.env import DIAGNOSED
 from verify.launching.launcher import Started
 from verify.launching.node_ranks import POLL_S, NodeRanks
 from verify.launching.outcome import LaunchResult, RankOutcome
@@ -49,7 +50,7 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
             reason = watch.run(launcher, started.start + timeout_s)
             result = watch.result(reason, time.monotonic() - started.start)
         finally:
-            _write(report_dir, "job.diagnosed")  # a failing rank waits for it before its traceback
+            _write(report_dir, DIAGNOSED)  # a failing rank waits for it before its traceback
             # After an end or a crash the launcher ends its workers its own way (and reports a
             # failure as it would have); after a hang, the deadline or Ctrl-C, it is ended now.
             polite = watch.reason in ("end", "crash")

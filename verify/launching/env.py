@@ -22,6 +22,9 @@ LAUNCHED_AUDIT_ENV = "DDP_VERIFY_LAUNCHED_AUDIT"
 LAUNCHED_SANITIZE_ENV = "DDP_VERIFY_LAUNCHED_SANITIZE"
 LAUNCHED_ON_CPU_ENV = "DDP_VERIFY_LAUNCHED_ON_CPU"
 RECORD_ENV = "DDP_VERIFY_RECORD"  # "1": `audit --record/--against` (verify/recording/recorder.py)
+# A file of the report folder: the run's verdict is out (failing ranks wait for it; ranks a
+# launcher starts after it, torchrun's restarts, are not the run's).
+DIAGNOSED = "job.diagnosed"
 FR_BUFFER = "2000"  # flight-recorder entries kept per process group
 # No collective issued or completed by any rank for this long while one waits and none works
 # (see the watchdog): a hang. The one default of every command and helper.

@@ -32,7 +32,12 @@ import os
 import sys
 from dataclasses import replace
 
-from verify.launching.env import LAUNCHED_AUDIT_ENV, LAUNCHED_ENV, LAUNCHED_SANITIZE_ENV
+from verify.launching.env import (
+    DIAGNOSED,
+    LAUNCHED_AUDIT_ENV,
+    LAUNCHED_ENV,
+    LAUNCHED_SANITIZE_ENV,
+)
 
 _adopted: dict = {}  # this process's job and its set-ups running, once it joined
 _rehearsal: list = []  # --on-cpu: this process's rehearsal, from its import of torch
@@ -55,8 +60,15 @@ def rehearse() -> None:
 
 def init_process_group(original, args: tuple, kwargs: dict):
     """`torch.distributed.init_process_group` in a launched process: the call, then the
-    adoption (once a process; a failure to adopt never fails the script's call)."""
+    adoption (once a process; a failure to adopt never fails the script's call).
+
+    A process that joins once the run's verdict is out is not adopted: torchrun
+    `--max-restarts` restarts the workers after a rank failed, while the tool waits for the
+    launcher to end them; the restarted ranks would write their files over the failed
+    attempt's, and the verdict on that attempt would be reported with the next one's audit."""
     out = original(*args, **kwargs)
+    if not _adopted and os.path.exists(os.path.join(os.environ[LAUNCHED_ENV], DIAGNOSED)):
+        _adopted.update(job=None, late=True)  # runs on unwatched, ended with the launcher
     if not _adopted:
         try:
             _adopt()

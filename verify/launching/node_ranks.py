@@ -24,6 +24,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from verify.launching.env import DIAGNOSED
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
 from verify.launching.supervisor import FAILING_CAP_S, FAILING_S, GRACE_S
@@ -220,7 +221,7 @@ class NodeRanks:
         """After the verdict: failing ranks go on to print their tracebacks (below the
         diagnosis); at a hang or a crash the others are ended, this process too unless its
         own rank failed, so torchrun tears the job down now, not at the collective timeout."""
-        with open(os.path.join(self.report_dir, "job.diagnosed"), "w"):
+        with open(os.path.join(self.report_dir, DIAGNOSED), "w"):
             pass
         if reason == "end":
             return
@@ -241,7 +242,7 @@ def rank_failed(report_dir: str, rank: int):
     def hook(report: RankReport) -> None:
         _leave(_failed(report_dir, rank), (report.error, report.traceback, report.failed_at))
         end = time.monotonic() + WAIT_S
-        done = os.path.join(report_dir, "job.diagnosed")
+        done = os.path.join(report_dir, DIAGNOSED)
         while not os.path.exists(done) and time.monotonic() < end:
             time.sleep(POLL_S)
 
