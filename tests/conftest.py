@@ -68,7 +68,6 @@ WINDOW = "tests/test_load.py::test_verdicts_hold_with_every_core_busy"
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the items that will run
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_first)  # stable: the rest keep their order
-    _left_to_the_window(items)
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device and NCCL")
@@ -77,18 +76,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _left_to_the_window(items) -> None:
+def pytest_runtest_setup(item):
     """A test marked `under_load` runs verdicts the hog window checks too, with the same
     assertions (its problems function is one of the window's jobs): where the window runs,
     it is skipped, its verdicts checked once, under load. Run alone (its file, its node id),
     it is the idle check that every change to a verdict gets: the launches the window
-    repeats were a fifth of the suite's CPU, for checks it makes anyway."""
-    if not any(item.nodeid.startswith(WINDOW) for item in items):
+    repeats were a fifth of the suite's CPU, for checks it makes anyway. Decided here, from
+    the session's final items (`--lf` narrows them after every collection hook of ours)."""
+    if item.get_closest_marker("under_load") is None:
         return
-    skip = pytest.mark.skip(reason=f"checked under load by {WINDOW}; run alone for idle")
-    for item in items:
-        if item.get_closest_marker("under_load") is not None:
-            item.add_marker(skip)
+    if any(other.nodeid.startswith(WINDOW) for other in item.session.items):
+        pytest.skip(f"checked under load by {WINDOW}; run alone for idle")
 
 
 class _GroupsKept:

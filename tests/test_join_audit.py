@@ -36,6 +36,9 @@ CASES = {
 }
 
 
+LOADED = ("fresh", "parked", "no-join")  # the cases of the hog window (tests/test_load.py)
+
+
 def join_problems(out: str, names: tuple[str, ...] = tuple(CASES)) -> list[str]:
     """The cases `names` at once (shared with the load test): empty when every verdict is right.
 
@@ -103,7 +106,13 @@ def join_problems(out: str, names: tuple[str, ...] = tuple(CASES)) -> list[str]:
     return problems
 
 
-@pytest.mark.under_load
 def test_join_steps_every_rank_took_are_audited_the_rest_counted(tmp_path):
-    problems = join_problems(str(tmp_path))
+    """The cases the hog window does not run (`LOADED`: `test_the_cases_under_load`)."""
+    problems = join_problems(str(tmp_path), tuple(n for n in CASES if n not in LOADED))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.under_load
+def test_the_cases_under_load(tmp_path):
+    problems = join_problems(str(tmp_path), LOADED)
     assert not problems, "\n".join(problems)

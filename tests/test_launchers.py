@@ -18,11 +18,13 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.processes import alive, descendants
+from verify.launching.env import LAUNCHED_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = "tests/fixtures/launchers"
@@ -105,6 +107,7 @@ def test_a_hang_through_torchrun_is_diagnosed(run_cli, tmp_path):
 
 RETRIED = """\
 import os
+import signal
 import sys
 
 import torch
@@ -115,7 +118,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def train(rank, world_size, attempt):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(int(sys.argv[1]) + attempt)
+    os.environ["MASTER_PORT"] = sys.argv[1 + attempt]
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 4))
@@ -126,6 +129,8 @@ def train(rank, world_size, attempt):
         opt.zero_grad()
         loss.backward()
         if step == 2 and rank == 1 and attempt == 0:
+            if sys.argv[3] == "oom":  # as the kernel's OOM killer ends a process
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("flaky disk on rank 1")
         opt.step()
     dist.destroy_process_group()
@@ -142,29 +147,57 @@ if __name__ == "__main__":
 
 
 def retry_problems(folder: str) -> list[str]:
-    """A script that retries `mp.spawn` once when a rank raises (as torchrun `--max-restarts
-    1` restarts its workers): its second attempt starts after the verdict, while the tool
-    gives the launcher ten seconds to end. What is wrong: the CRASH must come with what the
-    failed attempt audited (two steps), not with the retry's files written over it (four
-    steps, before its ranks were left unadopted), and nothing left running."""
+    """A script that retries `mp.spawn` once when a rank fails (as torchrun `--max-restarts
+    1` restarts its workers), rank 1 raising in its first attempt, or killed by a signal
+    there (the OOM killer's SIGKILL). The retry's ranks join after the verdict on a raise
+    (while the tool gives the launcher ten seconds to end), or before any verdict on a kill
+    (a rank dead by a signal says nothing; its peers are killed by mp.spawn). What is wrong:
+    each verdict must be the first attempt's crash, with what that attempt audited (two
+    steps, not the retry's four written over them; for the kill, not the retry's pass), and
+    no process of either attempt left running."""
     from verify.checks.script_audit import AuditOptions, check_audit
 
     os.makedirs(folder, exist_ok=True)
     script = os.path.join(folder, "train.py")
     with open(script, "w") as f:
         f.write(RETRIED)
-    command = (sys.executable, script, free_port())
-    r = check_audit(AuditOptions(script=command, out=folder, console="none", timeout_s=300))
-    d = r.run.diagnosis
+
+    def audit(mode: str):
+        command = (sys.executable, script, free_port(), free_port(), mode)
+        out = os.path.join(folder, mode)
+        return check_audit(AuditOptions(script=command, out=out, console="none", timeout_s=300))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {mode: pool.submit(audit, mode) for mode in ("raise", "oom")}
+        results = {mode: run.result() for mode, run in runs.items()}
     problems = []
-    if r.verdict != "fault" or d.verdict != "crash" or "flaky disk on rank 1" not in d.headline:
-        problems.append(f"{r.verdict}: {d.text()}")
-    if r.audit is None or r.audit.audited_steps != 2:
-        problems.append(f"audited steps: {r.audit and r.audit.audited_steps} (want 2)")
-    if list(Path(r.run.report_dir).glob("rank*.ended")):
-        problems.append("the retry's ranks wrote into the run's report folder")
-    left = [p for p in r.run.pids.values() if alive(p)]
+    # (a rank dead by a signal leaves no report, and mp.spawn's end of its peers follows at
+    # once: which died first the tool cannot tell, so the kill's CRASH names no culprit here)
+    for mode, said in (("raise", "flaky disk on rank 1"), ("oom", "exited without a report")):
+        r = results[mode]
+        d = r.run.diagnosis
+        if r.verdict != "fault" or d.verdict != "crash" or said not in d.headline:
+            problems.append(f"{mode}: {r.verdict}: {d.text()}")
+        elif r.audit is None or r.audit.audited_steps != 2:
+            problems.append(f"{mode}: audited steps {r.audit and r.audit.audited_steps} (want 2)")
+        if list(Path(r.run.report_dir).glob("rank*.ended")):
+            problems.append(f"{mode}: the retry's ranks wrote into the run's report folder")
+    marker = f"{LAUNCHED_ENV}={os.path.abspath(folder)}".encode()
+    left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _under(p, marker)]
     return problems + ([f"left running: {left}"] if left else [])
+
+
+def _under(pid: int, marker: bytes) -> bool:
+    """Process `pid` is a live process of a launch whose report folder is below the folder
+    `marker` names (`LAUNCHED_ENV=<folder>`: every process of a launch inherits it)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        with open(f"/proc/{pid}/stat") as f:
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+    return not zombie and any(v.startswith(marker + b"/") for v in env)
 
 
 @pytest.mark.under_load
@@ -241,7 +274,6 @@ def launcher_problems(folder: str) -> list[str]:
     under CPU hogs): torchrun's buggy script (rank 1's un-averaged 2.bias, at step 0),
     mp.spawn's clean one (a pass), and the hang through torchrun (rank 1 named); nothing
     left running."""
-    from concurrent.futures import ThreadPoolExecutor
 
     from verify.checks.hang import HangOptions, check_hang
     from verify.checks.script_audit import AuditOptions, check_audit

@@ -167,7 +167,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "sharded": (sharded_styles.verdict_problems,),
         },
         "join": {
-            "join": (test_join_audit.join_problems, out, ("fresh", "parked", "no-join")),
+            "join": (test_join_audit.join_problems, out, test_join_audit.LOADED),
         },
         "compare": {"compare": (test_compare.verdict_problems, folder / "compare")},
         "launchers": {
@@ -327,10 +327,10 @@ def _check_compare(window: Window) -> None:
 
 def _check_launchers(window: Window) -> None:
     """`audit -- torchrun ...` of a hand-written loop that leaves one gradient un-averaged
-        (named at step 0, rank 1), `audit -- python spawn_clean.py` (mp.spawn: a pass, every step
-        audited), and `hang -- torchrun ...` with a rank parked while its peer waits in DDP's
-        reducer (a HANG naming it), and a script that retries mp.spawn after a rank raised (the
-    CRASH with the failed attempt's audit, not the retry's): the verdicts of an idle machine
+    (named at step 0, rank 1), `audit -- python spawn_clean.py` (mp.spawn: a pass, every step
+    audited), `hang -- torchrun ...` with a rank parked while its peer waits in DDP's reducer
+    (a HANG naming it), and a script that retries mp.spawn after a rank raised (the CRASH
+    with the failed attempt's audit, not the retry's): the verdicts of an idle machine
     (tests/test_launchers.py)."""
     problems = window["launchers"] + window["retry"]
     assert not problems, "\n".join(problems)

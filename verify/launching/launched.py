@@ -62,12 +62,9 @@ def init_process_group(original, args: tuple, kwargs: dict):
     """`torch.distributed.init_process_group` in a launched process: the call, then the
     adoption (once a process; a failure to adopt never fails the script's call).
 
-    A process that joins once the run's verdict is out is not adopted: torchrun
-    `--max-restarts` restarts the workers after a rank failed, while the tool waits for the
-    launcher to end them; the restarted ranks would write their files over the failed
-    attempt's, and the verdict on that attempt would be reported with the next one's audit."""
+    A process the launcher started again is not adopted (`_again`)."""
     out = original(*args, **kwargs)
-    if not _adopted and os.path.exists(os.path.join(os.environ[LAUNCHED_ENV], DIAGNOSED)):
+    if not _adopted and _again():
         _adopted.update(job=None, late=True)  # runs on unwatched, ended with the launcher
     if not _adopted:
         try:
@@ -78,6 +75,20 @@ def init_process_group(original, args: tuple, kwargs: dict):
                 with open(os.path.join(folder, f"adopt.{os.getpid()}.error"), "w") as f:
                     f.write(f"{type(exc).__name__}: {exc}\n")
     return out
+
+
+def _again() -> bool:
+    """This process joined after the run's verdict, or as a rank another process of the run
+    joined as: the launcher started the workers again (torchrun `--max-restarts`, a script
+    that retries `mp.spawn`). Adopted, its files would be written over the first attempt's,
+    and the tool would judge a mix: a verdict on the failed attempt reported with the next
+    one's audit, or, where a rank died by a signal (no verdict until the launcher ends), the
+    next attempt's pass in place of the crash. Left unwatched, it is ended with the launcher."""
+    import torch.distributed as dist
+
+    folder = os.environ[LAUNCHED_ENV]
+    joined = read_joined(folder, dist.get_rank())
+    return os.path.exists(os.path.join(folder, DIAGNOSED)) or joined is not None
 
 
 def _adopt() -> None:
