@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.consoles import Ran
-from tests.processes import machine_lock
+from tests.processes import AS_IN_THE_SUITE, machine_lock
 from verify.cli import main
 from verify.launching.threads import JOBS_ENV
 
@@ -85,7 +85,8 @@ def pytest_runtest_setup(item):
     the session's final items (`--lf` narrows them after every collection hook of ours)."""
     if item.get_closest_marker("under_load") is None:
         return
-    if any(other.nodeid.startswith(WINDOW) for other in item.session.items):
+    window = any(other.nodeid.startswith(WINDOW) for other in item.session.items)
+    if window or os.environ.get(AS_IN_THE_SUITE) == "1":
         pytest.skip(f"checked under load by {WINDOW}; run alone for idle")
 
 

@@ -1,7 +1,8 @@
 """What each test file costs in CPU-seconds: the maintainer's measure of the suite's cost.
 
-    python -m tests.cpu_seconds                        # every tests/test_*.py, one at a time
-    python -m tests.cpu_seconds tests/test_hang.py     # some files (or node ids)
+    python -m tests.cpu_seconds                        # every tests/test_*.py, one at a time,
+                                                       # as in the whole suite (no idle twins)
+    python -m tests.cpu_seconds tests/test_hang.py     # some files (or node ids), as alone
     python -m tests.cpu_seconds --json out.json ...    # and the numbers as JSON
 
 (from the repository's root, in its environment). Each file runs as `pytest -n 0 -q FILE`;
@@ -32,18 +33,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.processes import AS_IN_THE_SUITE
+
 PR_SET_CHILD_SUBREAPER = 36
 LINGER_S = 30.0  # how long orphans left by a file may take to end after pytest exits
 
 
-def cpu_seconds(target: str) -> tuple[float, float, int, str]:
+def cpu_seconds(target: str, env: dict | None = None) -> tuple[float, float, int, str]:
     """`pytest -n 0 -q TARGET` and everything below it: (CPU-s, wall s, exit code, last line).
     Needs this process to be a subreaper (`main`)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     argv = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", target]
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         # Reap whatever ends below us as it ends, pytest included (so not through Popen).
         code, ended = None, None
         while True:
@@ -77,9 +80,12 @@ def main(argv: list[str]) -> int:
         print("tests.cpu_seconds: error: needs Linux (PR_SET_CHILD_SUBREAPER)", file=sys.stderr)
         return 2
     targets = argv or sorted(str(p) for p in Path("tests").glob("test_*.py"))
+    # Every file: what each costs in the whole suite, whose hog window runs the `under_load`
+    # tests' verdicts (tests/conftest.py): skipped here too. Some files: as they run alone.
+    env = None if argv else {**os.environ, AS_IN_THE_SUITE: "1"}
     results, total = {}, 0.0
     for target in targets:
-        cpu, wall, code, last = cpu_seconds(target)
+        cpu, wall, code, last = cpu_seconds(target, env)
         total += cpu
         results[target] = {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "exit": code}
         print(f"{target:50s} {cpu:7.1f} CPU-s {wall:7.1f} s  {last}", flush=True)

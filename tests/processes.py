@@ -20,6 +20,10 @@ from typing import Any
 
 from verify.launching.process import alive
 
+# "1": skip the `under_load` tests as a run with the hog window does, though this one has
+# none (`python -m tests.cpu_seconds` runs each file alone and counts what the suite runs)
+AS_IN_THE_SUITE = "DDP_VERIFY_TESTS_AS_IN_THE_SUITE"
+
 __all__ = [
     "Listener", "alive", "descendants", "hogs", "listeners", "machine_lock", "once_per_session",
     "session_members",
