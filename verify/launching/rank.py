@@ -106,6 +106,13 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             timeout=timeout,
             **group_kwargs(job.backend, device),
         )
+        if job.backend == "gloo":
+            # gloo connects every pair inside init_process_group, and a rank may leave it with
+            # its side of each pair done while a slower peer is still connecting: a function
+            # that then issued no collective and returned closed pairs that peer was reading
+            # ("Gloo connectFullMesh failed ... Connection closed by peer", once under load).
+            # The group is whole once every rank is past it. Untraced: the tool's own.
+            dist.barrier()
         if job.trace_path is not None:
             from verify.watching import tracer
 
