@@ -111,7 +111,8 @@ def _run_fn(job: RankJob, fd: int | None) -> None:
             # its side of each pair done while a slower peer is still connecting: a function
             # that then issued no collective and returned closed pairs that peer was reading
             # ("Gloo connectFullMesh failed ... Connection closed by peer", once under load).
-            # The group is whole once every rank is past it. Untraced: the tool's own.
+            # The group is whole once every rank is past it. Untraced: the tool's own (the
+            # flight recorder has it, first: docs/debugging.md).
             dist.barrier()
         if job.trace_path is not None:
             from verify.watching import tracer
