@@ -25,6 +25,7 @@ import pytest
 
 from tests.processes import alive, descendants
 from verify.launching.env import LAUNCHED_ENV
+from verify.launching.tree import carries
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = "tests/fixtures/launchers"
@@ -182,22 +183,13 @@ def retry_problems(folder: str) -> list[str]:
             problems.append(f"{mode}: audited steps {r.audit and r.audit.audited_steps} (want 2)")
         if list(Path(r.run.report_dir).glob("rank*.ended")):
             problems.append(f"{mode}: the retry's ranks wrote into the run's report folder")
-    marker = f"{LAUNCHED_ENV}={os.path.abspath(folder)}".encode()
-    left = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _under(p, marker)]
+    # every process of a launch carries its report folder, the retry's unadopted ones too
+    markers = [
+        f"{LAUNCHED_ENV}={os.path.abspath(r.run.report_dir)}".encode() for r in results.values()
+    ]
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    left = [p for p in pids if alive(p) and any(carries(p, m) for m in markers)]
     return problems + ([f"left running: {left}"] if left else [])
-
-
-def _under(pid: int, marker: bytes) -> bool:
-    """Process `pid` is a live process of a launch whose report folder is below the folder
-    `marker` names (`LAUNCHED_ENV=<folder>`: every process of a launch inherits it)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-        with open(f"/proc/{pid}/stat") as f:
-            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
-    return not zombie and any(v.startswith(marker + b"/") for v in env)
 
 
 @pytest.mark.under_load

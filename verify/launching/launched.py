@@ -64,11 +64,12 @@ def init_process_group(original, args: tuple, kwargs: dict):
 
     A process the launcher started again is not adopted (`_again`)."""
     out = original(*args, **kwargs)
-    if not _adopted and _again():
-        _adopted.update(job=None, late=True)  # runs on unwatched, ended with the launcher
     if not _adopted:
         try:
-            _adopt()
+            if _again():
+                _adopted["again"] = True  # runs on unwatched, ended with the launcher
+            else:
+                _adopt()
         except Exception as exc:  # the script runs on unwatched: say so where the tool looks
             with contextlib.suppress(OSError):
                 folder = os.environ[LAUNCHED_ENV]
