@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from tests.processes import alive
 from verify.launching import LaunchResult, Raised, RankContext, launch, thread_budget
 from verify.launching.supervisor import Interrupted, interrupt, reset_interrupt
-from verify.launching.zygote import Zygote
+from verify.launching.zygote import _PRELOAD, Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -402,7 +403,7 @@ def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch):
     result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
     assert result.ok, result.summary()
     assert set(result.values) == {os.getpid()}  # fresh interpreters, started by this process
-    _forked_nothing_late(Zygote._instances[frozenset(env.items())])
+    _forked_nothing_late(Zygote._instances[(frozenset(env.items()), _PRELOAD, None)])
 
 
 def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
@@ -413,7 +414,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
     if os.environ.get("DDP_VERIFY_NO_ZYGOTE") == "1":
         pytest.skip("no zygote (DDP_VERIFY_NO_ZYGOTE=1)")
     env = {"TORCH_DDP_VERIFY_TEST": f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"}
-    key = frozenset(env.items())
+    key = (frozenset(env.items()), _PRELOAD, None)
     ended: list = []
 
     def go():
@@ -460,8 +461,8 @@ def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_reques
     read_end, write_end = os.pipe()
     try:
         with pytest.raises(KeyboardInterrupt):
-            zygote.spawn(str(tmp_path / "rank0.job"), dict(os.environ), str(tmp_path / "log"),
-                         write_end, cancelled=signal_lands)  # fmt: skip
+            zygote.spawn(str(tmp_path / "rank0.job"), dict(os.environ), write_end,
+                         out=str(tmp_path / "log"), cancelled=signal_lands)  # fmt: skip
         assert zygote.abandoned and not zygote.forked
     finally:
         os.close(read_end)
@@ -537,3 +538,57 @@ def test_a_launcher_command_abandoned_before_its_watch_leaves_nothing(tmp_path):
     started.abandon()
     assert not [p for p in both if alive(p)], f"left running: {both}"
     assert started.process.poll() is not None
+
+
+PROBE = str(ROOT / "tests" / "fixtures" / "rank_probe.py")
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_a_script_rank_forked_from_the_zygote_sees_what_a_fresh_interpreter_does(
+    tmp_path: Path, monkeypatch, exit_code: int
+) -> None:
+    """A user's script rank on the CPU is forked from the zygote: the script must not tell
+    the difference. The same probe (tests/fixtures/rank_probe.py: argv, __main__, sys.path,
+    signal handlers, threads, stdin, its stdout and stderr apart, a hash seed and a torch seed
+    of each rank's own, a thread that is not a daemon, an atexit function, its exit code) run
+    both ways prints the same, but for who started it; and the console's copy, line by line
+    with the rank's prefix, is the same."""
+    from io import StringIO
+
+    from verify.launching.script import run_script
+
+    seen = {}
+    for how in ("forked", "fresh", "forked again"):
+        monkeypatch.setenv("DDP_VERIFY_NO_ZYGOTE", "1" if how == "fresh" else "0")
+        folder = tmp_path / how.replace(" ", "_")
+        folder.mkdir()
+        console = StringIO()
+        argv = (PROBE, str(os.getpid()), *(("--exit", str(exit_code)) if exit_code else ()))
+        run = run_script(
+            argv, nproc=2, report_dir=str(folder), stall_timeout_s=10, timeout_s=120,
+            console=console,
+        )  # fmt: skip
+        files = {p.name: p.read_text() for p in sorted(folder.glob("rank*.std*"))}
+        drawn = re.findall(r"torch seed \d+", str(files))  # another each launch, as fresh
+        seed = re.compile(r"(torch seed) \d+")
+        files = {name: seed.sub(r"\1", text) for name, text in files.items()}
+        lines = sorted(seed.sub(r"\1", line) for line in console.getvalue().splitlines())
+        seen[how] = (run, files, lines, drawn)
+    (forked, files, lines, drawn), (fresh, fresh_files, fresh_lines, _) = (
+        seen["forked"], seen["fresh"]
+    )  # fmt: skip
+    assert len(drawn) == 2 and not set(drawn) & set(seen["forked again"][3]), drawn
+    assert forked.ok == fresh.ok == (exit_code == 0), (forked.summary(), fresh.summary())
+    if exit_code:
+        assert forked.outcomes[1].error == fresh.outcomes[1].error, forked.summary()
+        assert f"exited with code {exit_code}" in forked.outcomes[1].error
+    for name, text in files.items():
+        assert "started by the tool itself False" in text or name.endswith("stderr"), text
+        assert text.replace("itself False", "itself True") == fresh_files[name], name
+    assert [line.replace("itself False", "itself True") for line in lines] == fresh_lines
+    out = files["rank1.stdout"]
+    for said in ("argv", "name __main__ file True", "path0 True", "default_int_handler",
+                 "own seeds True", "stdin ''", "dynamo imported False", "not a daemon finished",
+                 "atexit ran"):  # fmt: skip
+        assert said in out, out
+    assert files["rank1.stderr"] == "rank 1 to stderr\ntorch seed\n"

@@ -7,10 +7,10 @@
                                     adopted as a rank (`launched.py`, `bootstrap/`)
     interrupt()                     end every supervised run now (Ctrl-C, SIGTERM)
 
-One process type (`process.py`: a fresh interpreter in a session of its own), one set-up inside
-a rank (`rank.py`, its job `rank_job.py`; a script's rank: `rank_script.py`), one supervisor
-(`supervisor.py`), one rank record (`outcome.py`), one thread budget (`threads.py`);
-`torchrun.py` joins a job the tool did not start.
+One process type (`process.py`: a session of its own, forked from a zygote, `zygote.py`, or a
+fresh interpreter), one set-up inside a rank (`rank.py`, its job `rank_job.py`; a script's
+rank: `rank_script.py`), one supervisor (`supervisor.py`), one rank record (`outcome.py`), one
+thread budget (`threads.py`); `torchrun.py` joins a job the tool did not start.
 """
 
 import importlib

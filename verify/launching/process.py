@@ -1,7 +1,9 @@
-"""One rank as the parent sees it: a fresh interpreter in a session of its own.
+"""One rank as the parent sees it: a process in a session of its own.
 
-Every rank the tool starts, for a function (`spawn.py`) or a user's script (`script.py`), is
-`python -c <boot> <job file> <fd>` started by `RankProcess.start()`:
+Every rank the tool starts, for a function (`spawn.py`) or a user's script (`script.py`), runs
+`rank.main(<job file>, <fd>)` in a process `RankProcess.start()` forks from a zygote
+(`zygote.py`) or starts as a fresh interpreter (`python -c <boot> <job file> <fd>`), the same
+either way:
 
 - a new session (`setsid` before exec): Ctrl-C in the terminal reaches the tool, never the
   ranks (which would print a KeyboardInterrupt traceback each); the parent ends them, and
@@ -71,20 +73,12 @@ class RankProcess:
     def start(self, cancelled: Callable[[], bool] = lambda: False) -> None:
         """Start the rank: forked from the zygote when there is one, else a fresh
         interpreter. `cancelled()` true while the zygote is awaited (Ctrl-C): not started."""
+        if self.stream is not None:  # made before the rank can run: a rank that raises at once
+            for path in {self.log_path, self.err_path} - {None}:  # appends its traceback here
+                open(path, "wb").close()  # (`rank_script._print_traceback`), the pumps too
         read_end, write_end = os.pipe()
-        if self.zygote is not None and self.stream is None and self.err_path is None:
-            try:
-                self._pid = self.zygote.spawn(
-                    self.job_path, self.env, self.log_path, write_end, cancelled
-                )
-            except BaseException:  # KeyboardInterrupt from the signal handler, in the wait
-                os.close(read_end)
-                os.close(write_end)
-                raise
-            if self._pid is not None:
-                os.close(write_end)
-                os.set_blocking(read_end, False)
-                self.fd = read_end
+        if self.zygote is not None:
+            if self._fork(read_end, write_end, cancelled):
                 return
             if cancelled():
                 os.close(read_end)
@@ -117,6 +111,35 @@ class RankProcess:
                 _pump(self.proc.stdout, self.log_path, self.stream, self.rank),
                 _pump(self.proc.stderr, self.err_path or self.log_path, self.stream, self.rank),
             ]
+
+    def _fork(self, read_end: int, write_end: int, cancelled: Callable[[], bool]) -> bool:
+        """Fork the rank from the zygote, its output where a fresh interpreter's would go;
+        False if the zygote refused (the write end is still open then)."""
+        pipes = [os.pipe(), os.pipe()] if self.stream is not None else []
+        out, err = (pipes[0][1], pipes[1][1]) if pipes else (self.log_path, self.err_path)
+        try:
+            self._pid = self.zygote.spawn(
+                self.job_path, self.env, write_end, out=out, err=err, cancelled=cancelled
+            )
+        except BaseException:  # KeyboardInterrupt from the signal handler, in the wait
+            for fd in (read_end, write_end, *(fd for pipe in pipes for fd in pipe)):
+                os.close(fd)
+            raise
+        for _, pipe_write in pipes:
+            os.close(pipe_write)  # only the rank holds them now: EOF when it is gone
+        if self._pid is None:
+            for pipe_read, _ in pipes:
+                os.close(pipe_read)
+            return False
+        os.close(write_end)
+        os.set_blocking(read_end, False)
+        self.fd = read_end
+        if pipes:
+            self._pumps = [
+                _pump(os.fdopen(pipes[0][0], "rb"), self.log_path, self.stream, self.rank),
+                _pump(os.fdopen(pipes[1][0], "rb"), self.err_path or self.log_path, self.stream, self.rank),
+            ]  # fmt: skip
+        return True
 
     @property
     def pid(self) -> int | None:

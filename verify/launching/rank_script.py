@@ -69,8 +69,13 @@ _ASKED: dict = {}  # what the script passed init_process_group (its "backend")
 
 
 def run_script_job(job: RankJob, fd: int | None) -> None:
+    import torch
     import torch.distributed as dist
 
+    # A fresh interpreter seeds torch's CPU generator from the OS, so a script that seeds
+    # nothing draws differently on each rank (a bug the audit must see); a rank forked from
+    # its zygote would otherwise draw what the zygote's seed gives, at every launch.
+    torch.default_generator.seed()
     path, *args = job.argv
     sys.argv = [path, *args]
     # As `python script.py` does: the script's directory first, not this tool's.

@@ -46,14 +46,14 @@ def run(
     threads: str,
     start: float,
     stream: TextIO | None = None,
-    zygote=None,
+    zygotes: list | None = None,
 ) -> LaunchResult:
     """Run `jobs` (one per rank) to the end; see the module docstring.
 
     `folder` holds the job files, the ranks' output, stacks and traces (the report folder
     when one is kept); `env` is added to this process's environment for every rank; `stream`
     sends the ranks' output, prefixed, to that console as well as to their files (scripts);
-    `zygote` forks the ranks from a process that has imported torch (`zygote.py`).
+    `zygotes[r]` forks rank r from a process that has imported torch (`zygote.py`).
     """
     check_interrupted()
     n = len(jobs)
@@ -83,7 +83,7 @@ def run(
                 log_path=os.path.join(folder, f"rank{job.rank}.{'stdout' if split else 'stderr'}"),
                 err_path=os.path.join(folder, f"rank{job.rank}.stderr") if split else None,
                 stream=stream,
-                zygote=zygote,
+                zygote=zygotes[job.rank] if zygotes else None,
             )
         )
     stack_paths = [job.stack_path for job in jobs]

@@ -24,11 +24,12 @@ from typing import TextIO
 
 import torch.distributed as dist
 
-from verify.launching import runner
+from verify.launching import gpus, runner
 from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank_script import script_job
 from verify.launching.threads import thread_budget
+from verify.launching.zygote import Zygote
 
 
 def run_script(
@@ -107,9 +108,20 @@ def run_script(
             threads=budget.describe(),
             start=start,
             stream=console,
+            zygotes=_zygotes(env, nproc),
         )
     finally:
         del store
+
+
+def _zygotes(env: dict[str, str] | None, nproc: int) -> list:
+    """What each rank is forked from: its zygote (`zygote.py`: one a rank, so that the ranks'
+    hash seeds differ as fresh interpreters' do), on a machine where the script cannot reach
+    a GPU (a fork is CUDA-safe only while nothing initialized CUDA before it, which a zygote
+    cannot promise); elsewhere fresh interpreters."""
+    if gpus.visible():
+        return []
+    return [Zygote.for_launch(env, script_rank=r) for r in range(nproc)]
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:

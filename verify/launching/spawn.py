@@ -43,7 +43,6 @@ from typing import Any
 from verify.launching import gpus, runner, torchrun
 from verify.launching.env import (
     DEFAULT_STALL_TIMEOUT_S,
-    NO_ZYGOTE_ENV,
     SPAWNED_ENV,
     STALL_ENV,
     joining,
@@ -56,9 +55,6 @@ from verify.launching.zygote import Zygote
 
 # The parent's deadline must come first, so a hang yields stacks rather than a gloo error.
 _PG_TIMEOUT_SLACK_S = 10.0
-# Variables torch may read when it is imported: a launch that sets them forks its ranks from a
-# zygote started with them (the thread budget's are applied in the rank, after the fork).
-_READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_", "GLOO_")
 
 
 def launch(
@@ -151,12 +147,9 @@ def launch(
         for r in range(world_size)
     ]
     child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
-    zygote = None
     # CUDA ranks start as fresh interpreters: a process forked from one is CUDA-safe only
     # while nothing initialized CUDA before the fork, which the zygote cannot promise.
-    if device == "cpu" and os.environ.get(NO_ZYGOTE_ENV) != "1":
-        import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
-        zygote = Zygote.get(import_env)
+    zygote = Zygote.for_launch(env) if device == "cpu" else None
     if stall_timeout_s is not None:
         child_env[STALL_ENV] = repr(stall_timeout_s)
     try:
@@ -170,7 +163,7 @@ def launch(
             report_dir=report_dir,
             threads=budget.describe(),
             start=time.monotonic(),
-            zygote=zygote,
+            zygotes=[zygote] * world_size,
         )
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

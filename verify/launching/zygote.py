@@ -2,7 +2,8 @@
 
 Why: a fresh interpreter spends ~2 s of CPU importing torch before a rank does anything; the
 checks and the test suite start hundreds of ranks. A rank forked from a process that already
-imported torch starts in milliseconds.
+imported torch starts in milliseconds. (The zygote itself is one such import: it pays off
+from the second rank it forks.)
 
 Why it is safe: `fork` copies one thread, so it is safe only in a process that has one thread
 and no state a thread or a device would hold. The zygote imports torch and this tool's modules
@@ -12,11 +13,20 @@ a thread at import, is held to one thread (OPENBLAS_NUM_THREADS=1). Before every
 checks that it still has exactly one thread, and refuses (the launcher then starts a fresh
 interpreter) otherwise.
 
-When it is used (`spawn.launch` decides): function ranks on gloo. Variables torch reads when
-it is imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the hang report's debug logs)
-cannot be set after the fork, so each set of them gets a zygote of its own, started with them
-(`Zygote.get(import_env)`). A user's script always gets a fresh interpreter, exactly as
-`python train.py` would.
+When it is used: function ranks on gloo (`spawn.launch`), and a user's script's ranks on a
+machine without a GPU (`script.run_script`, `--nproc N`). Variables torch reads when it is
+imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the hang report's debug logs) cannot
+be set after the fork, so each set of them gets a zygote of its own, started with them.
+
+A script must find what `python train.py` would give it, and a fork shares what a fresh
+interpreter draws afresh. So each rank of a script has a zygote of its own (rank r's, reused
+by later launches of this process): the ranks' hash seeds differ, as fresh interpreters' do (a
+loop over a set of names can run in another order on each rank: a real bug to catch). torch's
+CPU generator is seeded again in the rank (`rank_script.py`), Python's `random` is at every
+fork, numpy's global generator is made in the rank. A script's zygote imports only what a
+fresh rank imports before the script anyway (`_SCRIPT_PRELOAD`), and the forked rank ends as
+an interpreter does (its threads joined, its atexit functions run). tests/test_launch.py runs
+one probe both ways and compares what it saw.
 
 Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
 launch's environment and working directory, and dies with the zygote, which dies with the
@@ -36,7 +46,6 @@ import contextlib
 import os
 import pickle
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -45,18 +54,33 @@ import threading
 import time
 from collections.abc import Callable
 
+from verify.launching.env import NO_ZYGOTE_ENV
+from verify.launching.zygote_serve import MAX_MSG
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BOOT = (
     f"import sys; sys.path.insert(0, {_ROOT!r}); "
-    "from verify.launching.zygote import serve; serve(int(sys.argv[1]))"
+    "from verify.launching.zygote_serve import serve; serve(int(sys.argv[1]), sys.argv[2:])"
 )
-# torch._dynamo: PyTorch's DDP imports it when constructed, and optimizers when they first
-# step: ~1.7 s of CPU that every rank would pay again after the fork.
+# Variables torch may read when it is imported: a launch that sets them forks its ranks from a
+# zygote started with them (the thread budget's are applied in the rank, after the fork).
+_READ_AT_IMPORT = ("TORCH_", "NCCL_", "PYTORCH_", "CUDA_", "OMP_", "KMP_", "MKL_", "GLOO_")
+# What a zygote imports before it forks. A function rank's: torch._dynamo as well, which
+# PyTorch's DDP imports when constructed and optimizers when they first step (~1.7 s of CPU
+# that every rank would pay again after the fork).
 _PRELOAD = (
     "torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim",
     "verify.launching.rank", "verify.checks.cells",
 )  # fmt: skip
-_MAX_MSG = 1 << 20
+# A script rank's: torch and the rank's modules, what a fresh interpreter imports before the
+# script too (`rank_script.py`), and no more. With torch._dynamo imported before the fork, a
+# script rank that returned while its peer was still in DDP's all-reduce deadlocked at exit in
+# about one run in three under load (the uneven shards of tests/test_evidence.py): its main
+# thread, holding the GIL, joined a gloo worker in `~ProcessGroupGloo`, and the worker waited
+# for the GIL to drop the last reference to the context `backward()` stashes in its thread
+# state. Never in twelve runs with fresh interpreters nor in twenty with this preload: that
+# race of PyTorch's stays as rare as a fresh interpreter has it.
+_SCRIPT_PRELOAD = ("torch", "torch.distributed", "verify.launching.rank")
 
 # The zygote dies with the tool through PR_SET_PDEATHSIG, which fires when the *thread* that
 # started it exits, not the process: a zygote started from a pool thread (a check run among
@@ -97,18 +121,38 @@ def _serve_starts() -> None:
 class Zygote:
     """The tool's side: ask for a rank, learn its exit status (module docstring)."""
 
-    _instances: dict[frozenset, Zygote | None] = {}  # None: it never worked, do not retry
+    _instances: dict[tuple, Zygote | None] = {}  # None: it never worked, do not retry
     _failed = False
     REPLY_S = 30.0  # how long `spawn` waits for the zygote's answer
     MARGIN_S = 5.0  # the zygote refuses a request this long before the tool stops waiting
     _class_lock = threading.Lock()
 
     @classmethod
-    def get(cls, import_env: dict[str, str] | None = None) -> Zygote | None:
+    def for_launch(
+        cls, env: dict[str, str] | None, script_rank: int | None = None
+    ) -> Zygote | None:
+        """The zygote a launch on the CPU forks its ranks from, given the variables it adds
+        to the ranks' environment (those torch reads at import choose it); for a user's
+        script, rank `script_rank`'s own (module docstring). None when
+        `DDP_VERIFY_NO_ZYGOTE=1` asks for fresh interpreters, or none can run here."""
+        if os.environ.get(NO_ZYGOTE_ENV) == "1":
+            return None
+        import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
+        if script_rank is None:
+            return cls.get(import_env)
+        return cls.get(import_env, _SCRIPT_PRELOAD, script_rank)
+
+    @classmethod
+    def get(
+        cls,
+        import_env: dict[str, str] | None = None,
+        preload: tuple[str, ...] = _PRELOAD,
+        slot: int | None = None,
+    ) -> Zygote | None:
         """The process's zygote for these import-time variables, started on first use; None
         if it cannot run here. One that died after it had forked ranks (the OOM killer, say)
         is replaced; one that died before forking any (its preload failed) is not retried."""
-        key = frozenset((import_env or {}).items())
+        key = (frozenset((import_env or {}).items()), preload, slot)
         with cls._class_lock:
             old = cls._instances.get(key)
             if old is not None and old.gone():
@@ -118,18 +162,18 @@ class Zygote:
                     del cls._instances[key]
             if key not in cls._instances and not cls._failed:
                 try:
-                    cls._instances[key] = cls(dict(key))
+                    cls._instances[key] = cls(dict(key[0]), preload)
                 except (OSError, RuntimeError):  # RuntimeError: no new thread at shutdown
                     cls._failed = True
             return cls._instances.get(key)
 
-    def __init__(self, import_env: dict[str, str]) -> None:
+    def __init__(self, import_env: dict[str, str], preload: tuple[str, ...] = _PRELOAD) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, **import_env, "OPENBLAS_NUM_THREADS": "1"}
         env["ZYGOTE_PARENT"] = str(os.getpid())
         try:
             self.proc = _start_process(
-                [sys.executable, "-c", _BOOT, str(theirs.fileno())],
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), *preload],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 # Nothing it says may reach the tool's stdout (a --json document); each rank
                 # it forks points its own output at its log file first thing.
@@ -167,21 +211,29 @@ class Zygote:
         self,
         job_path: str,
         env: dict,
-        log_path: str,
         report_fd: int,
+        *,
+        out: str | int,
+        err: str | int | None = None,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> int | None:
         """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
         zygote refused or is gone (the caller then starts a fresh interpreter), or when
         `cancelled()` says so while it waits (Ctrl-C: a zygote still importing torch on a
-        crowded machine can take many seconds to answer)."""
+        crowded machine can take many seconds to answer).
+
+        `out` is where the rank's stdout goes: a file's path (made afresh) or the write end
+        of a pipe; `err` its stderr, the same way (None: with stdout)."""
         deadline = time.monotonic() + self.REPLY_S - self.MARGIN_S
+        fds = [report_fd] + [x for x in (out, err) if isinstance(x, int)]
+        # a pipe travels as its index among the fds sent, a path as itself
+        where = [fds.index(x) if isinstance(x, int) else x for x in (out, err)]
         with self.lock:
             self._next += 1
             ident = self._next
-            request = pickle.dumps((ident, deadline, job_path, env, log_path, os.getcwd()))
+            request = pickle.dumps((ident, deadline, job_path, env, where, os.getcwd()))
             try:
-                socket.send_fds(self.sock, [request], [report_fd])
+                socket.send_fds(self.sock, [request], fds)
             except OSError:
                 return None
         end = time.monotonic() + self.REPLY_S
@@ -213,7 +265,7 @@ class Zygote:
     def _read(self) -> None:
         while True:
             try:
-                data = self.sock.recv(_MAX_MSG)
+                data = self.sock.recv(MAX_MSG)
             except OSError:
                 data = b""
             with self.changed:
@@ -235,100 +287,3 @@ class Zygote:
                 else:
                     self.exits[a] = b
                 self.changed.notify_all()
-
-
-# ------------------------------------------------------------ inside the zygote
-
-
-def serve(fd: int) -> None:
-    """The zygote's loop: preload, then fork a rank per request and report exits."""
-    parent = int(os.environ.pop("ZYGOTE_PARENT"))
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
-    for name in _PRELOAD:
-        __import__(name)
-    sock = socket.socket(fileno=fd)
-    children: set[int] = set()
-    while True:
-        ready, _, _ = select.select([sock], [], [], 0.05)
-        _reap(sock, children)
-        if not ready:
-            continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
-        except OSError:
-            os._exit(0)
-        if not data:
-            os._exit(0)  # the tool is gone
-        ident, deadline, job_path, env, log_path, cwd = pickle.loads(data)
-        late = time.monotonic() > deadline  # the tool may have given up: never a second rank
-        pid = (
-            None if late or not _one_thread() else _fork(sock, job_path, env, log_path, cwd, fds[0])
-        )
-        for f in fds:
-            os.close(f)
-        if pid is not None:
-            children.add(pid)
-        _send(sock, ("started", ident, pid))
-
-
-def _fork(sock, job_path: str, env: dict, log_path: str, cwd: str, report_fd: int) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:  # the rank: nothing here may return into the zygote's loop
-        sock.close()
-        os.setsid()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        from verify.launching import rank
-
-        rank.main(job_path, report_fd, parent=os.getppid())
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _reap(sock, children: set[int]) -> None:
-    for pid in list(children):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = pid, 0
-        if done:
-            children.discard(pid)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            _send(sock, ("exit", pid, code))
-
-
-def _one_thread() -> bool:
-    return len(os.listdir("/proc/self/task")) == 1 if os.path.isdir("/proc/self/task") else False
-
-
-def _send(sock, message: tuple) -> None:
-    with contextlib.suppress(OSError):
-        sock.send(pickle.dumps(message))
