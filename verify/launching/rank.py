@@ -43,14 +43,16 @@ from verify.launching.rank_job import (
 from verify.launching.rank_script import run_script_job
 
 
-def main(job_path: str, fd: int, parent: int | None = None) -> None:
+def main(job_path: str, fd: int, parent: int | None = None) -> str:
     """The entry point: `parent` is the process this rank must die with, when it is not the
-    tool itself (a rank forked by the zygote dies with the zygote, which dies with the tool)."""
+    tool itself (a rank forked by the zygote dies with the zygote, which dies with the tool).
+    Returns the job's kind, "fn" or "script" (how a forked rank ends: `zygote_serve.py`)."""
     with open(job_path, "rb") as f:
         job: RankJob = pickle.load(f)
     if parent is not None:
         job = replace(job, ppid=parent)
     run_job(job, fd)
+    return job.kind
 
 
 _report_fd: int | None = None

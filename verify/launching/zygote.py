@@ -25,8 +25,8 @@ loop over a set of names can run in another order on each rank: a real bug to ca
 CPU generator is seeded again in the rank (`rank_script.py`), Python's `random` is at every
 fork, numpy's global generator is made in the rank. A script's zygote imports only what a
 fresh rank imports before the script anyway (`_SCRIPT_PRELOAD`), and the forked rank ends as
-an interpreter does (its threads joined, its atexit functions run). tests/test_launch.py runs
-one probe both ways and compares what it saw.
+an interpreter does (`zygote_serve.py`). tests/test_launch.py runs one probe both ways and
+compares what it saw.
 
 Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
 launch's environment and working directory, and dies with the zygote, which dies with the
@@ -274,6 +274,8 @@ class Zygote:
                     self.changed.notify_all()
                     return
                 kind, a, b = pickle.loads(data)
+                if kind == "started":  # a pid the system gave again: its old exit is not its
+                    self.exits.pop(b, None)
                 if kind == "started" and a in self.abandoned:
                     self.abandoned.discard(a)
                     if b is not None:  # its place is taken by a fresh interpreter

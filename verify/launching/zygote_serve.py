@@ -5,7 +5,7 @@ The zygote is a fresh interpreter started by the tool with `serve`; it imports w
 a fork of it is a safe start for a rank. Each forked rank is made what a fresh interpreter
 would be before it runs the same `rank.main`: a session of its own, Python's signal
 handlers, its output where the tool said, stdin from /dev/null, the launch's environment and
-working directory; and it ends as an interpreter ends (`_finalize`).
+working directory; and a script's rank ends as an interpreter ends (`_fork`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
 
 MAX_MSG = 1 << 20  # the longest message either side sends
@@ -61,7 +60,7 @@ def _fork(sock, job_path: str, env: dict, where: list, cwd: str, fds: list[int])
     pid = os.fork()
     if pid:
         return pid
-    code = 1
+    script, ending = False, SystemExit(1)
     try:  # the rank: nothing here may return into the zygote's loop
         sock.close()
         os.setsid()
@@ -85,17 +84,24 @@ def _fork(sock, job_path: str, env: dict, where: list, cwd: str, fds: list[int])
         os.environ.update(env)
         from verify.launching import rank
 
-        rank.main(job_path, fds[0], parent=os.getppid())
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        script = rank.main(job_path, fds[0], parent=os.getppid()) == "script"
+        ending = SystemExit(0)
+    except SystemExit as exc:  # a script's sys.exit() (`rank_script.py` raises it again)
+        script, ending = True, exc
     except BaseException:
         import traceback
 
         traceback.print_exc()
-    finally:
-        code = _finalize(code)
-        os._exit(code)
+    if script:
+        # A script's rank ends as `python train.py` ends: the exit rises out of every frame to
+        # the top, where Python applies sys.exit's rules (None is 0, an int is itself, anything
+        # else is printed and is 1) and finalizes (threads that are not daemons joined, atexit
+        # functions run, the modules torn down with their objects' __del__, C++ destructors).
+        raise ending
+    with contextlib.suppress(Exception):  # the tool's own function: its report is sent
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(ending.code)
 
 
 def _point(fd: int, to: str | int, fds: list[int]) -> None:
@@ -104,26 +110,9 @@ def _point(fd: int, to: str | int, fds: list[int]) -> None:
     if isinstance(to, int):
         os.dup2(fds[to], fd)
         return
-    target = os.open(to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    target = os.open(to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
     os.dup2(target, fd)
     os.close(target)
-
-
-def _finalize(code: int) -> int:
-    """End as an interpreter ends (`Py_FinalizeEx`) before `os._exit`: wait for the threads
-    that are not daemons, run the `atexit` functions (a user's script may count on either: a
-    writer thread, a logger's flush; `atexit` prints what one raises and goes on, as at any
-    exit), flush the streams. The exit code is the rank's."""
-    import atexit
-
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # what the interpreter calls at exit: joins non-daemon threads
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return code
 
 
 def _reap(sock, children: set[int]) -> None:
