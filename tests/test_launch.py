@@ -564,6 +564,7 @@ def test_a_script_rank_forked_from_the_zygote_sees_what_a_fresh_interpreter_does
         pytest.skip("a script's ranks start as fresh interpreters where a GPU is visible")
     seen = {}
     streamed = ending in ("0", "a message")
+    seed = re.compile(r"torch seed \d+")  # another each launch, as in a fresh interpreter
     # fresh first: a process's first launch of a script is fresh whatever is asked (script.py)
     for how in ("fresh", "forked", "forked again")[: 3 if ending == "0" else 2]:
         monkeypatch.setenv("DDP_VERIFY_NO_ZYGOTE", "1" if how == "fresh" else "0")
@@ -576,11 +577,10 @@ def test_a_script_rank_forked_from_the_zygote_sees_what_a_fresh_interpreter_does
             console=console,
         )  # fmt: skip
         files = {p.name: p.read_text() for p in sorted(folder.glob("rank*.std*"))}
-        drawn = re.findall(r"torch seed \d+", str(files))  # another each launch, as fresh
-        seed = re.compile(r"(torch seed) \d+")
-        files = {name: seed.sub(r"\1", text) for name, text in files.items()}
+        drawn = seed.findall(str(files))
+        files = {name: seed.sub("torch seed", text) for name, text in files.items()}
         lines = sorted(
-            seed.sub(r"\1", line) for line in (console or StringIO()).getvalue().splitlines()
+            seed.sub("torch seed", line) for line in (console or StringIO()).getvalue().splitlines()
         )
         seen[how] = (run, files, lines, drawn)
     (forked, files, lines, drawn), (fresh, fresh_files, fresh_lines, _) = (

@@ -104,13 +104,7 @@ class RankProcess:
             for f in (out, err):
                 if hasattr(f, "close"):
                     f.close()
-        os.set_blocking(read_end, False)
-        self.fd = read_end
-        if self.stream is not None:
-            self._pumps = [
-                _pump(self.proc.stdout, self.log_path, self.stream, self.rank),
-                _pump(self.proc.stderr, self.err_path or self.log_path, self.stream, self.rank),
-            ]
+        self._watch(read_end, self.proc.stdout, self.proc.stderr)
 
     def _fork(self, read_end: int, write_end: int, cancelled: Callable[[], bool]) -> bool:
         """Fork the rank from the zygote, its output where a fresh interpreter's would go;
@@ -132,14 +126,19 @@ class RankProcess:
                 os.close(pipe_read)
             return False
         os.close(write_end)
+        self._watch(read_end, *(os.fdopen(pipe_read, "rb") for pipe_read, _ in pipes))
+        return True
+
+    def _watch(self, read_end: int, stdout=None, stderr=None) -> None:
+        """Read the started rank's reports from `read_end`; with a console, copy its output
+        (the read ends of its stdout and stderr) to its files and, prefixed, the console."""
         os.set_blocking(read_end, False)
         self.fd = read_end
-        if pipes:
+        if self.stream is not None:
             self._pumps = [
-                _pump(os.fdopen(pipes[0][0], "rb"), self.log_path, self.stream, self.rank),
-                _pump(os.fdopen(pipes[1][0], "rb"), self.err_path or self.log_path, self.stream, self.rank),
-            ]  # fmt: skip
-        return True
+                _pump(stdout, self.log_path, self.stream, self.rank),
+                _pump(stderr, self.err_path or self.log_path, self.stream, self.rank),
+            ]
 
     @property
     def pid(self) -> int | None:

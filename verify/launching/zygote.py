@@ -14,9 +14,10 @@ checks that it still has exactly one thread, and refuses (the launcher then star
 interpreter) otherwise.
 
 When it is used: function ranks on gloo (`spawn.launch`), and a user's script's ranks on a
-machine without a GPU from a process's second launch of a script on (`script.run_script`). Variables torch reads when it is
-imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the hang report's debug logs) cannot
-be set after the fork, so each set of them gets a zygote of its own, started with them.
+machine without a GPU from a process's second launch of a script on (`script.run_script`).
+Variables torch reads when it is imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the
+hang report's debug logs) cannot be set after the fork, so each set of them gets a zygote of
+its own, started with them.
 
 A script must find what `python train.py` would give it, and a fork shares what a fresh
 interpreter draws afresh. So each rank of a script has a zygote of its own (rank r's, reused
