@@ -374,36 +374,41 @@ def test_the_zygote_outlives_the_thread_that_started_it_and_is_replaced_when_kil
     of its own."""
     env = {"TORCH_DDP_VERIFY_TEST": f"zygote-{os.getpid()}-{time.monotonic_ns()}"}
 
-    def forked_by() -> set[int]:
+    def forked_by() -> list[int]:
         result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
         assert result.ok, result.summary()
-        return set(result.values)
+        return result.values
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        (zygote,) = pool.submit(forked_by).result()
-    assert zygote != os.getpid() and alive(zygote)  # the ranks were forked, by a zygote
+        zygotes = pool.submit(forked_by).result()
+    # the ranks were forked, each by its rank's zygote
+    assert os.getpid() not in zygotes and len(set(zygotes)) == 2, zygotes
+    assert all(alive(z) for z in zygotes)
     time.sleep(0.5)  # the pool's thread has exited: PDEATHSIG would have fired by now
-    assert forked_by() == {zygote} and alive(zygote)
-    os.kill(zygote, signal.SIGKILL)
+    assert forked_by() == zygotes and all(alive(z) for z in zygotes)
+    os.kill(zygotes[0], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while alive(zygote) and time.monotonic() < deadline:
+    while alive(zygotes[0]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (replacement,) = forked_by()
-    assert replacement not in (zygote, os.getpid())
+    replacement, same = forked_by()
+    assert replacement not in (*zygotes, os.getpid()) and same == zygotes[1]
 
 
 def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch):
     """A zygote still importing torch when the launch stops waiting (a crowded machine: here a
-    wait of 1 s): the launch starts those ranks as fresh interpreters, and the zygote, once up,
-    must not fork them too (a second rank 0 on the same report pipe and rendezvous: the launch
-    fails, or worse). A variable of its own gives this test a fresh zygote."""
-    monkeypatch.setattr(Zygote, "REPLY_S", 1.0)
-    monkeypatch.setattr(Zygote, "MARGIN_S", 0.5)
+    wait of 0.3 s a rank, so that rank 1's zygote, asked 0.6 s after it started, is still
+    importing on a fast machine): the launch starts those ranks as fresh interpreters, and the
+    zygotes, once up, must not fork them too (a second rank 0 on the same report pipe and
+    rendezvous: the launch fails, or worse). A variable of its own gives this test fresh
+    zygotes."""
+    monkeypatch.setattr(Zygote, "REPLY_S", 0.3)
+    monkeypatch.setattr(Zygote, "MARGIN_S", 0.15)
     env = {"TORCH_DDP_VERIFY_TEST": f"late-{os.getpid()}-{time.monotonic_ns()}"}
     result = launch(_parent_pid, world_size=2, env=env, timeout_s=60)
     assert result.ok, result.summary()
     assert set(result.values) == {os.getpid()}  # fresh interpreters, started by this process
-    _forked_nothing_late(Zygote._instances[(frozenset(env.items()), _PRELOAD, None)])
+    for rank in (0, 1):
+        _forked_nothing_late(Zygote._instances[(frozenset(env.items()), _PRELOAD, rank)])
 
 
 def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
@@ -414,7 +419,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
     if os.environ.get("DDP_VERIFY_NO_ZYGOTE") == "1":
         pytest.skip("no zygote (DDP_VERIFY_NO_ZYGOTE=1)")
     env = {"TORCH_DDP_VERIFY_TEST": f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"}
-    key = (frozenset(env.items()), _PRELOAD, None)
+    key = (frozenset(env.items()), _PRELOAD, 0)  # rank 0's, asked first
     ended: list = []
 
     def go():
@@ -442,6 +447,8 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once():
     assert ended and isinstance(ended[0], float), ended
     assert ended[0] - at < 1.0, ended[0] - at
     _forked_nothing_late(zygote)
+    if (rank1 := Zygote._instances.get((*key[:2], 1))) is not None:  # asked, if it was
+        _forked_nothing_late(rank1)
 
 
 def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_request(tmp_path):
@@ -628,3 +635,57 @@ def test_a_rank_given_a_pid_an_earlier_rank_had_is_not_taken_for_that_one(tmp_pa
     assert len(pids) == 2 and pids[0] == pids[1], done.stdout + done.stderr  # the pid again
     for n in range(3):
         assert f"launch {n} [('ok', None)]" in done.stdout, done.stdout + done.stderr
+
+
+# A student's DDP that averages every gradient once, tied weights included, by walking a set:
+# the set's order is each process's own (by address for parameters, by hash seed for names).
+_SET_ORDER = """
+import torch.distributed as dist
+from torch import nn
+
+
+class OnceEachDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.named = dict(module.named_parameters())
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for p in {order}:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+"""
+_ORDERS = {
+    "set of parameters": "set(self.module.parameters())",
+    "set of names": "[self.named[n] for n in set(self.named)]",
+    "dict of parameters": "dict.fromkeys(self.module.parameters())",  # insertion order: right
+}
+
+
+def test_function_ranks_differ_as_fresh_interpreters_so_a_set_order_is_caught(tmp_path: Path):
+    """Function ranks forked from one zygote shared its hash seed and its heap's layout, so a
+    set iterated in one order on every rank, and a class that all-reduces in set order (a
+    size mismatch as soon as two ranks launch with fresh interpreters) passed. Each rank index
+    forks from a zygote of its own: both orders by a set are a FAULT, launch after launch of
+    one process (the zygotes reused), and the twin that walks a dict passes."""
+    from verify.checks.consistency import ConsistencyOptions, check_consistency
+
+    verdicts = {}
+    for name in (*_ORDERS, "set of parameters"):  # the last: a second launch, same zygotes
+        path = tmp_path / f"once_each_{len(verdicts)}.py"
+        path.write_text(_SET_ORDER.format(order=_ORDERS[name]))
+        result = check_consistency(ConsistencyOptions(impl=f"{path}:OnceEachDDP"))
+        verdicts[f"{name} ({len(verdicts)})"] = (result.verdict, result.headline)
+    got = {name: verdict for name, (verdict, _) in verdicts.items()}
+    assert got == {
+        "set of parameters (0)": "fault",
+        "set of names (1)": "fault",
+        "dict of parameters (2)": "pass",
+        "set of parameters (3)": "fault",
+    }, verdicts

@@ -1,9 +1,17 @@
-"""The zygote: one interpreter per tool process that has imported torch once, and forks ranks.
+"""The zygotes: interpreters that have imported torch once and fork ranks, one a rank index.
 
 Why: a fresh interpreter spends ~2 s of CPU importing torch before a rank does anything; the
 checks and the test suite start hundreds of ranks. A rank forked from a process that already
-imported torch starts in milliseconds. (The zygote itself is one such import: it pays off
-from the second rank it forks.)
+imported torch starts in milliseconds. (A zygote is one such import: it pays off from the
+second rank it forks.)
+
+Why one a rank index (rank r of every launch of this process forks from rank r's): ranks
+forked from one process would share what fresh interpreters draw each their own, and a
+verdict must be the one a real launch earns. Their hash seeds would be one, and so would their
+heaps' layout: a set of parameters (`set(module.parameters())`, a student's way to reduce a
+tied weight once) iterates by address, so it would run in one order on every rank, and a
+class whose ranks all-reduce in different orders passed (a size mismatch with fresh
+interpreters: tests/test_launch.py).
 
 Why it is safe: `fork` copies one thread, so it is safe only in a process that has one thread
 and no state a thread or a device would hold. The zygote imports torch and this tool's modules
@@ -16,18 +24,17 @@ interpreter) otherwise.
 When it is used: function ranks on gloo (`spawn.launch`), and a user's script's ranks on a
 machine without a GPU from a process's second launch of a script on (`script.run_script`).
 Variables torch reads when it is imported (TORCH_CPP_LOG_LEVEL, TORCH_DISTRIBUTED_DEBUG: the
-hang report's debug logs) cannot be set after the fork, so each set of them gets a zygote of
+hang report's debug logs) cannot be set after the fork, so each set of them gets zygotes of
 its own, started with them.
 
 A script must find what `python train.py` would give it, and a fork shares what a fresh
-interpreter draws afresh. So each rank of a script has a zygote of its own (rank r's, reused
-by later launches of this process): the ranks' hash seeds differ, as fresh interpreters' do (a
-loop over a set of names can run in another order on each rank: a real bug to catch). torch's
-CPU generator is seeded again in the rank (`rank_script.py`), Python's `random` is at every
-fork, numpy's global generator is made in the rank. A script's zygote imports only what a
-fresh rank imports before the script anyway (`_SCRIPT_PRELOAD`), and the forked rank ends as
-an interpreter does (`zygote_serve.py`). tests/test_launch.py runs one probe both ways and
-compares what it saw.
+interpreter draws afresh. Besides the zygote a rank above (the hash seeds and heaps differ as
+fresh interpreters' do), torch's CPU generator is seeded again in the rank
+(`rank_script.py`), Python's `random` is at every fork, numpy's global generator is made in the
+rank. (A function rank's generator is the trainer's to seed, rank by rank.) A script's zygote
+imports only what a fresh rank imports before the script anyway (`_SCRIPT_PRELOAD`), and the
+forked rank ends as an interpreter does (`zygote_serve.py`). tests/test_launch.py runs one
+probe both ways and compares what it saw.
 
 Each forked rank leads a session of its own (Ctrl-C and `killpg` as for any rank), takes the
 launch's environment and working directory, and dies with the zygote, which dies with the
@@ -130,18 +137,16 @@ class Zygote:
 
     @classmethod
     def for_launch(
-        cls, env: dict[str, str] | None, script_rank: int | None = None
+        cls, env: dict[str, str] | None, rank: int, *, script: bool = False
     ) -> Zygote | None:
-        """The zygote a launch on the CPU forks its ranks from, given the variables it adds
-        to the ranks' environment (those torch reads at import choose it); for a user's
-        script, rank `script_rank`'s own (module docstring). None when
+        """Rank `rank`'s zygote for a launch on the CPU (module docstring: one a rank), given
+        the variables the launch adds to the ranks' environment (those torch reads at import
+        choose it) and whether it runs a user's `script` (which preloads less). None when
         `DDP_VERIFY_NO_ZYGOTE=1` asks for fresh interpreters, or none can run here."""
         if os.environ.get(NO_ZYGOTE_ENV) == "1":
             return None
         import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
-        if script_rank is None:
-            return cls.get(import_env)
-        return cls.get(import_env, _SCRIPT_PRELOAD, script_rank)
+        return cls.get(import_env, _SCRIPT_PRELOAD if script else _PRELOAD, rank)
 
     @classmethod
     def get(
