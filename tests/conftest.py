@@ -3,7 +3,7 @@
 - Tests marked `gpu` need CUDA and NCCL and skip cleanly without them (every CPU-only machine,
   CI included).
 - `run_cli(*args)` runs `python -m verify ARGS` as `main()` in the test's process, from the
-  repository's root: the ranks are real (forked from this worker's zygote), but no
+  repository's root: the ranks are real (forked from this worker's zygotes), but no
   interpreter starts and imports torch per case (~6 s of CPU a case saved). Tests that need
   a terminal's view (no traceback on a real shell) or a signal start a real process instead.
 - Under `pytest -n auto` several workers launch ranks at once: each worker tells the tool how

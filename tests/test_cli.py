@@ -1,7 +1,7 @@
 """The CLI end to end: verdicts, exit codes (0 pass, 1 fault, 2 cannot run), one-line errors.
 
 The cases run `main()` in this process, as `python -m verify` runs it (the ranks are real,
-forked from this worker's zygote: no interpreter to start and import torch into per case).
+forked from this worker's zygotes: no interpreter to start and import torch into per case).
 One case runs a real shell command, to see what a user's terminal gets (no traceback), and
 one runs under a real torchrun.
 """

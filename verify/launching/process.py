@@ -71,7 +71,7 @@ class RankProcess:
         self._pumps: list[threading.Thread] = []
 
     def start(self, cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Start the rank: forked from the zygote when there is one, else a fresh
+        """Start the rank: forked from its zygote when there is one, else a fresh
         interpreter. `cancelled()` true while the zygote is awaited (Ctrl-C): not started."""
         if self.stream is not None:  # made before the rank can run: a rank that raises at once
             for path in {self.log_path, self.err_path} - {None}:  # appends its traceback here

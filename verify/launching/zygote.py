@@ -130,7 +130,6 @@ class Zygote:
     """The tool's side: ask for a rank, learn its exit status (module docstring)."""
 
     _instances: dict[tuple, Zygote | None] = {}  # None: it never worked, do not retry
-    _failed = False
     REPLY_S = 30.0  # how long `spawn` waits for the zygote's answer
     MARGIN_S = 5.0  # the zygote refuses a request this long before the tool stops waiting
     _class_lock = threading.Lock()
@@ -155,8 +154,8 @@ class Zygote:
         preload: tuple[str, ...] = _PRELOAD,
         slot: int | None = None,
     ) -> Zygote | None:
-        """The process's zygote for these import-time variables, started on first use; None
-        if it cannot run here. One that died after it had forked ranks (the OOM killer, say)
+        """The process's zygote for these import-time variables, this preload and this `slot`
+        (a rank index), started on first use; None if it cannot run here. One that died after it had forked ranks (the OOM killer, say)
         is replaced; one that died before forking any (its preload failed) is not retried."""
         key = (frozenset((import_env or {}).items()), preload, slot)
         with cls._class_lock:
@@ -166,11 +165,11 @@ class Zygote:
                 cls._instances[key] = None
                 if old.forked:
                     del cls._instances[key]
-            if key not in cls._instances and not cls._failed:
+            if key not in cls._instances:
                 try:
                     cls._instances[key] = cls(dict(key[0]), preload)
                 except (OSError, RuntimeError):  # RuntimeError: no new thread at shutdown
-                    cls._failed = True
+                    cls._instances[key] = None  # this one is not retried; the others may be
             return cls._instances.get(key)
 
     def __init__(self, import_env: dict[str, str], preload: tuple[str, ...] = _PRELOAD) -> None:
