@@ -3,7 +3,8 @@ a rank that computes for a long time, a script that hangs, a consistency and an 
 run, `audit --record/--against` (a student's accumulation loop right and wrong, a resume:
 tests/test_compare.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
-(tests/test_agreement.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
+(tests/test_agreement.py), classes that all-reduce in the order of a set, of parameters or of
+names (tests/test_launch.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
 zero1 (tests/fixtures/sharded_styles.py), the shard layout check on zero3, FSDP2 and students'
 sharded classes, right and wrong (tests/test_shard_layout.py), a student's hook DDP that
@@ -69,6 +70,7 @@ from tests import (
     test_hang,
     test_hints,
     test_join_audit,
+    test_launch,
     test_launchers,
     test_matrix,
     test_on_cpu,
@@ -151,6 +153,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "blind-script": (functools.partial(_script, path=DDP_SCRIPT), out, "60"),
             "skipping": (_script, out, "skip"),
             "one-rank": (test_agreement.verdict_problems, *test_agreement.load_plan()),
+            "set-order": (test_launch.set_order_problems, folder / "set-order"),
             "audited": (run_buggy, out),
             "meters": (test_procstat.meter_problems,),
             "layouts": (test_shard_layout.launch_and_check, 3),
@@ -255,6 +258,7 @@ def _check_verdicts(window: Window) -> None:
     assert not sharded, "\n".join(sharded)
     one_rank_problems, _ = window["one-rank"]
     assert not one_rank_problems, "\n".join(one_rank_problems)
+    assert not window["set-order"], "\n".join(window["set-order"])
     blind = window["blind-script"]
     b = blind.diagnosis
     assert b.verdict == "hang" and b.culprit == 1 and "parked" in b.headline, b.text()
