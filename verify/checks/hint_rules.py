@@ -227,5 +227,7 @@ def collective_mismatch(n: dict, s) -> str | None:
         "the ranks issued different all-reduces at the same position: launched in the order "
         "gradients arrive, they differ when a parameter gets no gradient on one rank or "
         "gradients arrive in another order; launch in an order fixed at construction, and "
-        "all-reduce a zero gradient for a parameter this rank did not use"
+        "all-reduce a zero gradient for a parameter this rank did not use; a loop over a set "
+        "(of parameters or of their names) runs in an order of each process's own: loop over "
+        "the module's parameters (a tied weight comes once)"
     )
