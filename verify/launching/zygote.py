@@ -11,7 +11,8 @@ verdict must be the one a real launch earns. Their hash seeds would be one, and 
 heaps' layout: a set of parameters (`set(module.parameters())`, a student's way to reduce a
 tied weight once) iterates by address, so it would run in one order on every rank, and a
 class whose ranks all-reduce in different orders passed (a size mismatch with fresh
-interpreters: tests/test_launch.py).
+interpreters: tests/test_launch.py). From zygotes of their own, the ranks' orders differ as
+fresh interpreters' do; now and then two coincide, as two fresh interpreters' may.
 
 Why it is safe: `fork` copies one thread, so it is safe only in a process that has one thread
 and no state a thread or a device would hold. The zygote imports torch and this tool's modules
