@@ -691,8 +691,9 @@ def test_function_ranks_differ_as_fresh_interpreters_so_a_set_order_is_caught(tm
 
 
 def set_order_problems(folder: Path) -> list[str]:
-    """Both orders by a set are a FAULT, again on a later launch of the same zygotes, and the
-    twin that walks a dict passes. Four ranks: two ranks' orders of six parameters by address
+    """Both orders by a set are a FAULT, again on a later launch of the same zygotes, whose
+    hint names the set where the ranks' all-reduces did not match in size, and the twin that
+    walks a dict passes. Four ranks: two ranks' orders of six parameters by address
     coincide now and then, as two fresh interpreters' may (in one launch of about forty under
     CPU hogs), and the bug shows where any two differ."""
     from verify.checks.consistency import ConsistencyOptions, check_consistency
@@ -709,4 +710,7 @@ def set_order_problems(folder: Path) -> list[str]:
         expected = "pass" if "dict" in name else "fault"
         if result.verdict != expected:
             problems.append(f"{name} ({i}): {result.verdict}, not {expected}: {result.headline}")
+        hints = [f.hint or "" for f in result.failure_findings]
+        if "size mismatch" in result.headline and not any("a loop over a set" in h for h in hints):
+            problems.append(f"{name} ({i}): no hint names the set: {hints}")
     return problems
