@@ -18,7 +18,8 @@ agent leaves. Here they are re-parented to this process and reaped here at once 
 must not look alive to a test that asserts nothing is left), so their CPU is counted too.
 
 A file run alone pays what a worker of `pytest -n auto` pays once: pytest's start and torch's
-import (~2 CPU-s), a zygote's preload (~3.5 CPU-s) per rank index per set of import-time variables.
+import (~2 CPU-s), a zygote's preload (~3.5 CPU-s) per rank index per set of import-time
+variables.
 """
 
 from __future__ import annotations

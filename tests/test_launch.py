@@ -419,7 +419,7 @@ def test_a_request_the_launcher_gave_up_on_never_becomes_a_rank(monkeypatch, own
     assert result.ok, result.summary()
     assert set(result.values) == {os.getpid()}  # fresh interpreters, started by this process
     for rank in (0, 1):
-        _forked_nothing_late(Zygote._instances[(frozenset(env.items()), _PRELOAD, rank)])
+        _forked_nothing_late(_zygote(env, rank))
 
 
 def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once(own_env):
@@ -430,7 +430,6 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once(own_e
     if os.environ.get("DDP_VERIFY_NO_ZYGOTE") == "1":
         pytest.skip("no zygote (DDP_VERIFY_NO_ZYGOTE=1)")
     env = own_env
-    key = (frozenset(env.items()), _PRELOAD, 0)  # rank 0's, asked first
     ended: list = []
 
     def go():
@@ -444,7 +443,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once(own_e
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until the first rank is asked of the zygote
-            zygote = Zygote._instances.get(key)
+            zygote = Zygote._instances.get(_key(env, 0))  # rank 0's, asked first
             if zygote is not None and zygote._next >= 1:
                 break
             time.sleep(0.01)
@@ -458,7 +457,7 @@ def test_ctrl_c_while_the_zygote_is_still_starting_ends_the_launch_at_once(own_e
     assert ended and isinstance(ended[0], float), ended
     assert ended[0] - at < 1.0, ended[0] - at
     _forked_nothing_late(zygote)
-    _forked_nothing_late(Zygote._instances[(*key[:2], 1)])  # made for the launch, never asked
+    _forked_nothing_late(_zygote(env, 1))  # made for the launch, never asked
 
 
 def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_request(
@@ -487,6 +486,15 @@ def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_reques
         os.close(read_end)
         os.close(write_end)
     _forked_nothing_late(zygote)
+
+
+def _key(env: dict[str, str], rank: int) -> tuple:
+    """The key of rank `rank`'s function zygote for `env` (a variable of its own: `own_env`)."""
+    return (frozenset(env.items()), _PRELOAD, rank)
+
+
+def _zygote(env: dict[str, str], rank: int) -> Zygote:
+    return Zygote._instances[_key(env, rank)]
 
 
 def _forked_nothing_late(zygote: Zygote) -> None:

@@ -130,7 +130,7 @@ def _zygotes(env: dict[str, str] | None, nproc: int) -> list:
     first = next(_launches) == 0
     if first or gpus.visible():
         return []
-    return [Zygote.for_launch(env, r, script=True) for r in range(nproc)]
+    return Zygote.for_launch(env, nproc, script=True)
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -149,9 +149,7 @@ def launch(
     child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
     # CUDA ranks start as fresh interpreters: a process forked from one is CUDA-safe only
     # while nothing initialized CUDA before the fork, which the zygote cannot promise.
-    # One zygote a rank: ranks forked from one would share its hash seed and its heap's layout,
-    # so a set of parameters would iterate in one order on every rank (zygote.py).
-    zygotes = [Zygote.for_launch(env, r) for r in range(world_size)] if device == "cpu" else []
+    zygotes = Zygote.for_launch(env, world_size) if device == "cpu" else []
     if stall_timeout_s is not None:
         child_env[STALL_ENV] = repr(stall_timeout_s)
     try:

@@ -137,16 +137,18 @@ class Zygote:
 
     @classmethod
     def for_launch(
-        cls, env: dict[str, str] | None, rank: int, *, script: bool = False
-    ) -> Zygote | None:
-        """Rank `rank`'s zygote for a launch on the CPU (module docstring: one a rank), given
-        the variables the launch adds to the ranks' environment (those torch reads at import
-        choose it) and whether it runs a user's `script` (which preloads less). None when
-        `DDP_VERIFY_NO_ZYGOTE=1` asks for fresh interpreters, or none can run here."""
+        cls, env: dict[str, str] | None, nproc: int, *, script: bool = False
+    ) -> list[Zygote | None]:
+        """The zygote of each of a CPU launch's `nproc` ranks, rank r's at [r] (module
+        docstring: one a rank index), given the variables the launch adds to the ranks'
+        environment (those torch reads at import choose them) and whether it runs a user's
+        `script` (which preloads less). None for a rank none can fork here; none at all when
+        `DDP_VERIFY_NO_ZYGOTE=1` asks for fresh interpreters."""
         if os.environ.get(NO_ZYGOTE_ENV) == "1":
-            return None
+            return []
         import_env = {k: v for k, v in (env or {}).items() if k.startswith(_READ_AT_IMPORT)}
-        return cls.get(import_env, _SCRIPT_PRELOAD if script else _PRELOAD, rank)
+        preload = _SCRIPT_PRELOAD if script else _PRELOAD
+        return [cls.get(import_env, preload, rank) for rank in range(nproc)]
 
     @classmethod
     def get(
@@ -156,8 +158,9 @@ class Zygote:
         slot: int | None = None,
     ) -> Zygote | None:
         """The process's zygote for these import-time variables, this preload and this `slot`
-        (a rank index), started on first use; None if it cannot run here. One that died after it had forked ranks (the OOM killer, say)
-        is replaced; one that died before forking any (its preload failed) is not retried."""
+        (a rank index), started on first use; None if it cannot run here. One that died after
+        it had forked ranks (the OOM killer, say) is replaced; one that died before forking
+        any (its preload failed), or could not start, is not retried."""
         key = (frozenset((import_env or {}).items()), preload, slot)
         with cls._class_lock:
             old = cls._instances.get(key)
