@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.processes import alive, descendants
+from verify.checks.verdict import EXIT_CODES
 from verify.launching.env import LAUNCHED_ENV
 from verify.launching.tree import carries
 
@@ -72,38 +73,108 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("launcher", list(CASES))
-def test_a_clean_script_passes_and_a_buggy_one_is_named(launcher, run_cli, tmp_path, monkeypatch):
-    """Every rank the launcher starts is audited: the clean script passes with both ranks
-    audited at every step, the buggy one fails at the step, phase and tensor of its bug."""
-    clean, buggy, (phase, tensor, step) = CASES[launcher]
-    code, report = audited(run_cli, tmp_path / "clean", monkeypatch, clean)
-    assert (code, report["verdict"]) == (0, "pass"), report
-    assert sorted(report["pids"]) == ["0", "1"]
-    assert report["audit"]["audited_steps"] >= 2 and not report["audit"]["findings"]
-    code, report = audited(run_cli, tmp_path / "buggy", monkeypatch, buggy)
-    assert (code, report["verdict"]) == (1, "fault"), report
-    first = report["audit"]["findings"][0]
-    assert (first["phase"], first["tensor"], first["step"]) == (phase, tensor, step), first
-    assert first["ranks"] == [1]
-    for pid in report["pids"].values():
-        assert not alive(pid)
+# torchrun's and mp.spawn's cases, and the hang through torchrun, are the hog window's too
+# (tests/test_load.py: `launch_problems`): their idle run is a test marked under_load.
+IN_THE_WINDOW = ("torchrun", "mp.spawn")
 
 
-def test_a_hang_through_torchrun_is_diagnosed(run_cli, tmp_path):
-    """Rank 1 parks outside any collective, rank 0 waits in DDP's reducer (where the trace
-    is blind): a HANG naming rank 1 and its line, within seconds of the stall timeout, and
-    no worker left running (torchrun's live in sessions of their own)."""
-    command = torchrun("torchrun_hang.py")
-    ran = run_cli("hang", "--json", "--stall-timeout", "3", "--out", str(tmp_path), "--", *command)
-    report = json.loads(ran.stdout)
-    assert (ran.returncode, report["verdict"]) == (1, "fault"), ran.stderr
+def case_problems(launcher: str, clean: tuple[int, dict], buggy: tuple[int, dict]) -> list[str]:
+    """What is wrong with a launcher's clean and buggy runs, each (exit code, JSON report):
+    every rank the launcher starts is audited, the clean script passes with both ranks
+    audited at every step, the buggy one fails at the step, phase and tensor of its bug, on
+    rank 1; no rank left running."""
+    (code, report), (bug_code, bug) = clean, buggy
+    audit = report.get("audit") or {}
+    problems = []
+    if (code, report["verdict"]) != (0, "pass") or sorted(report["pids"]) != ["0", "1"]:
+        problems.append(f"{launcher} clean: exit {code}, {report['verdict']}, {report}")
+    elif audit.get("audited_steps", 0) < 2 or audit.get("findings"):
+        problems.append(f"{launcher} clean: {audit}")
+    _, _, (phase, tensor, step) = CASES[launcher]
+    findings = (bug.get("audit") or {}).get("findings") or [{}]
+    first = findings[0]
+    got = (bug_code, bug["verdict"], first.get("phase"), first.get("tensor"), first.get("step"))
+    if got != (1, "fault", phase, tensor, step) or first.get("ranks") != [1]:
+        problems.append(f"{launcher} buggy: {got}, ranks {first.get('ranks')}: {bug}")
+    left = [p for r in (report, bug) for p in r["pids"].values() if alive(p)]
+    return problems + ([f"{launcher}: left running: {left}"] if left else [])
+
+
+def hang_problems(code: int, report: dict) -> list[str]:
+    """What is wrong with the hang through torchrun (exit code, JSON report): rank 1 parks
+    outside any collective, rank 0 waits in DDP's reducer (where the trace is blind): a HANG
+    naming rank 1 and its line, and no worker left running (torchrun's live in sessions of
+    their own)."""
     diag = report["diagnosis"]
-    assert diag["verdict"] == "hang" and diag["culprit"] == 1, diag
-    assert "torchrun_hang.py:20" in diag["headline"], diag["headline"]
-    assert "blocked inside torch" in diag["headline"]
-    for pid in report["pids"].values():
-        assert not alive(pid)
+    problems = []
+    if (code, report["verdict"], diag["verdict"], diag["culprit"]) != (1, "fault", "hang", 1):
+        problems.append(f"torchrun hang: exit {code}, {report['verdict']}: {diag}")
+    elif (
+        "torchrun_hang.py:20" not in diag["headline"]
+        or "blocked inside torch" not in diag["headline"]
+    ):
+        problems.append(f"torchrun hang: the line or the blocked rank unnamed: {diag['headline']}")
+    left = [p for p in report["pids"].values() if alive(p)]
+    return problems + ([f"torchrun hang: left running: {left}"] if left else [])
+
+
+def _reported(result) -> tuple[int, dict]:
+    """A check's result as the CLI gives it: (exit code, the JSON report)."""
+    return EXIT_CODES[result.verdict], json.loads(json.dumps(result.to_dict(), default=str))
+
+
+def launch_problems(folder: str, at_once: int = 5) -> list[str]:
+    """`IN_THE_WINDOW`'s launchers, clean and buggy (`case_problems`), and the hang through
+    torchrun (`hang_problems`), `at_once` launches at a time, through the check functions:
+    what is wrong (none: the idle verdicts; under CPU hogs in tests/test_load.py too)."""
+    from verify.checks.hang import HangOptions, check_hang
+    from verify.checks.script_audit import AuditOptions, check_audit
+
+    def audit(command, name):
+        options = AuditOptions(script=tuple(command), out=f"{folder}/{name}", console="none",
+                               timeout_s=600)  # fmt: skip
+        return _reported(check_audit(options))
+
+    def spawned():  # one after the other: the scripts take their port from the environment
+        done = []
+        for arm, command in zip(("clean", "buggy"), CASES["mp.spawn"][:2]):
+            os.environ["SPAWN_PORT"] = free_port()
+            done.append(audit(command, f"mp.spawn-{arm}"))
+        return done
+
+    def hang():
+        options = HangOptions(script=tuple(torchrun("torchrun_hang.py")), stall_timeout_s=3.0,
+                              out=f"{folder}/hang", console="none", timeout_s=600)  # fmt: skip
+        return _reported(check_hang(options))
+
+    clean, buggy = CASES["torchrun"][:2]
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        runs = {
+            "torchrun": [pool.submit(audit, clean, "torchrun-clean"),
+                         pool.submit(audit, buggy, "torchrun-buggy")],
+            "mp.spawn": pool.submit(spawned),
+            "hang": pool.submit(hang),
+        }  # fmt: skip
+        problems = case_problems("torchrun", *(f.result() for f in runs["torchrun"]))
+        problems += case_problems("mp.spawn", *runs["mp.spawn"].result())
+        problems += hang_problems(*runs["hang"].result())
+    return problems
+
+
+@pytest.mark.under_load
+def test_torchrun_and_mp_spawn_scripts_are_audited_and_a_hang_is_named(tmp_path):
+    problems = launch_problems(str(tmp_path))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("launcher", [k for k in CASES if k not in IN_THE_WINDOW])
+def test_a_clean_script_passes_and_a_buggy_one_is_named(launcher, run_cli, tmp_path, monkeypatch):
+    """`case_problems`, for the launchers the hog window does not run (through the CLI)."""
+    clean, buggy, _ = CASES[launcher]
+    ran = [audited(run_cli, tmp_path / arm, monkeypatch, c) for arm, c in (("clean", clean),
+                                                                         ("buggy", buggy))]  # fmt: skip
+    problems = case_problems(launcher, *ran)
+    assert not problems, "\n".join(problems)
 
 
 RETRIED = """\
@@ -259,40 +330,3 @@ def test_nproc_is_for_a_script_not_a_command(command, run_cli):
     assert ran.returncode == 2
     assert ran.stderr.startswith("verify: error: --nproc applies to a script"), ran.stderr
     assert "drop --nproc" in ran.stderr and len(ran.stderr.splitlines()) == 1
-
-
-def launcher_problems(folder: str) -> list[str]:
-    """Three launches at once, through the check functions (`tests/test_load.py` runs them
-    under CPU hogs): torchrun's buggy script (rank 1's un-averaged 2.bias, at step 0),
-    mp.spawn's clean one (a pass), and the hang through torchrun (rank 1 named); nothing
-    left running."""
-
-    from verify.checks.hang import HangOptions, check_hang
-    from verify.checks.script_audit import AuditOptions, check_audit
-
-    os.environ["SPAWN_PORT"] = free_port()
-
-    def audit(command, name):
-        return check_audit(AuditOptions(script=tuple(command), out=f"{folder}/{name}",
-                                        console="none", timeout_s=600))  # fmt: skip
-
-    hang = HangOptions(script=tuple(torchrun("torchrun_hang.py")), stall_timeout_s=3.0,
-                       out=f"{folder}/hang", console="none", timeout_s=600)  # fmt: skip
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        buggy = pool.submit(audit, torchrun("torchrun_buggy.py"), "buggy")
-        clean = pool.submit(audit, python("spawn_clean.py"), "clean")
-        hung = pool.submit(check_hang, hang)
-        buggy, clean, hung = buggy.result(), clean.result(), hung.result()
-    problems = []
-    first = buggy.faults[0] if buggy.faults else None
-    if first is None or (first.tensor, first.step, tuple(first.ranks)) != ("2.bias", 0, (1,)):
-        problems.append(f"torchrun buggy: {buggy.verdict}: {first}")
-    if clean.verdict != "pass" or clean.audit.audited_steps != 3:
-        problems.append(f"mp.spawn clean: {clean.verdict}: {clean.run.diagnosis.text()}")
-    d = hung.diagnosis
-    if (hung.verdict, d.verdict, d.culprit) != ("fault", "hang", 1):
-        problems.append(f"torchrun hang: {hung.verdict}: {d.text()}")
-    pids = [p for r in (buggy.run, clean.run, hung) for p in r.pids.values()]
-    if len(pids) != 6 or [p for p in pids if alive(p)]:
-        problems.append(f"ranks: {pids}, alive: {[p for p in pids if alive(p)]}")
-    return problems

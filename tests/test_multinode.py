@@ -32,9 +32,10 @@ LOSS_LINE, GRAD_LINE, HANG_LINE = 31, 33, 51  # the fixtures' all_reduce calls
 
 
 def test_one_diagnosis_for_a_job_on_two_nodes(tmp_path):
+    """The pair, the reduce-op mismatch and the correct loop (module docstring); the early
+    exit is the hog window's (`test_the_early_exit_is_a_hang_named_by_rank_0s_node`)."""
     cases = {
         "pair": (MULTINODE, "pair"),
-        "skip": (HANG, "skip"),
         "reduce-op": (MULTINODE, "reduce-op"),
         "ok": (MULTINODE, "ok"),
     }
@@ -48,7 +49,6 @@ def test_one_diagnosis_for_a_job_on_two_nodes(tmp_path):
         assert not any(n.killed for n in nodes), f"{name}: killed at the test's deadline"
         assert not any(n.leftover for n in nodes), (name, [n.leftover for n in nodes])
     assert_pair_reads_as_a_desync(jobs["pair"])
-    assert_hang_named_by_one_node(jobs["skip"], STALL_S)
     desync = printed_once(jobs["reduce-op"], "DESYNC")
     assert "reduce-op mismatch" in desync and "rank 1 issued all_reduce" in desync, desync
     assert "MAX] at " in desync and f"multinode_script.py:{GRAD_LINE}" in desync, desync
@@ -58,6 +58,15 @@ def test_one_diagnosis_for_a_job_on_two_nodes(tmp_path):
     assert ok[1].ours() == []
     for node in ok:
         assert json.loads((node.report() / "report.json").read_text())["verdict"] == "ok"
+
+
+@pytest.mark.under_load
+def test_the_early_exit_is_a_hang_named_by_rank_0s_node(tmp_path):
+    """`hang_script.py skip` on two nodes (tests/test_load.py's `nodes-skip` job)."""
+    nodes = two_nodes(tmp_path / "skip", HANG, "skip", stall_s=STALL_S)
+    assert not any(n.killed for n in nodes), "killed at the test's deadline"
+    assert not any(n.leftover for n in nodes), [n.leftover for n in nodes]
+    assert_hang_named_by_one_node(nodes, STALL_S)
 
 
 @pytest.mark.under_load

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests import test_launchers
-from tests.consoles import run_main
+from tests.consoles import Ran, run_main
 from tests.processes import still_running
 from tests.torchrun_jobs import one_node
 
@@ -362,12 +362,13 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-BUG = sys.argv[1:] == ["bug"]
+PORT = sys.argv[1]
+BUG = sys.argv[2:] == ["bug"]
 
 
 def setup(rank, world_size):
     os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = os.environ["SPAWN_PORT"]
+    os.environ["MASTER_PORT"] = PORT
     torch.cuda.set_device(rank)
     dist.init_process_group(backend="nccl", rank=rank, world_size=world_size)
 
@@ -397,12 +398,11 @@ if __name__ == "__main__":
 """
 
 
-def launched(out: Path, *command: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "verify", "audit", "--on-cpu", "--json", "--out", str(out),
-            "--stall-timeout", "5", "--", *command]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPAWN_PORT": test_launchers.free_port()}
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # the rehearsed node: 2 GPUs
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def launched(out: Path, *command: str) -> Ran:
+    """`python -m verify audit --on-cpu --json -- COMMAND`, as `main()` in this thread (the
+    launcher and its ranks are the command's fresh interpreters; the tool's is not needed)."""
+    return run_main("audit", "--on-cpu", "--json", "--out", str(out), "--stall-timeout", "5",
+                    "--", *command)  # fmt: skip
 
 
 def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
@@ -417,8 +417,12 @@ def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
         "torchrun-ok": lambda: launched(tmp / "t-ok", *torchrun),
         "torchrun-bug": lambda: launched(tmp / "t-bug", *torchrun, "accum-bug"),
         "nproc-bug": lambda: audit(tmp / "n-bug", CUDA / "gpt_train.py", "accum-bug"),
-        "spawn-ok": lambda: launched(tmp / "s-ok", sys.executable, str(spawn)),
-        "spawn-bug": lambda: launched(tmp / "s-bug", sys.executable, str(spawn), "bug"),
+        "spawn-ok": lambda: launched(
+            tmp / "s-ok", sys.executable, str(spawn), test_launchers.free_port()
+        ),
+        "spawn-bug": lambda: launched(
+            tmp / "s-bug", sys.executable, str(spawn), test_launchers.free_port(), "bug"
+        ),  # fmt: skip
     }
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         jobs = {name: pool.submit(run) for name, run in runs.items()}
