@@ -398,11 +398,19 @@ if __name__ == "__main__":
 """
 
 
-def launched(out: Path, *command: str) -> Ran:
+def launched(out: Path, *command: str) -> Ran | subprocess.CompletedProcess:
     """`python -m verify audit --on-cpu --json -- COMMAND`, as `main()` in this thread (the
-    launcher and its ranks are the command's fresh interpreters; the tool's is not needed)."""
-    return run_main("audit", "--on-cpu", "--json", "--out", str(out), "--stall-timeout", "5",
-                    "--", *command)  # fmt: skip
+    launcher and its ranks are the command's fresh interpreters; the tool's is not needed).
+    Where CUDA_VISIBLE_DEVICES names GPUs (a GPU runner's), in a process of its own without
+    it: the rehearsed node has 2 GPUs (`script_start.rehearsed_gpus`), whatever this one sees."""
+    args = ("audit", "--on-cpu", "--json", "--out", str(out), "--stall-timeout", "5", "--",
+            *command)  # fmt: skip
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return run_main(*args)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PYTHONPATH"] = str(ROOT)
+    argv = [sys.executable, "-m", "verify", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
