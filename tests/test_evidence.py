@@ -28,7 +28,8 @@ from verify.launching.threads import JOBS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
-DDP_SCRIPT = str(ROOT / "tests" / "fixtures" / "ddp_sleep_script.py")
+DDP_FILE = "tests/fixtures/ddp_sleep_script.py"  # as a headline names it
+DDP_SCRIPT = str(ROOT / DDP_FILE)
 STALL_S = 2.0
 
 
@@ -125,16 +126,17 @@ def blocked_in_ddp_problems(out: str, stall: float = STALL_S) -> list[str]:
     d = result.diagnosis
     if result.verdict != "fault" or d.verdict != "hang" or d.culprit != 1:
         return [f"blocked in DDP: {result.verdict}: {d.text()}"]
+    head = d.headline
     problems = [
-        f"blocked in DDP: {what} not in the headline: {d.headline}"
+        f"blocked in DDP: {what} not in the headline: {head}"
         for what, ok in (
-            ("rank 1's line", d.headline.startswith("rank 1 at train (tests/fixtures/ddp_sleep_script.py:21)")),
-            ("parked", "parked outside any collective" in d.headline),
-            ("rank 0's line", "rank 0 at train (tests/fixtures/ddp_sleep_script.py:23)" in d.headline),
-            ("the reducer", "PyTorch DDP's reducer" in d.headline),
+            ("rank 1's line", head.startswith(f"rank 1 at train ({DDP_FILE}:21)")),
+            ("parked", "parked outside any collective" in head),
+            ("rank 0's line", f"rank 0 at train ({DDP_FILE}:23)" in head),
+            ("the reducer", "PyTorch DDP's reducer" in head),
         )
         if not ok
-    ]  # fmt: skip
+    ]
     if result.elapsed_s >= 40:  # not the 60 s sleep, not the timeout
         problems.append(f"blocked in DDP: {result.elapsed_s:.1f} s")
     left = [p for p in result.pids.values() if alive(p)]

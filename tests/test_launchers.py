@@ -170,9 +170,8 @@ def test_torchrun_and_mp_spawn_scripts_are_audited_and_a_hang_is_named(tmp_path)
 @pytest.mark.parametrize("launcher", [k for k in CASES if k not in IN_THE_WINDOW])
 def test_a_clean_script_passes_and_a_buggy_one_is_named(launcher, run_cli, tmp_path, monkeypatch):
     """`case_problems`, for the launchers the hog window does not run (through the CLI)."""
-    clean, buggy, _ = CASES[launcher]
-    ran = [audited(run_cli, tmp_path / arm, monkeypatch, c) for arm, c in (("clean", clean),
-                                                                         ("buggy", buggy))]  # fmt: skip
+    arms = zip(("clean", "buggy"), CASES[launcher][:2])
+    ran = [audited(run_cli, tmp_path / arm, monkeypatch, command) for arm, command in arms]
     problems = case_problems(launcher, *ran)
     assert not problems, "\n".join(problems)
 

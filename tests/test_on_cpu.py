@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests import test_launchers
-from tests.consoles import Ran, run_main
+from tests.consoles import run_main
 from tests.processes import still_running
 from tests.torchrun_jobs import one_node
 
@@ -84,21 +84,26 @@ def snapshot(path: Path) -> str:
     return str(path)
 
 
-def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit",
-          process: bool = False):  # fmt: skip
-    """`python -m verify COMMAND --nproc 2 --json [--on-cpu] -- SCRIPT ARGS`, as `main()` in
-    this process (tests/consoles.py: the ranks are the same fresh interpreters, no parent
-    interpreter is started), or with `process` as a real command: a one-line refusal's "no
-    traceback" is a real interpreter's to show."""
-    args = [command, "--nproc", "2", "--json", "--out", str(out), "--stall-timeout", "5",
-            *(["--on-cpu"] if on_cpu else []), "--", str(script), *args]  # fmt: skip
+def run_verify(*args: str, process: bool = False, env: dict[str, str | None] | None = None):
+    """`python -m verify ARGS`, as `main()` in this process (tests/consoles.py: the ranks are
+    the same fresh interpreters, no parent interpreter is started), or with `process` as a
+    real command, its environment this one's changed by `env` (None: unset): a one-line
+    refusal's "no traceback" is a real interpreter's to show."""
     if not process:
         return run_main(*args)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if not on_cpu:  # the CUDA script where there is no GPU, on a machine with GPUs too
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    changed = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {k: v for k, v in changed.items() if v is not None}
     argv = [sys.executable, "-m", "verify", *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def audit(out: Path, script: Path, *args: str, on_cpu: bool = True, command: str = "audit",
+          process: bool = False):  # fmt: skip
+    """`python -m verify COMMAND --nproc 2 --json [--on-cpu] -- SCRIPT ARGS` (`run_verify`)."""
+    args = [command, "--nproc", "2", "--json", "--out", str(out), "--stall-timeout", "5",
+            *(["--on-cpu"] if on_cpu else []), "--", str(script), *args]  # fmt: skip
+    # without --on-cpu: the CUDA script where there is no GPU, on a machine with GPUs too
+    return run_verify(*args, process=process, env=None if on_cpu else {"CUDA_VISIBLE_DEVICES": ""})
 
 
 def run_cases(tmp: Path, names, at_once: int = 4) -> dict:
@@ -398,19 +403,16 @@ if __name__ == "__main__":
 """
 
 
-def launched(out: Path, *command: str) -> Ran | subprocess.CompletedProcess:
-    """`python -m verify audit --on-cpu --json -- COMMAND`, as `main()` in this thread (the
-    launcher and its ranks are the command's fresh interpreters; the tool's is not needed).
-    Where CUDA_VISIBLE_DEVICES names GPUs (a GPU runner's), in a process of its own without
-    it: the rehearsed node has 2 GPUs (`script_start.rehearsed_gpus`), whatever this one sees."""
+def launched(out: Path, *command: str):
+    """`python -m verify audit --on-cpu --json -- COMMAND` (`run_verify`): in this process (the
+    launcher and its ranks are the command's fresh interpreters; the tool's is not needed),
+    but where CUDA_VISIBLE_DEVICES names GPUs (a GPU runner's), in a process of its own
+    without it: the rehearsed node has 2 GPUs (`script_start.rehearsed_gpus`), whatever this
+    one sees."""
     args = ("audit", "--on-cpu", "--json", "--out", str(out), "--stall-timeout", "5", "--",
             *command)  # fmt: skip
-    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return run_main(*args)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env["PYTHONPATH"] = str(ROOT)
-    argv = [sys.executable, "-m", "verify", *args]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    gpus = bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return run_verify(*args, process=gpus, env={"CUDA_VISIBLE_DEVICES": None})
 
 
 def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
@@ -430,7 +432,7 @@ def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
         ),
         "spawn-bug": lambda: launched(
             tmp / "s-bug", sys.executable, str(spawn), test_launchers.free_port(), "bug"
-        ),  # fmt: skip
+        ),
     }
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         jobs = {name: pool.submit(run) for name, run in runs.items()}
