@@ -295,19 +295,31 @@ def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
 
 
 def test_joins_a_torchrun_job(tmp_path: Path) -> None:
+    """launch() in torchrun's ranks runs fn in each rank itself, and every rank holds the whole
+    result. Four launches in one job: a world size torchrun does not have (a ValueError), a rank
+    that raises after an all_reduce, a rank that raises while its peer waits for it in one (the
+    results travel through the job's store and the failed rank closes its group after a grace,
+    so its peer's all_reduce fails in seconds, not at the 60 s timeout), then a clean launch: a
+    process group of its own again after a group torn down mid-collective."""
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
-        import json, os
+        import json, os, time
         import torch, torch.distributed as dist
         from verify.launching import launch
 
-        def fn(ctx, offset):
+        def fn(ctx, offset, fail=True):
             t = torch.tensor([float(ctx.rank + offset)])
             dist.all_reduce(t)
-            if ctx.rank == 1:
+            if fail and ctx.rank == 1:
                 raise ValueError("rank 1 fails after the all_reduce")
             return {"sum": t.item(), "spawned": ctx.spawned, "pid": os.getpid()}
+
+        def fails_first(ctx):
+            if ctx.rank == 1:
+                raise ValueError("rank 1 fails before the all_reduce")
+            dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+            return "unreachable"
 
         if __name__ == "__main__":
             try:
@@ -316,12 +328,20 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
             except ValueError:
                 mismatch = True
             r = launch(fn, world_size=2, args=(1,), timeout_s=60)
+            start = time.monotonic()
+            waited = launch(fails_first, world_size=2, timeout_s=60)
+            elapsed = time.monotonic() - start
+            again = launch(fn, world_size=2, args=(10, False), timeout_s=60)
             # One file a rank: the ranks' shared stdout may interleave their lines.
             with open(f"{__file__}.rank{os.environ['RANK']}.json", "w") as f:
                 json.dump({
                     "pid": os.getpid(), "mismatch": mismatch,
                     "statuses": [o.status for o in r.outcomes], "value0": r.outcomes[0].value,
                     "error1": r.outcomes[1].error, "first": r.first_failure.rank,
+                    "waited": [o.status for o in waited.outcomes],
+                    "waited_first": waited.first_failure.rank, "fast": elapsed < 30,
+                    "again": [o.status for o in again.outcomes],
+                    "sum": again.outcomes[1].value["sum"],
                 }, f)
     """)
     )
@@ -338,6 +358,11 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
         "value0": {"sum": 3.0, "spawned": False, "pid": rank0_pid},  # fn ran in the rank itself
         "error1": "ValueError: rank 1 fails after the all_reduce",
         "first": 1,
+        "waited": ["error", "error"],  # rank 0's all_reduce failed once rank 1 closed its group
+        "waited_first": 1,
+        "fast": True,  # the grace (1.5 s) and a teardown, not the 60 s timeout
+        "again": ["ok", "ok"],
+        "sum": 21.0,  # (0 + 10) + (1 + 10)
     }
     for r in by_rank.values():  # every rank holds the whole result
         r.pop("pid")

@@ -43,6 +43,7 @@ from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.launching.threads import apply, thread_budget
 
 _joins = 0
+_store: dist.Store | None = None  # `_job_store`
 
 
 def local_ranks(world_size: int) -> int:
@@ -77,18 +78,20 @@ def join(
         device = torch.device("cpu")
     os.environ.update(env)  # best effort: this interpreter started long ago
     start = time.monotonic()
+    global _joins
+    _joins += 1  # every rank calls launch() in the same order: the n-th launch's keys
+    prefix = f"ddp-verify/launch{_joins}/"
     created = not dist.is_initialized()
     if created:
         timeout = datetime.timedelta(seconds=timeout_s)  # the only hang guard without a parent
         dist.init_process_group(
             backend,
-            init_method="env://",
+            store=dist.PrefixStore(prefix, _job_store(timeout)),
+            rank=rank,
+            world_size=world_size,
             timeout=timeout,
             **group_kwargs(backend, device),
         )
-    global _joins
-    _joins += 1  # every rank calls launch() in the same order: the n-th launch's keys
-    prefix = f"ddp-verify/launch{_joins}/"
     ctx = RankContext(rank, world_size, local_rank, device, backend, False, budget.per_rank)
     try:
         report = rank_side.call(fn, ctx, args)
@@ -106,6 +109,20 @@ def join(
     return LaunchResult(
         world_size, tuple(outcomes), elapsed, False, order, threads=budget.describe()
     )
+
+
+def _job_store(timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store (MASTER_ADDR:MASTER_PORT, torchrun's agent's), met once and
+    kept: each launch's process group lives under a prefix of its own in it (`join`). Why:
+    torch names every default group "0" afresh (`destroy_process_group` resets its count), so
+    a second group through `init_method="env://"` read the first one's rendezvous keys, a peer's
+    old address among them, and one launch after a launch with a failing rank hung or was
+    refused its connection in about one run in four (tests/test_launch.py)."""
+    global _store
+    if _store is None:  # (where rank 0 hosts it, a second one could not bind the port)
+        _store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    _store.set_timeout(timeout)
+    return _store
 
 
 def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
