@@ -115,3 +115,15 @@ def test_a_launcher_command_starts_before_the_tool_imports_torch(command, tmp_pa
     # the first process started is the command (a later one: `uname -p`, for the metadata)
     assert "STARTS [False" in proc.stdout and "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
     assert "nothing joined a process group" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_installed_command_is_the_cli():
+    """`ddp-verify` (pyproject.toml's script, installed beside this interpreter by the README's
+    `pip install -e`) runs what `python -m verify` runs (`verify/__main__.py`): its table, and
+    bad input as one line and exit 2."""
+    command = str(Path(sys.executable).with_name("ddp-verify"))
+    listed = subprocess.run([command, "list"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "bucketed" in listed.stdout, listed.stderr
+    bad = subprocess.run([command, "consistency", "--steps", "x"], capture_output=True, text=True)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr == "verify: error: --steps must be an integer, got 'x'\n", bad.stderr

@@ -36,9 +36,12 @@ from verify.launching import tree
 _LEN = struct.Struct("<I")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The child finds this package where the parent found it, whatever the child's sys.path.
+# A function rank ends without the collector's last pass over torch's objects (~1 CPU-s:
+# verify/__main__.py); a script's rank ends as `python train.py` does.
 _BOOT = (
-    f"import sys; sys.path.insert(0, {_ROOT!r}); "
-    "from verify.launching.rank import main; main(sys.argv[1], int(sys.argv[2]))"
+    f"import gc, sys; sys.path.insert(0, {_ROOT!r}); "
+    "from verify.launching.rank import main; "
+    "main(sys.argv[1], int(sys.argv[2])) == 'fn' and gc.freeze()"
 )
 
 
