@@ -6,18 +6,11 @@ a fork of it is a safe start for a rank. Each forked rank is made what a fresh i
 would be before it runs the same `rank.main`: a session of its own, Python's signal
 handlers, its output where the tool said, stdin from /dev/null, the launch's environment and
 working directory; and a script's rank ends as an interpreter ends (`_fork`).
-
-Once imported, the zygote freezes what it holds (`gc.freeze`, as CPython's docs advise before
-a fork): a rank's collections, and the last one when a script's rank ends, skip the objects of
-torch's modules it inherited (~0.7 CPU-s a script rank's exit; their pages stay shared). What
-the rank makes is collected as in any interpreter, and the modules' globals are still cleared
-at its end, so what they hold (a process group, a user's object) is freed as in a fresh one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import pickle
 import select
@@ -40,7 +33,6 @@ def serve(fd: int, preload: list[str]) -> None:
         os._exit(1)
     for name in preload:
         __import__(name)
-    gc.freeze()
     sock = socket.socket(fileno=fd)
     children: set[int] = set()
     while True:
