@@ -119,11 +119,15 @@ def test_a_launcher_command_starts_before_the_tool_imports_torch(command, tmp_pa
 
 def test_the_installed_command_is_the_cli():
     """`ddp-verify` (pyproject.toml's script, installed beside this interpreter by the README's
-    `pip install -e`) runs what `python -m verify` runs (`verify/__main__.py`): its table, and
+    `pip install -e`) is `verify/__main__.py`'s `run`, as `python -m verify` is: its table, and
     bad input as one line and exit 2."""
     command = str(Path(sys.executable).with_name("ddp-verify"))
+    with open(command) as script:  # pip's wrapper imports what the entry point names
+        assert "from verify.__main__ import run" in script.read(), "stale: pip install -e ."
     listed = subprocess.run([command, "list"], capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and "bucketed" in listed.stdout, listed.stderr
-    bad = subprocess.run([command, "consistency", "--steps", "x"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [command, "consistency", "--steps", "x"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr == "verify: error: --steps must be an integer, got 'x'\n", bad.stderr

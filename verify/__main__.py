@@ -4,11 +4,12 @@ exit that skips the collector's last pass.
 Why `gc.freeze()` before the exit: when the interpreter ends it tears its modules down and runs
 a full collection over every object torch created at import, about 1 CPU-second a command
 (0.8 s of the ~3.5 s a bare `import torch, torch._dynamo` costs; under load, several seconds of
-wall time after "verify: interrupted" was printed). Frozen objects are left to the operating
-system; everything else an exit does still happens: threads joined, atexit functions (temporary
-folders, logging), objects freed by reference counts, streams flushed. Only here, where the
-process ends: a user's script ends as Python ends it (`launching/zygote_serve.py`), and
-`main()` called in a long-lived process (the tests, a notebook) freezes nothing.
+wall time after "verify: interrupted" was printed). Threads are still joined, atexit functions
+run (temporary folders, logging's flush), objects freed by their reference counts. What frozen
+objects alone keep alive is left to the operating system: a file whose last reference is in a
+module's state would not be flushed, and the tool keeps none there. Only here, where the
+process ends: a user's script ends as Python ends it (`launching/zygote_serve.py`), and `main()`
+called in a long-lived process (the tests, a notebook) freezes nothing.
 """
 
 import gc

@@ -119,7 +119,7 @@ def _job_store(timeout: datetime.timedelta) -> dist.Store:
     old address among them, and one launch after a launch with a failing rank hung or was
     refused its connection in about one run in four (tests/test_launch.py)."""
     global _store
-    if _store is None:  # (where rank 0 hosts it, a second one could not bind the port)
+    if _store is None:  # one client for every launch of this process
         _store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     _store.set_timeout(timeout)
     return _store
