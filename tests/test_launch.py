@@ -626,14 +626,14 @@ def test_a_script_rank_forked_from_the_zygote_sees_what_a_fresh_interpreter_does
         argv = (PROBE, str(os.getpid()), "--exit", ending)
         # As for a tool started in the background (`cmd &`, nohup): SIGINT ignored, which a
         # fresh rank would inherit and a forked one not (rank.main gives both Python's handler).
-        ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             run = run_script(
                 argv, nproc=2, report_dir=str(folder), stall_timeout_s=10, timeout_s=120,
                 console=console,
             )  # fmt: skip
         finally:
-            signal.signal(signal.SIGINT, ignored)
+            signal.signal(signal.SIGINT, previous)
         files = {p.name: p.read_text() for p in sorted(folder.glob("rank*.std*"))}
         drawn = seed.findall(str(files))
         files = {name: seed.sub("torch seed", text) for name, text in files.items()}

@@ -48,9 +48,9 @@ def main(job_path: str, fd: int, parent: int | None = None) -> str:
     tool itself (a rank forked by the zygote dies with the zygote, which dies with the tool).
     Returns the job's kind, "fn" or "script" (how a forked rank ends: `zygote_serve.py`)."""
     # Ctrl-C raises KeyboardInterrupt, as in an interpreter started from a terminal, whatever
-    # the tool inherited: a tool started in the background (`cmd &` in a script, nohup) has
-    # SIGINT ignored, which a fresh rank would inherit and a forked one does not have
-    # (zygote_serve.py), and a script can tell (tests/fixtures/rank_probe.py).
+    # the tool or the zygote inherited: a tool started in the background (`cmd &` in a script,
+    # nohup) has SIGINT ignored, which a fresh rank would inherit, and a script can tell
+    # (tests/fixtures/rank_probe.py). Here, for fresh and forked ranks alike.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(job_path, "rb") as f:
         job: RankJob = pickle.load(f)

@@ -116,8 +116,8 @@ def _job_store(timeout: datetime.timedelta) -> dist.Store:
     kept: each launch's process group lives under a prefix of its own in it (`join`). Why:
     torch names every default group "0" afresh (`destroy_process_group` resets its count), so
     a second group through `init_method="env://"` read the first one's rendezvous keys, a peer's
-    old address among them, and one launch after a launch with a failing rank hung or was
-    refused its connection in about one run in four (tests/test_launch.py)."""
+    old address among them, and a launch after a launch with a failing rank was refused its
+    connection or hung (2 of 4 runs of tests/test_launch.py's torchrun job)."""
     global _store
     if _store is None:  # one client for every launch of this process
         _store, _, _ = next(dist.rendezvous("env://", timeout=timeout))

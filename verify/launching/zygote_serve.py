@@ -64,8 +64,7 @@ def _fork(sock, job_path: str, env: dict, where: list, cwd: str, fds: list[int])
     try:  # the rank: nothing here may return into the zygote's loop
         sock.close()
         os.setsid()
-        # As a fresh interpreter has them: Ctrl-C raises KeyboardInterrupt, the rest default
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # As a fresh interpreter has them (SIGINT's handler: rank.main, for every rank)
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         out, err = where
