@@ -1,5 +1,5 @@
 """What the tests ask about processes: is one still alive, what runs below one, what it
-listens on; the launches a test session runs once for all its workers; the machine's lock
+listens on, a port for one to listen on; the launches a test session runs once for all its workers; the machine's lock
 (a test alone on it, or sharing it) and the CPU hogs that keep every core busy."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import itertools
 import json
 import os
 import pickle
@@ -25,8 +26,8 @@ from verify.launching.process import alive
 AS_IN_THE_SUITE = "DDP_VERIFY_TESTS_AS_IN_THE_SUITE"
 
 __all__ = [
-    "Listener", "alive", "descendants", "hogs", "listeners", "machine_lock", "once_per_session",
-    "session_members",
+    "Listener", "alive", "descendants", "free_port", "hogs", "listeners", "machine_lock",
+    "once_per_session", "session_members",
 ]  # fmt: skip
 
 
@@ -80,6 +81,33 @@ def once_per_session(
         if not cached.exists():
             cached.write_bytes(dumps(compute(root / f"{name}-reports")))
     return loads(cached.read_bytes())
+
+
+# free_port's ports: blocks of PORT_BLOCK from FIRST_PORT up to the kernel's ephemeral range
+FIRST_PORT, PORT_BLOCK = 20000, 100
+_picks = itertools.count()  # next() is atomic: the hog window picks from several threads
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, for a script or a launcher to bind later.
+
+    Not one the kernel hands out (bind to port 0): once closed here, the kernel may hand it
+    to any socket bound to port 0 before the script binds it (gloo's pairs, a rendezvous
+    store, `torchrun --standalone`), and the script fails with EADDRINUSE (an mp.spawn
+    fixture in the hog window, once). So the port lies below the ephemeral range, where
+    nothing binds unless asked: only ports picked here can meet, and each xdist worker walks
+    a block of its own, one port after the other, skipping any that is taken."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    blocks = (low - FIRST_PORT) // PORT_BLOCK
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    for _ in range(PORT_BLOCK if blocks > 0 else 0):
+        port = FIRST_PORT + (worker % blocks) * PORT_BLOCK + next(_picks) % PORT_BLOCK
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:

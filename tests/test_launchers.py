@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import alive, descendants
+from tests.processes import alive, descendants, free_port
 from verify.checks.verdict import EXIT_CODES
 from verify.launching.env import LAUNCHED_ENV
 from verify.launching.tree import carries
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = "tests/fixtures/launchers"
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def torchrun(script: str) -> list[str]:
@@ -46,7 +39,7 @@ def torchrun(script: str) -> list[str]:
 def accelerate(script: str) -> list[str]:
     return ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
             "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", free_port(), f"{FIXTURES}/{script}"]  # fmt: skip
+            "--main_process_port", str(free_port()), f"{FIXTURES}/{script}"]  # fmt: skip
 
 
 def python(script: str) -> list[str]:
@@ -54,7 +47,7 @@ def python(script: str) -> list[str]:
 
 
 def audited(run_cli, tmp_path, monkeypatch, command: list[str]) -> tuple[int, dict]:
-    monkeypatch.setenv("SPAWN_PORT", free_port())  # the mp.spawn scripts' MASTER_PORT
+    monkeypatch.setenv("SPAWN_PORT", str(free_port()))  # the mp.spawn scripts' MASTER_PORT
     ran = run_cli("audit", "--json", "--out", str(tmp_path), "--", *command)
     assert ran.stdout, ran.stderr
     return ran.returncode, json.loads(ran.stdout)
@@ -138,7 +131,7 @@ def launch_problems(folder: str, at_once: int = 5) -> list[str]:
     def spawned():  # one after the other: the scripts take their port from the environment
         done = []
         for arm, command in zip(("clean", "buggy"), CASES["mp.spawn"][:2]):
-            os.environ["SPAWN_PORT"] = free_port()
+            os.environ["SPAWN_PORT"] = str(free_port())
             done.append(audit(command, f"mp.spawn-{arm}"))
         return done
 
@@ -234,7 +227,7 @@ def retry_problems(folder: str) -> list[str]:
         f.write(RETRIED)
 
     def audit(mode: str):
-        command = (sys.executable, script, free_port(), free_port(), mode)
+        command = (sys.executable, script, str(free_port()), str(free_port()), mode)
         out = os.path.join(folder, mode)
         return check_audit(AuditOptions(script=command, out=out, console="none", timeout_s=300))
 

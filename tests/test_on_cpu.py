@@ -35,7 +35,7 @@ import torch
 
 from tests import test_launchers
 from tests.consoles import run_main
-from tests.processes import still_running
+from tests.processes import free_port, still_running
 from tests.torchrun_jobs import one_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,11 +427,9 @@ def launcher_on_cpu_problems(tmp: Path, at_once: int = 3) -> list[str]:
         "torchrun-ok": lambda: launched(tmp / "t-ok", *torchrun),
         "torchrun-bug": lambda: launched(tmp / "t-bug", *torchrun, "accum-bug"),
         "nproc-bug": lambda: audit(tmp / "n-bug", CUDA / "gpt_train.py", "accum-bug"),
-        "spawn-ok": lambda: launched(
-            tmp / "s-ok", sys.executable, str(spawn), test_launchers.free_port()
-        ),
+        "spawn-ok": lambda: launched(tmp / "s-ok", sys.executable, str(spawn), str(free_port())),
         "spawn-bug": lambda: launched(
-            tmp / "s-bug", sys.executable, str(spawn), test_launchers.free_port(), "bug"
+            tmp / "s-bug", sys.executable, str(spawn), str(free_port()), "bug"
         ),
     }
     with ThreadPoolExecutor(max_workers=at_once) as pool:

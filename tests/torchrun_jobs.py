@@ -9,10 +9,10 @@ both (bounded), kills whatever is left of either session, and returns what each 
 time it arrived (`Node.when`), so a test can time a verdict from what the script said.
 
 The port: node 0's agent hosts the job's store on it, so it must be free when the agent binds
-it. The OS picks one (bind to port 0, read it, close); under `pytest -n auto` another test may
-take it in between, so node 1 starts only once node 0's own agent listens there (else it could
-join another job's store), and a launch whose agent could not bind is retried with a new
-port. (`--standalone` picks its own.)
+it. `free_port` picks one nothing listens on, below the range the kernel hands out; under
+`pytest -n auto` another test's process may still take it in between, so node 1 starts only
+once node 0's own agent listens there (else it could join another job's store), and a launch
+whose agent could not bind is retried with a new port. (`--standalone` picks its own.)
 
 The time limit: a job may take `STARTUP_S` to print its first line and `RUN_S` from then on;
 a node still running then is killed, and says so (`Node.killed`), so that a test names the
@@ -25,7 +25,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.processes import descendants, listeners, session_members
+from tests.processes import descendants, free_port, listeners, session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 _IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
@@ -73,7 +72,7 @@ def two_nodes(
     folder: Path, script: str, *args: str, stall_s: float = 3.0, module: str = MODULE
 ) -> list[Node]:
     for _ in range(3):
-        port = _free_port()
+        port = free_port()
         cmds = [
             ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
              "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -101,15 +100,9 @@ def one_node(
     flags = ["--standalone"]
     if rdzv_id is not None:
         flags = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-id", rdzv_id,
-                 "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+                 "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]  # fmt: skip
     (node,) = _launch(folder, [[*flags, "--nproc-per-node", "2"]], [module, script, *args], stall_s)
     return node
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(

@@ -61,8 +61,8 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
     if not watch.local.ranks:
         raise ValueError(
             f"nothing joined a process group: {' '.join(started.argv)} exited with code "
-            f"{launcher.returncode} and none of its processes called init_process_group "
-            "(the audit and the watchdog follow processes that do)"
+            f"{launcher.returncode} before any of its processes returned from "
+            "init_process_group (the audit and the watchdog follow processes that do)"
         )
     return result
 
