@@ -300,7 +300,10 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
     that raises after an all_reduce, a rank that raises while its peer waits for it in one (the
     results travel through the job's store and the failed rank closes its group after a grace,
     so its peer's all_reduce fails in seconds, not at the 60 s timeout), then a clean launch: a
-    process group of its own again after a group torn down mid-collective."""
+    process group of its own again after a group torn down mid-collective. Then rank 1 exits
+    with an error and torchrun (`--max-restarts 1`) restarts both: the new attempt's first
+    launch, rank 1 there first, must not meet the last attempt's first launch's keys (the
+    agent keeps its store: that hung)."""
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
@@ -321,7 +324,18 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
             dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
             return "unreachable"
 
-        if __name__ == "__main__":
+        def restarted():
+            if os.environ["RANK"] == "0":
+                time.sleep(6)  # rank 1 is first, past gloo's retries of its connect
+            r = launch(fn, world_size=2, args=(100, False), timeout_s=60)
+            with open(f"{__file__}.rank{os.environ['RANK']}.restarted.json", "w") as f:
+                json.dump({"statuses": [o.status for o in r.outcomes],
+                           "sums": [o.value and o.value["sum"] for o in r.outcomes],
+                           "pid": os.getpid(), "pids": [o.value and o.value["pid"] for o in r.outcomes]}, f)
+
+        if __name__ == "__main__" and os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+            restarted()
+        elif __name__ == "__main__":
             try:
                 launch(fn, world_size=3)
                 mismatch = False
@@ -343,9 +357,12 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
                     "again": [o.status for o in again.outcomes],
                     "sum": again.outcomes[1].value["sum"],
                 }, f)
+            if os.environ["RANK"] == "1":
+                os._exit(1)  # torchrun restarts every rank
     """)
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1"]  # fmt: skip
     proc = subprocess.run(
         [*cmd, str(script)], env=_clean_env(), capture_output=True, text=True, timeout=120
     )
@@ -367,6 +384,11 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
     for r in by_rank.values():  # every rank holds the whole result
         r.pop("pid")
         assert r == expected
+    restarted = [json.loads(Path(f"{script}.rank{r}.restarted.json").read_text()) for r in (0, 1)]
+    for r in restarted:  # this attempt's ranks and values, not the last attempt's
+        assert r["statuses"] == ["ok", "ok"] and r["sums"] == [201.0, 201.0], restarted
+        assert r["pids"] == [restarted[0]["pid"], restarted[1]["pid"]], restarted
+    assert rank0_pid not in restarted[0]["pids"], restarted
 
 
 def _start_a_child_then_fail(ctx: RankContext, pid_dir: str) -> None:

@@ -117,10 +117,19 @@ def _job_store(timeout: datetime.timedelta) -> dist.Store:
     torch names every default group "0" afresh (`destroy_process_group` resets its count), so
     a second group through `init_method="env://"` read the first one's rendezvous keys, a peer's
     old address among them, and a launch after a launch with a failing rank was refused its
-    connection or hung (2 of 4 runs of tests/test_launch.py's torchrun job)."""
+    connection or hung (2 of 4 runs of tests/test_launch.py's torchrun job).
+
+    On one node the store is also the attempt's (`torchrun --max-restarts`): the agent keeps
+    its store across restarts (torch 2.13), so without it a restarted attempt's first launch
+    met the last attempt's keys and hung. Across nodes the attempt is not in the prefix: a
+    node restarted for another's membership change keeps its count (torchelastic counts only
+    its own failures), and nodes with different counts would never meet."""
     global _store
     if _store is None:  # one client for every launch of this process
-        _store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        one_node = os.environ.get("GROUP_WORLD_SIZE", "1") == "1"
+        _store = dist.PrefixStore(f"attempt{attempt}/", store) if one_node else store
     _store.set_timeout(timeout)
     return _store
 
