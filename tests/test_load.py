@@ -94,6 +94,7 @@ from tests.torchrun_jobs import two_nodes
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
+from verify.watching.procstat import sample_tree
 
 __all__ = ["hogs"]  # (its home is tests/processes.py; imported from here by older tests)
 
@@ -226,14 +227,22 @@ def _run_window(folder: Path) -> Window:
     jobs = {name: job for table in _jobs(folder).values() for name, job in table.items()}
     first = {name: i for i, name in enumerate(LONGEST)}
     jobs = dict(sorted(jobs.items(), key=lambda item: first.get(item[0], len(first))))
-    start = time.monotonic()
+    start, busy = time.monotonic(), _busy_cpu_s()
     with hogs() as hog_pids:
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
             futures = {name: pool.submit(_timed, name, start, *job) for name, job in jobs.items()}
             done = {name: f.result() for name, f in futures.items()}
+        hogged = sum((sample_tree(pid) or (0.0,))[0] for pid in hog_pids)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    print(f"{len(jobs)} jobs under the hogs in {time.monotonic() - start:.1f}s ({worker})")
+    print(f"{len(jobs)} jobs under the hogs in {time.monotonic() - start:.1f}s ({worker}); "
+          f"the hogs had {hogged:.1f} of the machine's {_busy_cpu_s() - busy:.1f} CPU-s")  # fmt: skip
     return Window(done, hog_pids, folder)
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the machine has spent busy since it started (/proc/stat)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
 
 
 def _check_verdicts(window: Window) -> None:
