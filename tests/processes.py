@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -90,9 +91,11 @@ def once_per_session(
     return loads(cached.read_bytes())
 
 
-# free_port's ports: blocks of PORT_BLOCK from FIRST_PORT up to the kernel's ephemeral range
+# free_port's ports: blocks of PORT_BLOCK from FIRST_PORT up to the kernel's ephemeral range.
+# Each process walks its block from a place of its own: two test sessions on one machine (or
+# more workers than blocks) would otherwise hand out the same ports in step.
 FIRST_PORT, PORT_BLOCK = 20000, 100
-_picks = itertools.count()  # next() is atomic: the hog window picks from several threads
+_picks = itertools.count(random.randrange(PORT_BLOCK))  # next() is atomic: the window's threads
 
 
 def free_port() -> int:
@@ -102,8 +105,9 @@ def free_port() -> int:
     to any socket bound to port 0 before the script binds it (gloo's pairs, a rendezvous
     store, `torchrun --standalone`), and the script fails with EADDRINUSE (an mp.spawn
     fixture in the hog window, once). So the port lies below the ephemeral range, where
-    nothing binds unless asked: only ports picked here can meet, and each xdist worker walks
-    a block of its own, one port after the other, skipping any that is taken."""
+    nothing binds unless asked: there only ports picked here (or named by a fixture: 23456,
+    29500, in blocks past the 34th) can meet, and each xdist worker walks a block of its
+    own, one port after the other, skipping any that is taken."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     blocks = (low - FIRST_PORT) // PORT_BLOCK
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)

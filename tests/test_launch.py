@@ -302,8 +302,10 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
     so its peer's all_reduce fails in seconds, not at the 60 s timeout), then a clean launch: a
     process group of its own again after a group torn down mid-collective. Then rank 1 exits
     with an error and torchrun (`--max-restarts 1`) restarts both: the new attempt's first
-    launch, rank 1 there first, must not meet the last attempt's first launch's keys (the
-    agent keeps its store: that hung)."""
+    launch must not meet the last attempt's first launch's keys (the agent keeps its store).
+    Rank 0 comes late to it and reports late: with those keys rank 1 connected to a dead
+    address (refused, or a hang) or, where gloo had it wait for the connection instead, took
+    rank 0's old report for this one."""
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
@@ -324,10 +326,16 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
             dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
             return "unreachable"
 
+        def late(ctx, offset):
+            value = fn(ctx, offset, fail=False)
+            if ctx.rank == 0:  # rank 1 asks for rank 0's report first
+                time.sleep(2)
+            return value
+
         def restarted():
-            if os.environ["RANK"] == "0":
-                time.sleep(6)  # rank 1 is first, past gloo's retries of its connect
-            r = launch(fn, world_size=2, args=(100, False), timeout_s=60)
+            if os.environ["RANK"] == "0":  # rank 1 connects first, past gloo's retries
+                time.sleep(4)
+            r = launch(late, world_size=2, args=(100,), timeout_s=60)
             with open(f"{__file__}.rank{os.environ['RANK']}.restarted.json", "w") as f:
                 json.dump({"statuses": [o.status for o in r.outcomes],
                            "sums": [o.value and o.value["sum"] for o in r.outcomes],
@@ -357,7 +365,11 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
                     "again": [o.status for o in again.outcomes],
                     "sum": again.outcomes[1].value["sum"],
                 }, f)
-            if os.environ["RANK"] == "1":
+            if os.environ["RANK"] == "1":  # once rank 0 has written: torchrun ends it then
+                for _ in range(600):
+                    if os.path.exists(f"{__file__}.rank0.json"):
+                        break
+                    time.sleep(0.1)
                 os._exit(1)  # torchrun restarts every rank
     """)
     )
