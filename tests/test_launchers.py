@@ -307,6 +307,28 @@ def test_a_command_whose_processes_never_join_a_group(run_cli, tmp_path):
     assert _subreaper() == 0
 
 
+def test_a_command_that_never_joins_a_group_runs_to_the_timeout(run_cli, tmp_path):
+    """Still running without a group at --timeout: ended, and said so (it had said "exited
+    with code None")."""
+    sleeper = [sys.executable, "-c", f"import time; time.sleep(60)  # {tmp_path}"]
+    ran = run_cli("hang", "--timeout", "2", "--out", str(tmp_path), "--", *sleeper)
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.strip().splitlines() == [
+        f"verify: error: nothing joined a process group: {' '.join(sleeper)} ran to the 2 s "
+        "timeout before any of its processes returned from init_process_group (the audit and "
+        "the watchdog follow processes that do)"
+    ]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == sleeper]
+    assert not [p for p in left if alive(int(p))], left
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    except OSError:
+        return []
+
+
 def _subreaper() -> int:
     """This process's PR_GET_CHILD_SUBREAPER (37): 1 while it adopts its descendants' orphans."""
     import ctypes

@@ -59,10 +59,15 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
             pids = list(watch.local.pids.values())
             tree.end_all(pids, launcher, GRACE_S if polite else 0.0, started.marker)
     if not watch.local.ranks:
+        ended = (
+            f"ran to the {timeout_s:g} s timeout"
+            if watch.reason == "timeout"
+            else f"exited with code {launcher.returncode}"
+        )
         raise ValueError(
-            f"nothing joined a process group: {' '.join(started.argv)} exited with code "
-            f"{launcher.returncode} before any of its processes returned from "
-            "init_process_group (the audit and the watchdog follow processes that do)"
+            f"nothing joined a process group: {' '.join(started.argv)} {ended} before any "
+            "of its processes returned from init_process_group (the audit and the watchdog "
+            "follow processes that do)"
         )
     return result
 
