@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _write_pid(pid_dir: str, ctx: RankContext) -> None:
-    Path(pid_dir, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+    """rank<r>.pid, whole when it appears: a test polling for it read one empty once (CI)."""
+    Path(pid_dir, f"rank{ctx.rank}.tmp").write_text(str(os.getpid()))
+    os.replace(Path(pid_dir, f"rank{ctx.rank}.tmp"), Path(pid_dir, f"rank{ctx.rank}.pid"))
 
 
 def _sum_of_ranks(ctx: RankContext, tag: str) -> dict:
