@@ -44,8 +44,10 @@ windows' waits (stall timeouts, a rank computing for two of them) overlap each o
 than follow each other, with every core busy all the same. (One test, not several sharing a
 module fixture: xdist spread such tests over its workers, or set the fixture up again when a
 worker's queue ran dry, and the window ran three times.) The hogs are started and killed by
-the test, bounded by the jobs' own time limits; then each check (`CHECKS`) asserts on its
-jobs' results, and every check that fails is reported.
+the test, bounded by the jobs' own time limits, each in a session of its own as every rank is
+(in the test's session they got 5% of the window's CPU: tests/processes.py `hogs`; the
+window prints their share); then each check (`CHECKS`) asserts on its jobs' results, and
+every check that fails is reported.
 
 A job's idle run, the same function and assertions, is a test marked `under_load` in the file
 the job comes from: skipped in a run that includes this window, which checks its verdicts
