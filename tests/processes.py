@@ -1,6 +1,7 @@
 """What the tests ask about processes: is one still alive, what runs below one, what it
-listens on, a port for one to listen on; the launches a test session runs once for all its workers; the machine's lock
-(a test alone on it, or sharing it) and the CPU hogs that keep every core busy."""
+listens on, a port for one to listen on; the launches a test session runs once for all its
+workers; the machine's lock (a test alone on it, or sharing it) and the CPU hogs that keep
+every core busy."""
 
 from __future__ import annotations
 

@@ -356,8 +356,10 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
             waited = launch(fails_first, world_size=2, timeout_s=60)
             elapsed = time.monotonic() - start
             again = launch(fn, world_size=2, args=(10, False), timeout_s=60)
-            # One file a rank: the ranks' shared stdout may interleave their lines.
-            with open(f"{__file__}.rank{os.environ['RANK']}.json", "w") as f:
+            # One file a rank: the ranks' shared stdout may interleave their lines. Written
+            # aside, then renamed: rank 1 ends the attempt once it sees rank 0's.
+            mine = f"{__file__}.rank{os.environ['RANK']}.json"
+            with open(mine + ".tmp", "w") as f:
                 json.dump({
                     "pid": os.getpid(), "mismatch": mismatch,
                     "statuses": [o.status for o in r.outcomes], "value0": r.outcomes[0].value,
@@ -367,6 +369,7 @@ def test_joins_a_torchrun_job(tmp_path: Path) -> None:
                     "again": [o.status for o in again.outcomes],
                     "sum": again.outcomes[1].value["sum"],
                 }, f)
+            os.replace(mine + ".tmp", mine)
             if os.environ["RANK"] == "1":  # once rank 0 has written: torchrun ends it then
                 for _ in range(600):
                     if os.path.exists(f"{__file__}.rank0.json"):
