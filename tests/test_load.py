@@ -49,9 +49,11 @@ the test, bounded by the jobs' own time limits, each in a session of its own as 
 window prints their share); then each check (`CHECKS`) asserts on its jobs' results, and
 every check that fails is reported.
 
-A job's idle run, the same function and assertions, is a test marked `under_load` in the file
-the job comes from: skipped in a run that includes this window, which checks its verdicts
-once (tests/conftest.py), run when its file runs alone. The three ways a change to a verdict
+The window is the load tier (marker `load`): `pytest -m load`, a CI step of its own after the
+default tier, which deselects it (pyproject.toml). A job's idle run, the same function and
+assertions, is a test marked `under_load` in the file the job comes from: it runs in the
+default tier, and is skipped only in a run that includes this window, which checks its
+verdicts once (tests/conftest.py). The three ways a change to a verdict
 is tested: its file alone (idle), this window (loaded), fresh code in both.
 """
 
@@ -375,6 +377,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.load  # the load tier: `pytest -m load` (pyproject.toml), not the default one
 @pytest.mark.alone  # the hogs would slow every other test of the run (tests/conftest.py)
 def test_verdicts_hold_with_every_core_busy(tmp_path):
     """One hog window for every loaded verdict (module docstring); each check's assertions on
