@@ -61,7 +61,10 @@ class Guard:
 
     def watch(self, pid: int) -> None:
         """The launcher's pid (its start time with it: a pid used again is never killed)."""
-        os.write(self._write, f"{pid} {tree.start_time(pid)}\n".encode())
+        try:
+            os.write(self._write, f"{pid} {tree.start_time(pid)}\n".encode())
+        except OSError:  # the guardian is gone (killed on its own): the tool still ends the run
+            pass
 
     def close(self, wait_s: float = tree.GONE_S) -> None:
         if self._write < 0:
