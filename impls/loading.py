@@ -41,14 +41,14 @@ def load_class(spec: str) -> type:
     module_part, _, class_name = spec.rpartition(":")
     if not module_part or not class_name:
         raise ImplError(f"--impl {spec!r}: expected package.module:Class or path/to/file.py:Class")
-    if module_part.endswith(".py") or "/" in module_part:  # a file (a path)
+    in_file = module_part.endswith(".py") or "/" in module_part  # a path, not a dotted name
+    if in_file:
         path = Path(module_part)
         if not path.is_file():
             raise ImplError(f"--impl {spec!r}: file {module_part} does not exist")
         module = _import_file(path)
     else:
         module = _import_module(spec, module_part)
-    in_file = module_part.endswith(".py") or "/" in module_part
     own = sorted(n for n, v in vars(module).items() if _is_own(v, module, in_file))
     there = f" (classes there: {', '.join(own)})" if own else ""
     cls = getattr(module, class_name, None)
@@ -59,19 +59,26 @@ def load_class(spec: str) -> type:
     if not inspect.isclass(cls):
         raise ImplError(f"--impl {spec!r}: {class_name!r} is not a class")
     if not _is_own(cls, module, in_file):
-        home = f"{cls.__module__}.{cls.__qualname__}"
-        if in_file:
-            defines = f"classes it defines: {', '.join(own)}" if own else "it defines no class"
-            raise ImplError(
-                f"--impl {spec!r}: {class_name} is {home}, imported, not defined in "
-                f"{module_part} ({defines}): name a class the file defines"
-            )
-        raise ImplError(
-            f"--impl {spec!r}: {class_name} is {home}, imported from another package, not "
-            f"{module_part.split('.')[0]}'s: name it as {cls.__module__}:{cls.__qualname__}"
-            + (f", or one of {module_part}'s ({', '.join(own)})" if own else "")
-        )
+        raise ImplError(_not_own(spec, cls, own, in_file))
     return cls
+
+
+def _not_own(spec: str, cls: type, own: list[str], in_file: bool) -> str:
+    """The one line for a class `spec` names that its module only imports: what it is, and
+    the classes that may be named there (`own`)."""
+    module_part, _, class_name = spec.rpartition(":")
+    home = f"{cls.__module__}.{cls.__qualname__}"
+    if in_file:
+        defines = f"classes it defines: {', '.join(own)}" if own else "it defines no class"
+        return (
+            f"--impl {spec!r}: {class_name} is {home}, imported, not defined in {module_part} "
+            f"({defines}): name a class the file defines"
+        )
+    return (
+        f"--impl {spec!r}: {class_name} is {home}, imported from another package, not "
+        f"{module_part.split('.')[0]}'s: name it as {cls.__module__}:{cls.__qualname__}"
+        + (f", or one of {module_part}'s ({', '.join(own)})" if own else "")
+    )
 
 
 def _is_own(value: object, module: ModuleType, in_file: bool) -> bool:
