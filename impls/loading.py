@@ -2,7 +2,17 @@
 `path/to/file.py:Class`.
 
 Every failure is an `ImplError` with one line (exit code 2): the module or file not found, an
-exception while importing it (its type and message, not a traceback), no such class.
+exception while importing it (its type and message, not a traceback; `sys.exit()` too), no
+such class, a class the file only imports. The import runs in the tool's process, contained
+(`containment.py`): its prints go to stderr, a fork's child ends at once, its threads do not
+hold the tool's exit.
+
+A class is the file's when the file defines it (its `__module__` is the file's module):
+`file.py:DDP` where the file does `from torch.nn.parallel import DistributedDataParallel as
+DDP` would certify PyTorch's class under the file's name, so it is refused, naming the class
+and the ones the file defines. A module path may name a class its package re-exports
+(`mypkg:MyDDP`, defined in `mypkg/ddp.py`, as packages commonly do), but not one from
+another package (`mypkg:DDP` for torch's): that is named by its own module.
 
 A file inside a package (its directory has `__init__.py`) is imported as a member of that
 package, by its dotted name, with the package root's parent on `sys.path`: its absolute
@@ -22,6 +32,7 @@ import zlib
 from pathlib import Path
 from types import ModuleType
 
+from .containment import contained
 from .recipes import ImplError
 
 
@@ -30,23 +41,55 @@ def load_class(spec: str) -> type:
     module_part, _, class_name = spec.rpartition(":")
     if not module_part or not class_name:
         raise ImplError(f"--impl {spec!r}: expected package.module:Class or path/to/file.py:Class")
-    if module_part.endswith(".py") or "/" in module_part:
+    in_file = module_part.endswith(".py") or "/" in module_part  # a path, not a dotted name
+    if in_file:
         path = Path(module_part)
         if not path.is_file():
             raise ImplError(f"--impl {spec!r}: file {module_part} does not exist")
         module = _import_file(path)
     else:
         module = _import_module(spec, module_part)
+    own = sorted(n for n, v in vars(module).items() if _is_own(v, module, in_file))
+    there = f" (classes there: {', '.join(own)})" if own else ""
     cls = getattr(module, class_name, None)
     if cls is None:
-        available = sorted(n for n, v in vars(module).items() if inspect.isclass(v))
         raise ImplError(
-            f"--impl {spec!r}: module {module_part!r} has no class {class_name!r}"
-            + (f" (classes there: {', '.join(available)})" if available else "")
+            f"--impl {spec!r}: module {module_part!r} has no class {class_name!r}{there}"
         )
     if not inspect.isclass(cls):
         raise ImplError(f"--impl {spec!r}: {class_name!r} is not a class")
+    if not _is_own(cls, module, in_file):
+        raise ImplError(_not_own(spec, cls, own, in_file))
     return cls
+
+
+def _not_own(spec: str, cls: type, own: list[str], in_file: bool) -> str:
+    """The one line for a class `spec` names that its module only imports: what it is, and
+    the classes that may be named there (`own`)."""
+    module_part, _, class_name = spec.rpartition(":")
+    home = f"{cls.__module__}.{cls.__qualname__}"
+    if in_file:
+        defines = f"classes it defines: {', '.join(own)}" if own else "it defines no class"
+        return (
+            f"--impl {spec!r}: {class_name} is {home}, imported, not defined in {module_part} "
+            f"({defines}): name a class the file defines"
+        )
+    return (
+        f"--impl {spec!r}: {class_name} is {home}, imported from another package, not "
+        f"{module_part.split('.')[0]}'s: name it as {cls.__module__}:{cls.__qualname__}"
+        + (f", or one of {module_part}'s ({', '.join(own)})" if own else "")
+    )
+
+
+def _is_own(value: object, module: ModuleType, in_file: bool) -> bool:
+    """Whether `value` is a class of `module`'s: defined in it (a file), or in its top-level
+    package (a module path, where re-exports are common)."""
+    if not inspect.isclass(value):
+        return False
+    home = getattr(value, "__module__", None) or ""
+    if in_file:
+        return home == module.__name__
+    return home.split(".")[0] == module.__name__.split(".")[0]
 
 
 def name_the_class(spec: str) -> str:
@@ -70,15 +113,23 @@ def name_the_class(spec: str) -> str:
 
 def _import_module(spec: str, dotted: str) -> ModuleType:
     try:
-        return importlib.import_module(dotted)
+        with contained(dotted):
+            return importlib.import_module(dotted)
+    except KeyboardInterrupt:
+        raise
     except ModuleNotFoundError as e:
         if e.name and dotted.startswith(e.name):  # the module named, not one it imports
             raise ImplError(f"--impl {spec!r}: module {e.name!r} not found") from None
         raise ImplError(f"--impl {spec!r}: importing {dotted} failed: {e}") from None
-    except Exception as e:  # SyntaxError, ImportError, anything raised at import time
-        raise ImplError(
-            f"--impl {spec!r}: importing {dotted} failed: {type(e).__name__}: {e}"
-        ) from None
+    except BaseException as e:  # SyntaxError, ImportError, SystemExit: anything at import
+        raise ImplError(f"--impl {spec!r}: importing {dotted} failed: {_what(e)}") from None
+
+
+def _what(e: BaseException) -> str:
+    """What an import raised, in a few words: its type and message; an exit as the call."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}) (a class's file must not exit when imported)"
+    return f"{type(e).__name__}: {e}"
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -94,12 +145,14 @@ def _import_file(path: Path) -> ModuleType:
     sys.path.insert(0, str(path.parent))  # so the file's sibling imports work
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
+        with contained(str(path)):
+            spec.loader.exec_module(module)
+    except KeyboardInterrupt:
         del sys.modules[name]
-        raise ImplError(
-            f"--impl {path}: importing the file failed: {type(e).__name__}: {e}"
-        ) from None
+        raise
+    except BaseException as e:
+        del sys.modules[name]
+        raise ImplError(f"--impl {path}: importing the file failed: {_what(e)}") from None
     return module
 
 
@@ -116,10 +169,13 @@ def _import_package_member(path: Path) -> ModuleType:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
-        module = importlib.import_module(dotted)
-    except Exception as e:
+        with contained(str(path)):
+            module = importlib.import_module(dotted)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
         raise ImplError(
-            f"--impl {path}: importing it as {dotted} (from {root}) failed: {type(e).__name__}: {e}"
+            f"--impl {path}: importing it as {dotted} (from {root}) failed: {_what(e)}"
         ) from None
     found = Path(module.__file__).resolve() if getattr(module, "__file__", None) else None
     if found != path:

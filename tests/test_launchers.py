@@ -11,6 +11,7 @@ accelerate cost seconds of imports per process: one clean and one buggy launch e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -339,3 +340,90 @@ def test_nproc_is_for_a_script_not_a_command(command, run_cli):
     assert ran.returncode == 2
     assert ran.stderr.startswith("verify: error: --nproc applies to a script"), ran.stderr
     assert "drop --nproc" in ran.stderr and len(ran.stderr.splitlines()) == 1
+
+
+# Trains until it is ended, under torchrun (LOCAL_RANK set) or its own mp.spawn.
+TRAINS_ON = """\
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank=None, world_size=None, port=None):
+    if rank is None:
+        dist.init_process_group("gloo")
+    else:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = port
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    while True:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:
+        train()
+    else:
+        mp.spawn(train, args=(2, sys.argv[1]), nprocs=2)
+"""
+
+
+def _run_processes(run: Path) -> list[int]:
+    """Every live process carrying the run folder `run` (every process of its launch)."""
+    marker = f"{LAUNCHED_ENV}={os.path.abspath(run)}".encode()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if alive(p) and carries(p, marker)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
+def test_sigkill_of_the_tool_ends_every_process_of_the_run(launcher, tmp_path):
+    """`kill -9` of `audit -- LAUNCHER` while its ranks train: the tool can end nothing, yet
+    nothing of the run is left (torchrun's workers lead sessions of their own, mp.spawn's
+    children outlive their parent): its guardian ends them (verify/launching/guardian.py)."""
+    script = tmp_path / "train_on.py"
+    script.write_text(TRAINS_ON)
+    command = (
+        ["torchrun", "--standalone", "--nproc-per-node", "2", str(script)]
+        if launcher == "torchrun"
+        else [sys.executable, str(script), str(free_port())]
+    )
+    out, said = tmp_path / "out", tmp_path / "stderr.txt"
+    with open(said, "w") as stderr:
+        tool = subprocess.Popen(
+            [sys.executable, "-m", "verify", "audit", "--stall-timeout", "300", "--out",
+             str(out), "--", *command],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL, stderr=stderr,
+        )  # fmt: skip
+    run = None
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(out.glob("audit_*/rank*.joined"))) < 2:
+            assert tool.poll() is None and time.monotonic() < deadline, said.read_text()
+            time.sleep(0.2)
+        (run,) = out.glob("audit_*")
+        assert len(_run_processes(run)) >= 3  # the launcher (and agent) and two ranks
+        tool.kill()
+        tool.wait()
+        deadline = time.monotonic() + 60  # SIGKILLed processes go when they are scheduled
+        while _run_processes(run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _run_processes(run)
+        assert left == [], f"left running after the tool's SIGKILL: {left}"
+    finally:
+        tool.kill()
+        for pid in _run_processes(run) if run else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

@@ -10,6 +10,8 @@ a real run shows that the route works.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -323,3 +325,133 @@ def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+# --- a class the file defines, and an import that stays the user's -------------------------
+
+# A student's file: their class, and PyTorch's imported as the baseline they compare against.
+_STUDENT = """
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class MyDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def baseline(module):
+    return DDP(module)
+"""
+
+
+def test_a_class_the_file_only_imports_is_refused_naming_what_it_is(tmp_path):
+    path = _write(tmp_path / "student_ddp.py", _STUDENT)
+    with pytest.raises(ImplError) as imported:
+        resolve(f"{path}:DDP")
+    assert str(imported.value) == (
+        f"--impl '{path}:DDP': DDP is torch.nn.parallel.distributed.DistributedDataParallel, "
+        f"imported, not defined in {path} (classes it defines: MyDDP): name a class the file "
+        "defines"
+    )
+    with pytest.raises(ImplError, match=r"has no class 'Model' \(classes there: MyDDP\)$"):
+        resolve(f"{path}:Model")
+    assert resolve(f"{path}:MyDDP").cls.__name__ == "MyDDP"
+
+
+def test_a_module_path_takes_its_packages_reexport_but_not_another_packages(tmp_path, monkeypatch):
+    """A package's `__init__` re-exporting its own class is how packages are written, so
+    `pkg:MyDDP` is accepted; `pkg:DDP`, torch's class imported there, is named by its home."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"reexport_{abs(hash(str(tmp_path))) % 10**8}"
+    _write(tmp_path / name / "ddp.py", _STUDENT)
+    _write(tmp_path / name / "__init__.py", "from .ddp import DDP, MyDDP\n")
+    try:
+        assert resolve(f"{name}:MyDDP").cls.__module__ == f"{name}.ddp"
+        with pytest.raises(ImplError) as other:
+            resolve(f"{name}:DDP")
+        assert str(other.value) == (
+            f"--impl '{name}:DDP': DDP is torch.nn.parallel.distributed.DistributedDataParallel,"
+            f" imported from another package, not {name}'s: name it as "
+            f"torch.nn.parallel.distributed:DistributedDataParallel, or one of {name}'s (MyDDP)"
+        )
+    finally:
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+
+
+def test_the_cli_refuses_an_imported_class_in_one_line(run_cli, tmp_path):
+    path = _write(tmp_path / "student_ddp.py", _STUDENT)
+    ran = run_cli("consistency", "--impl", f"{path}:DDP")
+    assert ran.returncode == 2 and ran.stdout == ""
+    assert ran.stderr.strip().splitlines() == [
+        f"verify: error: --impl '{path}:DDP': DDP is torch.nn.parallel.distributed."
+        f"DistributedDataParallel, imported, not defined in {path} (classes it defines: MyDDP):"
+        " name a class the file defines"
+    ]
+
+
+def test_an_exit_at_import_is_one_line_exit_2(run_cli, tmp_path):
+    path = _write(tmp_path / "quits.py", "import sys\n\nsys.exit(3)\n")
+    ran = run_cli("consistency", "--impl", f"{path}:MyDDP")  # raised SystemExit(3) here
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines() == [
+        f"verify: error: --impl {path}: importing the file failed: it called sys.exit(3) (a "
+        "class's file must not exit when imported)"
+    ]
+
+
+def test_a_print_at_import_goes_to_stderr_and_stdout_stays_the_reports(tmp_path, capfd):
+    path = _write(
+        tmp_path / "chatty.py",
+        "import os\n\nprint('loading my DDP')\nos.write(1, b'from C, say\\n')\n" + _STUDENT,
+    )
+    assert resolve(f"{path}:MyDDP").cls.__name__ == "MyDDP"
+    out, err = capfd.readouterr()
+    assert out == ""  # --json's one document is all stdout holds
+    assert "loading my DDP\n" in err and "from C, say\n" in err
+
+
+def test_a_fork_at_import_ends_the_child_at_once(tmp_path, capfd):
+    """The child would go on as a copy of the tool (here it leaves a mark, then leaves: the
+    test's process must not be copied on). It is ended before its next line, and the tool
+    says so."""
+    mark = tmp_path / "the child ran"
+    forks = f"import os\n\nCHILD = os.fork()\nif CHILD == 0:\n    open({str(mark)!r}, 'w')\n"
+    forks += "    os._exit(0)\n"
+    path = _write(tmp_path / "forks.py", forks + _STUDENT)
+    impl = resolve(f"{path}:MyDDP")
+    _, status = os.waitpid(sys.modules[impl.cls.__module__].CHILD, 0)
+    assert not mark.exists() and os.waitstatus_to_exitcode(status) != 0
+    assert f"verify: note: importing {path} forked 1 process(es): ended at once" in (
+        capfd.readouterr().err
+    )
+
+
+def test_a_thread_started_at_import_does_not_hold_the_tools_exit(tmp_path):
+    """A non-daemon thread that never ends, started by the file: the tool refuses the class
+    (no DDP there) and exits 2 all the same, with a note (Python would have joined it)."""
+    path = _write(
+        tmp_path / "threads.py",
+        "import threading\n\nthreading.Thread(target=threading.Event().wait, name='prefetch')"
+        ".start()\n\n\nclass Helper:\n    pass\n",
+    )
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "verify", "consistency", "--impl", f"{path}:Helper"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _, err = tool.communicate(timeout=300)  # without the fix: held for ever
+    finally:
+        tool.kill()
+    assert tool.returncode == 2, err
+    assert "neither an nn.Module DDP wrapper" in err
+    assert f"verify: note: not waiting for thread 'prefetch', which importing {path}" in err

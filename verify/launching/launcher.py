@@ -12,6 +12,9 @@ Python process of the command, a hook that does nothing until the process calls
 run's report folder and the audit's, the sanitizer's and `--on-cpu`'s settings. Nothing else
 is set: not torchrun's variables (Lightning starts its other ranks only when LOCAL_RANK is
 unset), not the ranks' threads.
+
+The command dies with the tool, whatever ends it: a guardian process started first
+(`guardian.py`) ends every process of the run once the tool is gone, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from verify.launching import tree
+from verify.launching import guardian, tree
 from verify.launching.env import (
     LAUNCHED_AUDIT_ENV,
     LAUNCHED_ENV,
@@ -49,7 +52,8 @@ def is_command(argv: tuple[str, ...]) -> bool:
 class Started:
     """A launcher command on its way: its words, its report folder, the environment it was
     given, its process and when it started (`time.monotonic()`). While it lasts, this process
-    is a subreaper (`tree.subreaper`): workers whose launcher died come to it, not to init.
+    is a subreaper (`tree.subreaper`): workers whose launcher died come to it, not to init;
+    and a guardian (`guardian.py`) ends every process of it if this process is killed.
     `command.run_command` watches it and ends it; `abandon` ends it unwatched."""
 
     argv: tuple[str, ...]
@@ -111,11 +115,17 @@ def start(
     if on_cpu:  # the GPUs hidden from the launcher too, as in each rank (verify/oncpu/)
         child_env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
+    marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
     reaping = contextlib.ExitStack()
-    reaping.enter_context(tree.subreaper())
     try:
+        reaping.enter_context(tree.subreaper())
+        # Before the command, so that no moment of it runs unguarded; closed first at the end,
+        # once the tool has ended the launch (a sweep that finds nothing).
+        guard = guardian.Guard(marker, dict(os.environ))
+        reaping.callback(guard.close)
         begun = time.monotonic()
         process = subprocess.Popen(list(argv), env=child_env, stdout=out)
+        guard.watch(process.pid)
     except BaseException:
         reaping.close()
         raise

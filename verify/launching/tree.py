@@ -124,7 +124,7 @@ def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
     for _ in range(3):  # a process forked while we were killing is caught next round
         left = set(pids) | set(below) | {p for p in descendants(me) if carries(p, marker)}
         left -= {me, launcher.pid} | killed
-        left = {p for p in left if _live(p)}
+        left = {p for p in left if live(p)}
         if not left:
             break
         for pid in left:
@@ -137,19 +137,30 @@ def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
         # A SIGKILLed process is gone only once it has been scheduled to exit (seconds on a
         # loaded machine): none may be left when the tool returns.
         end = time.monotonic() + GONE_S
-        while any(_live(p) for p in left) and time.monotonic() < end:
+        while any(live(p) for p in left) and time.monotonic() < end:
             _reap(killed)
             time.sleep(0.02)
         _reap(killed)
     _reap(killed)
 
 
-def _live(pid: int) -> bool:
+def live(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return False
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat): with the pid, what names
+    one process, never another that got the same pid later; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _reap(pids: set[int]) -> None:
