@@ -679,7 +679,9 @@ def test_zeros_settings_are_its_local_optimizers_overlaid_with_its_own():
     local = torch.optim.AdamW([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr=1e-3)
     plain = torch.optim.AdamW([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr=2e-3)
 
-    class Zero(torch.optim.Optimizer):  # the shape of ZeroRedundancyOptimizer before a step
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class Zero(ZeroRedundancyOptimizer):  # its shape before a step (no process group here)
         def __init__(self):
             self.optim = local
             self.param_groups = [dict(plain.param_groups[0]),

@@ -17,7 +17,7 @@ def audit(result: AuditResult, recorded_alone: bool = False) -> str:
     "audited: 0 steps" and the nothing-audited verdict (the recording's report follows)."""
     o, run = result.options, result.run
     every = "every optimizer step" if o.audit_every == 1 else f"every {o.audit_every}th step"
-    n = len(run.pids) if is_command(o.script) else o.nproc  # a launcher's: those that joined
+    n = ranks_of(result)
     ranks = f"{n} rank{'s' if n != 1 else ''}"
     lines = [f"audit: {' '.join(o.script)}, {ranks}, {every} ({run.elapsed_s:.1f}s)"]
     lines += findings(result.audit, recorded_alone)
@@ -30,6 +30,11 @@ def audit(result: AuditResult, recorded_alone: bool = False) -> str:
     elif not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
         lines.append(verdict_line(result.audit, result.verdict))
     return "\n".join(lines + [f"report: {result.report_dir}"])
+
+
+def ranks_of(result: AuditResult) -> int:
+    """The run's ranks: `--nproc`, or a launcher's, those that joined."""
+    return len(result.run.pids) if is_command(result.options.script) else result.options.nproc
 
 
 def findings(audited: AuditReport | None, recorded_alone: bool = False) -> list[str]:

@@ -24,7 +24,8 @@ def audit(result) -> str:
         return text_audit.audit(result)
     own = result.audit_result
     # one rank: nothing compared across ranks, and its steps recorded (counts, not text)
-    alone = own.audit is not None and own.audit.audits == 0 and result.recording is not None
+    alone = (text_audit.ranks_of(own) == 1 and own.audit is not None
+             and own.audit.audits == 0 and result.recording is not None)  # fmt: skip
     plain = text_audit.audit(own, recorded_alone=alone).split("\n")
     report = plain.pop()  # "report: <folder>"
     if result.comparison is not None:

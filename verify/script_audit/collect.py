@@ -140,18 +140,21 @@ def described(opt: torch.optim.Optimizer) -> str:
 
 
 def _applied(opt: torch.optim.Optimizer) -> list[dict]:
-    """The param groups' settings the step applies. An optimizer that steps a local one of
-    its own (`ZeroRedundancyOptimizer.optim`) copies its groups' keys onto the local
-    optimizer's before stepping it, and the local groups hold the rest: a group added with
-    `add_param_group` holds only the keys it was given until the first step copies the
-    local optimizer's full group back (amsgrad, eps, ... then appear). Its groups are the
-    local ones overlaid with its own, where the two line up one to one."""
-    inner = getattr(opt, "optim", None)
-    if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+    """The param groups' settings the step applies. `ZeroRedundancyOptimizer` steps a local
+    optimizer of its own (`.optim`), copying its groups' keys onto the local groups first,
+    and the local groups hold the rest: a group added with `add_param_group` holds only the
+    keys it was given until the first step copies the local optimizer's full group back
+    (amsgrad, eps, ... then appear). Its groups are the local ones overlaid with its own,
+    where the two line up one to one (on every rank: ZeRO gives each rank a local group per
+    group). Another class's inner optimizer is not read: its groups may differ by rank, and
+    the ranks would then audit different keys."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None or not isinstance(opt, zero.ZeroRedundancyOptimizer):
+        return opt.param_groups  # (a script that uses it has imported it)
+    local = getattr(getattr(opt, "optim", None), "param_groups", None)  # (built later
+    if local is None or len(local) != len(opt.param_groups):  # under overlap_with_ddp=True)
         return opt.param_groups
-    if len(inner.param_groups) != len(opt.param_groups):
-        return opt.param_groups
-    return [{**local, **own} for local, own in zip(inner.param_groups, opt.param_groups)]
+    return [{**mine, **own} for mine, own in zip(local, opt.param_groups)]
 
 
 def _setting(v) -> float | str:
