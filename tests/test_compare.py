@@ -693,3 +693,12 @@ def test_zeros_settings_are_its_local_optimizers_overlaid_with_its_own():
     assert settings == {e.name: e.setting for e in collect.settings(plain)}
     assert settings["param_groups[1].lr"] == 2e-3 and "param_groups[1].amsgrad" in settings
     assert described(Zero()) == "Zero over AdamW" and described(plain) == "AdamW"
+
+
+def test_two_ranks_that_audited_nothing_are_not_called_one_rank():
+    """The one-rank line needs one rank: two ranks that never formed a group (nothing
+    audited) keep the audit's NOTHING AUDITED line above their comparison."""
+    from verify.cli.text_compare import audit as text
+
+    out = text(_recorded_audit(_stored_audit(0, 0, 5, diverged=False), _comparison(False), 2))
+    assert "one rank" not in out and "NOTHING AUDITED" in out
