@@ -473,3 +473,232 @@ def test_two_ranks_record_an_uneven_model_as_one_rank_alone_would_with_even_shar
     numels = [sketched_numel(t) for t in tensors]
     assert [done0, done1] == [shares.elements(s, numels) for s in shares.plan(numels, 2)]
     assert done0 + done1 == sum(numels) and min(done0, done1) > 0
+
+
+# --- the report's printer and the departures' hints, in-process (no ranks) ----------------
+
+
+def _stored_audit(audited_steps: int, audits: int, steps: int, diverged: bool) -> dict:
+    """An audit report as a rank stores it (`rank0.audit.json`, read back by `from_dict`)."""
+    where = "gradients before step 0 (AdamW)"
+    finding = {"check": "audit", "phase": "gradients before step {step}", "step": 0,
+               "message": f"{where}: 3 tensors differ", "ranks": [1], "steps": [0],
+               "where": where, "kind": "divergence", "numbers": {"tensors": []},
+               "hint": "gradients were not synchronized", "optimizer": "AdamW", "count": 3,
+               "fault": True}  # fmt: skip
+    return {"every": 1, "steps": {"AdamW": steps}, "audits": audits,
+            "audited_steps": audited_steps, "tensors": 12, "seconds": 0.01,
+            "findings": [finding] if diverged else [], "finished": True}  # fmt: skip
+
+
+def _comparison(departs: bool, steps: int = 5):
+    from verify.checks import kinds
+    from verify.recording.departure import Comparison, Departure
+
+    first = Departure(0, 0, "loss of step 0", "AdamW", "loss", "2 in the recording, 4 in "
+                      "this run", kind=kinds.LOSS_DEPARTS, hint="not divided")  # fmt: skip
+    return Comparison(
+        bitwise=False, mode_reason="world size 1 vs 2: the summation order changed",
+        alignment="from step 0: both runs start from the same parameters (bitwise)", offset=0,
+        steps_a=(0, steps - 1), steps_b=(0, steps - 1), first=first if departs else None,
+        departing_steps=int(departs), compared_steps=steps,
+    )  # fmt: skip
+
+
+def _recorded_audit(stored: dict, comparison, nproc: int):
+    from verify.checks.script import ScriptRun
+    from verify.checks.script_audit import AuditResult
+    from verify.recording.command import RecordedAudit
+    from verify.script_audit import AuditReport
+    from verify.watching.findings import Diagnosis
+
+    run = ScriptRun(diagnosis=Diagnosis("ok", "ok"), report_dir="out/r", elapsed_s=1.0,
+                    audit=AuditReport.from_dict(stored))  # fmt: skip
+    options = AuditOptions(script=(TOKENS,), nproc=nproc, console="none", against="rec/good")
+    return RecordedAudit(AuditResult(options, run), "out/r/recording", comparison)
+
+
+@pytest.mark.parametrize("departs", [True, False])
+def test_the_comparison_is_printed_when_the_runs_own_replicas_diverge(departs):
+    """A buggy run against a recording of its fixed version: the audit's REPLICAS DIVERGED,
+    then the whole comparison; the verdict stays the divergence's, said last."""
+    from verify.cli.text_compare import audit as text
+
+    result = _recorded_audit(_stored_audit(5, 10, 5, diverged=True), _comparison(departs), 2)
+    lines = text(result).splitlines()
+    assert result.verdict == "fault"
+    at = lines.index("REPLICAS DIVERGED: first at gradients before step 0 (AdamW)")
+    assert lines[at + 1 : at + 4] == [
+        "against rec/good:",
+        "aligned: from step 0: both runs start from the same parameters (bitwise)",
+        "compared: within the tolerance of docs/compare.md (world size 1 vs 2: the summation "
+        "order changed)",
+    ]
+    head = "FIRST DEPARTURE: step 0, loss of step 0" if departs else "AGREE within tolerance"
+    assert any(line.startswith(head) for line in lines[at:])
+    assert (
+        lines[-2] == "verdict: fault: the replicas diverged (above), whatever the comparison found"
+    )
+    assert lines[-1] == "report: out/r"
+
+
+def test_one_rank_against_a_recording_says_what_it_did_not_audited_0_steps():
+    """One rank has no replicas to compare: said from the counts (no audit point, its steps
+    recorded), not as "audited: 0 steps" above a comparison of 5."""
+    from verify.cli.text_compare import audit as text
+
+    out = text(_recorded_audit(_stored_audit(0, 0, 5, diverged=False), _comparison(False), 1))
+    assert "audited: 0 steps" not in out and "recorded only" not in out
+    assert "NOTHING AUDITED" not in out
+    assert "one rank: no replicas to compare across ranks; the script took AdamW 5 steps, " \
+           "each recorded" in out.splitlines()  # fmt: skip
+    assert "AGREE within tolerance at every compared step (steps 0..4 of the recording, 0..4 " \
+           "of this run)" in out.splitlines()  # fmt: skip
+
+
+def test_one_audited_step_is_one_step():
+    from verify.cli.text_audit import findings
+    from verify.script_audit import AuditReport
+
+    lines = findings(AuditReport.from_dict(_stored_audit(1, 2, 1, diverged=False)))
+    assert lines[-1].startswith("audited: 1 step (2 points: before and after each;")
+    assert "the script took AdamW 1 step;" in lines[-1]
+
+
+LOSS_2X = ("not divided by the accumulation steps", "backward() on loss / 2")
+HINT_CASES = [  # (kind, numbers, what the hint says; None: no hint)
+    ("the loss departs from the recording",
+     {"recording": 2.0, "this_run": 4.0, "micro_steps": 2, "micro_steps_recording": 1},
+     ("this run's loss is 2 x the other's", *LOSS_2X)),
+    ("the loss departs from the recording",
+     {"recording": 12.0, "this_run": 3.0, "micro_steps": 2, "micro_steps_recording": 4},
+     ("the recording's loss is 4 x the other's", "loss / 4")),
+    ("the loss departs from the recording",  # 1.5x: no accumulation explains it
+     {"recording": 2.0, "this_run": 3.0, "micro_steps": 2, "micro_steps_recording": 1}, None),
+    ("the loss departs from the recording",  # 2x, but one micro-step a step in each run
+     {"recording": 2.0, "this_run": 4.0, "micro_steps": 1, "micro_steps_recording": 1}, None),
+    ("parameters depart from the recording after a step",
+     {"compared_step": 0, "offset": 3, "in_one_run": False},
+     ("the optimizer state was not restored", "optimizer.load_state_dict()")),
+    ("parameters depart from the recording after a step",
+     {"compared_step": 2, "offset": 0, "in_one_run": False},
+     ("the optimizers differ in what is not a param-group setting",)),
+    ("a setting departs from the recording", {"setting": "lr", "offset": 3},
+     ("the scheduler was not restored",)),
+    ("a setting departs from the recording", {"setting": "lr", "offset": 0}, None),
+    ("gradients depart from the recording", {"compared_step": 0, "offset": 0}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, numbers, says", HINT_CASES)
+def test_a_departures_hint_is_chosen_by_its_kind_and_numbers(kind, numbers, says):
+    from verify.checks.hints import Situation, hint_for
+    from verify.recording.departure import Departure
+
+    d = Departure(0, 0, "phase", "AdamW", "name", "a message no rule reads", kind=kind,
+                  numbers=numbers)  # fmt: skip
+    hint = hint_for(d, Situation(world_size=2))
+    if says is None:
+        assert hint is None, hint
+    else:
+        assert hint is not None and all(s in hint for s in says), hint
+
+
+def test_a_resume_that_loses_the_optimizer_state_gets_its_hint_from_recordings():
+    """The comparison fills the numbers from the recordings themselves: a resume (aligned at
+    step 3) whose first step had the recording's gradients and lr but not its parameters."""
+    from verify.recording.departure import compare_recordings
+
+    full = _tiny_recording(steps=6, moved_at=None)
+    resumed = _tiny_recording(steps=3, start=3, moved_at=0)
+    c = compare_recordings(full, resumed)
+    assert c.offset == 3 and c.first is not None, c
+    assert c.first.phase == "parameters after step 3" and c.first.numbers["compared_step"] == 0
+    assert "the optimizer state was not restored" in c.first.hint
+
+
+def _tiny_recording(steps: int, start: int = 0, moved_at: int | None = None):
+    """A recording built in memory, as `Recorder` rows: one SGD parameter `w` whose value
+    after step s is s + 1 (before the first step: `start`), its gradient 1 and its lr 0.1
+    at every step; `moved_at`: this run's parameters after that step are off by 0.5."""
+    from verify.recording.recorder import Recorder
+    from verify.replica_audit.compare import Entry
+    from verify.script_audit import phases
+
+    class Alone:
+        size, rank = 1, 0
+
+        def ready(self):
+            return False
+
+    rec, group = Recorder("unused"), Alone()
+    rec.tap.take = lambda: (1.0, 1)
+    for s in range(steps):
+        value = float(start + s + 1) + (0.5 if s == moved_at else 0.0)
+        before = [Entry(phases.SETTINGS, "param_groups[0].lr", setting=0.1),
+                  Entry(phases.GRADS, "w", torch.ones(4))]  # fmt: skip
+        if s == 0:
+            before.insert(0, Entry(phases.PARAMS_FIRST, "w", torch.full((4,), float(start))))
+        for point, entries in ((0, before), (1, [Entry(phases.PARAMS_AFTER, "w",
+                                                       torch.full((4,), value))])):  # fmt: skip
+            rec.add(group, (), 0, "SGD", s, point, entries)
+            rec.settle(group, agreed=True)
+    return rec.recording()
+
+
+def test_the_recording_notes_each_autocast_dtype_entered_and_only_enabled_ones():
+    """What the tolerance follows (`precision.py`): the dtype of every autocast entered
+    enabled, where the script enters it, or found on at a backward."""
+    from verify.recording.precision import AutocastTap
+
+    tap = AutocastTap()
+    tap.install()
+    try:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=False):
+            pass
+        assert tap.dtypes == set()
+        with torch.amp.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.Linear(4, 4)(torch.ones(2, 4))
+            tap.seen_at_backward("cpu")
+        assert y.dtype == torch.bfloat16 and tap.dtypes == {"bfloat16"}
+    finally:
+        tap.remove()
+    with torch.autocast("cpu", dtype=torch.float16):
+        pass
+    assert tap.dtypes == {"bfloat16"}  # removed: no longer seen
+
+
+def test_zeros_settings_are_its_local_optimizers_overlaid_with_its_own():
+    """ZeroRedundancyOptimizer's group added by add_param_group holds only the keys it was
+    given until its first step: the settings read are the local AdamW's, with the outer
+    group's own values on top (the step copies them down), as plain AdamW's would be."""
+    from verify.script_audit.collect import Collector, described
+    from verify.script_audit.naming import Modules
+
+    w, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    local = torch.optim.AdamW([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr=1e-3)
+    plain = torch.optim.AdamW([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr=2e-3)
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class Zero(ZeroRedundancyOptimizer):  # its shape before a step (no process group here)
+        def __init__(self):
+            self.optim = local
+            self.param_groups = [dict(plain.param_groups[0]),
+                                 {"params": [b], "weight_decay": 0.0, "lr": 2e-3}]  # fmt: skip
+            self.state = {}
+
+    collect = Collector(Modules())
+    settings = {e.name: e.setting for e in collect.settings(Zero())}
+    assert settings == {e.name: e.setting for e in collect.settings(plain)}
+    assert settings["param_groups[1].lr"] == 2e-3 and "param_groups[1].amsgrad" in settings
+    assert described(Zero()) == "Zero over AdamW" and described(plain) == "AdamW"
+
+
+def test_two_ranks_that_audited_nothing_are_not_called_one_rank():
+    """The one-rank line needs one rank: two ranks that never formed a group (nothing
+    audited) keep the audit's NOTHING AUDITED line above their comparison."""
+    from verify.cli.text_compare import audit as text
+
+    out = text(_recorded_audit(_stored_audit(0, 0, 5, diverged=False), _comparison(False), 2))
+    assert "one rank" not in out and "NOTHING AUDITED" in out

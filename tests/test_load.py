@@ -1,7 +1,8 @@
 """Verdicts that hold under load: with a CPU hog on every core, the hang scenarios,
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, `audit --record/--against` (a student's accumulation loop right and wrong, a resume:
-tests/test_compare.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+tests/test_compare.py; a nanoGPT-style script under bf16 autocast, ZeRO-1 against AdamW, its
+replicas diverging: tests/test_compare_fresh.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
 (tests/test_agreement.py), classes that all-reduce in the order of a set, of parameters or of
 names (tests/test_launch.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
@@ -69,6 +70,7 @@ import pytest
 from tests import (
     test_agreement,
     test_compare,
+    test_compare_fresh,
     test_evidence,
     test_hang,
     test_hints,
@@ -176,7 +178,10 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
         "join": {
             "join": (test_join_audit.join_problems, out, test_join_audit.LOADED),
         },
-        "compare": {"compare": (test_compare.verdict_problems, folder / "compare")},
+        "compare": {
+            "compare": (test_compare.verdict_problems, folder / "compare"),
+            "compare-fresh": (test_compare_fresh.fresh_problems, folder / "compare-fresh"),
+        },
         "launchers": {
             "launchers": (test_launchers.launch_problems, str(folder / "launchers")),
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
@@ -330,9 +335,12 @@ def _check_script_verdicts(window: Window) -> None:
 
 def _check_compare(window: Window) -> None:
     """`audit --record/--against`: a student's accumulation loop right (within tolerance)
-    and wrong (departs at step 0, the loss), a resume (bitwise, aligned at its step): the
-    verdicts of an idle machine (tests/test_compare.py)."""
-    problems = window["compare"]
+    and wrong (departs at step 0, the loss), a resume (bitwise, aligned at its step); a
+    nanoGPT-style script 1 rank against 2 under bf16 autocast (within bfloat16's tolerance)
+    and its loss not divided (departs), ZeRO-1 against plain AdamW (bitwise) and with another
+    lr (departs), its replicas diverging (departs): the verdicts of an idle machine
+    (tests/test_compare.py, tests/test_compare_fresh.py)."""
+    problems = window["compare"] + window["compare-fresh"]
     assert not problems, "\n".join(problems)
 
 

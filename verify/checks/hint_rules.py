@@ -231,3 +231,58 @@ def collective_mismatch(n: dict, s) -> str | None:
         "(of parameters or of their names) runs in an order of each process's own: loop over "
         "the module's parameters (a tied weight comes once)"
     )
+
+
+# --- compare: the first departure from a recording (`recording/departure.py`) -------------
+
+
+def loss_departs(n: dict, s) -> str | None:
+    """The loss departs (numbers: `recording`, `this_run`, each run's micro-steps at the
+    step): a loss that is exactly as many times the other's as its run has micro-steps a
+    step was not divided by them."""
+    a, b = n.get("recording"), n.get("this_run")
+    if not a or not b:
+        return None
+    sides = ((b / a, n.get("micro_steps"), "this run's"),
+             (a / b, n.get("micro_steps_recording"), "the recording's"))  # fmt: skip
+    for ratio, micro, whose in sides:
+        if micro and micro > 1 and abs(ratio - micro) <= SCALE_RTOL * micro:
+            return (
+                f"{whose} loss is {micro} x the other's, as many times as that run has "
+                f"micro-steps a step: its loss was not divided by the accumulation steps: "
+                f"call backward() on loss / {micro}, so the micro-steps' gradients add up to "
+                "the mean over the global batch"
+            )
+    return None
+
+
+def parameters_depart(n: dict, s) -> str | None:
+    """The parameters after a step depart while everything the step reads agreed (it is the
+    first departure: its settings, loss and gradients were compared first). numbers:
+    `compared_step`, `offset` (not 0: one run is a resume of the other)."""
+    if n.get("in_one_run"):
+        return None
+    if n.get("offset") and n.get("compared_step") == 0:
+        return (
+            "the first step after the resume had the recording's gradients and settings but "
+            "not its update: the optimizer state was not restored (AdamW's moments started "
+            "over): save optimizer.state_dict() in the checkpoint and load it with "
+            "optimizer.load_state_dict() before the first resumed step"
+        )
+    return (
+        "the step had the recording's gradients and settings but not its update: the "
+        "optimizers differ in what is not a param-group setting (their state, their class "
+        "or its implementation), or the parameters were changed outside the step"
+    )
+
+
+def setting_departs(n: dict, s) -> str | None:
+    """A param-group setting departs (numbers: `setting`, `offset`): an lr after a resume
+    is the scheduler's."""
+    if n.get("setting") != "lr" or not n.get("offset"):
+        return None
+    return (
+        "the learning rate differs after the resume: the scheduler was not restored (save "
+        "scheduler.state_dict() in the checkpoint and load it), or it was built after the "
+        "optimizer's state was loaded (its constructor writes the base lr into the groups)"
+    )

@@ -9,6 +9,9 @@ rule reads a message: a message can be reworded without moving a hint. The text 
 `--json` show the same hint (`with_hints` stores it on the finding). A hint never changes a
 verdict. Every catalogue fault's hint is asserted on real output (tests/test_faulty.py).
 
+A departure of `compare` from a recording (`recording/departure.py`) is looked up the same
+way, by its kind and numbers.
+
 The numeric rules (scales, steps, which ranks) live in `hint_rules.py`, and the script
 audit's part of the table (keyed by its findings' phases) in `script_hints.py`; this module
 holds the situation, the table and the rules that need only the kind.
@@ -188,4 +191,7 @@ HINTS = {
         "when the parameters are on a GPU and the loaded tensors on the CPU)"
     ),
     k.NOT_SHARDED: _not_sharded,
+    k.LOSS_DEPARTS: rules.loss_departs,
+    k.PARAMETERS_DEPART: rules.parameters_depart,
+    k.SETTING_DEPARTS: rules.setting_departs,
 }

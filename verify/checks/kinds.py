@@ -49,6 +49,17 @@ STATE_UNBALANCED = "optimizer state unbalanced"
 STATE_COPIED = "optimizer state held twice on a rank"
 NOT_SHARDED = "not sharded"  # parameters or gradients, per rung (numbers: "what")
 
+# --- compare: this run against a recording (`recording/departure.py`), by what departed; its
+# numbers: the compared step's index, the alignment's offset, the loss's values and micro-steps
+START_DEPARTS = "starting parameters depart from the recording"
+SETTING_DEPARTS = "a setting departs from the recording"
+SCALER_DEPARTS = "the GradScaler departs from the recording"
+BUFFERS_DEPART = "buffers depart from the recording"
+LOSS_DEPARTS = "the loss departs from the recording"
+GRADIENTS_DEPART = "gradients depart from the recording"
+PARAMETERS_DEPART = "parameters depart from the recording after a step"
+STATE_DEPARTS = "optimizer state departs from the recording"
+
 # --- a script's replica audit (`script_audit/book.py`): the kind says whether it is a fault;
 # its hint is keyed by what it compared, its phase (`script_hints.py`) ------------------------
 DIVERGENCE = "divergence"  # tensors that newly differ across ranks at an audit point

@@ -11,25 +11,35 @@ from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
 
 
-def audit(result: AuditResult) -> str:
+def audit(result: AuditResult, recorded_alone: bool = False) -> str:
+    """The report; `recorded_alone`: the run's one rank had no replicas to compare and
+    recorded its steps (`--record/--against` at one rank), which is said instead of
+    "audited: 0 steps" and the nothing-audited verdict (the recording's report follows)."""
     o, run = result.options, result.run
     every = "every optimizer step" if o.audit_every == 1 else f"every {o.audit_every}th step"
-    n = len(run.pids) if is_command(o.script) else o.nproc  # a launcher's: those that joined
+    n = ranks_of(result)
     ranks = f"{n} rank{'s' if n != 1 else ''}"
     lines = [f"audit: {' '.join(o.script)}, {ranks}, {every} ({run.elapsed_s:.1f}s)"]
-    lines += findings(result.audit)
+    lines += findings(result.audit, recorded_alone)
     d = run.diagnosis
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
     lines += watched_tail(run)
-    if not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
+    if recorded_alone and result.verdict == NOTHING_AUDITED:
+        pass  # nothing to compare across ranks is no fault here: the recording's verdict follows
+    elif not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
         lines.append(verdict_line(result.audit, result.verdict))
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
-def findings(audited: AuditReport | None) -> list[str]:
+def ranks_of(result: AuditResult) -> int:
+    """The run's ranks: `--nproc`, or a launcher's, those that joined."""
+    return len(result.run.pids) if is_command(result.options.script) else result.options.nproc
+
+
+def findings(audited: AuditReport | None, recorded_alone: bool = False) -> list[str]:
     """The findings (first divergence, every distinct later one, what follows from them, the
-    notes) and what was audited."""
+    notes) and what was audited (`recorded_alone`: what one rank recorded, `audit`)."""
     if audited is None:
         return ["no audit report: the script never got to audit (see its output)"]
     lines: list[str] = []
@@ -52,7 +62,7 @@ def findings(audited: AuditReport | None) -> list[str]:
                      f"({held} entries): not compared across ranks; the parameters it updates "
                      "are, at every audited step")  # fmt: skip
     lines += _joined(audited)
-    lines.append(_summary(audited))
+    lines.append(_recorded_alone(audited) if recorded_alone else _summary(audited))
     if audited.stopped:
         lines.append(f"note: the audit stopped early: {audited.stopped}")
     return lines
@@ -132,9 +142,15 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
+def _recorded_alone(report: AuditReport) -> str:
+    steps = ", ".join(f"{name} {_plural(n, 'step')}" for name, n in report.steps.items())
+    return (f"one rank: no replicas to compare across ranks; the script took "
+            f"{steps or 'no optimizer step'}, each recorded")  # fmt: skip
+
+
 def _summary(report: AuditReport) -> str:
-    steps = ", ".join(f"{name} {n} step{'s' if n != 1 else ''}" for name, n in report.steps.items())
-    text = (f"audited: {report.audited_steps} steps ({report.audits} points: before and after "
+    steps = ", ".join(f"{name} {_plural(n, 'step')}" for name, n in report.steps.items())
+    text = (f"audited: {_plural(report.audited_steps, 'step')} ({_plural(report.audits, 'point')}: before and after "
             f"each; the optimizer state every {STATE_EVERY}th audited step and wherever the "
             f"parameters differ), up to "
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip

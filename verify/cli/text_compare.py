@@ -3,9 +3,9 @@ only, every verdict is decided by `verify/recording/` (`departure.py`, `command.
 
 from __future__ import annotations
 
-from verify.checks.verdict import FAULT, PASS
+from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS
 from verify.cli import text_audit
-from verify.recording.command import CompareResult, RecordedAudit
+from verify.recording.command import CompareResult, RecordedAudit, verdict_of
 from verify.recording.departure import Comparison
 
 
@@ -17,27 +17,37 @@ def compare(result: CompareResult) -> str:
 
 def audit(result) -> str:
     """`audit`'s report (`text_audit.audit`); under --record/--against (a `RecordedAudit`),
-    then the recording's or the comparison's lines and verdict."""
+    then the recording's or the comparison's lines. The comparison is printed whatever the
+    audit found (a run whose replicas diverge, checked against a good recording, is the
+    feature's main use); the verdict stays the audit's fault first (`RecordedAudit`)."""
     if not isinstance(result, RecordedAudit):
         return text_audit.audit(result)
-    plain = text_audit.audit(result.audit_result).split("\n")
+    own = result.audit_result
+    # one rank: nothing compared across ranks, and its steps recorded (counts, not text)
+    alone = (text_audit.ranks_of(own) == 1 and own.audit is not None
+             and own.audit.audits == 0 and result.recording is not None)  # fmt: skip
+    plain = text_audit.audit(own, recorded_alone=alone).split("\n")
     report = plain.pop()  # "report: <folder>"
-    if plain and plain[-1].startswith("NOTHING AUDITED") and result.options.nproc == 1:
-        plain.pop()  # one rank: nothing to compare across ranks, which is no fault here
-        plain.append("one rank: no replicas to compare (recorded only)")
-    own = result.audit_result.verdict
-    if own not in (PASS, "nothing audited"):  # the run's own fault is the verdict
-        return "\n".join(plain + [report])
     if result.comparison is not None:
+        c = result.comparison
         plain += [f"against {result.options.against}:"]
-        plain += comparison_lines(result.comparison, result.verdict)
+        plain += comparison_lines(c, verdict_of(c))
+        if own.verdict not in (PASS, NOTHING_AUDITED):  # the run's own fault is the verdict
+            why = "the replicas diverged (above)" if own.faults else "the run's own (above)"
+            plain.append(f"verdict: {result.verdict}: {why}, whatever the comparison found")
+    elif own.verdict not in (PASS, NOTHING_AUDITED):
+        pass  # the run's own fault is the verdict, and nothing was recorded to compare
     elif result.recording is not None:
-        plain.append(f"RECORDED: {result.steps_recorded} optimizer steps into "
+        plain.append(f"RECORDED: {_plural(result.steps_recorded, 'optimizer step')} into "
                      f"{result.recording} (compare a run with it: audit --against "
                      f"{result.recording} -- ...)")  # fmt: skip
     else:
         plain.append("NOTHING RECORDED: the script took no optimizer step (exit 2)")
     return "\n".join(plain + [report])
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def comparison_lines(c: Comparison, verdict: str) -> list[str]:
@@ -60,6 +70,8 @@ def comparison_lines(c: Comparison, verdict: str) -> list[str]:
         return lines + [f"AGREE {how} at every compared step ({steps})"]
     at = f"step {d.step}" + (f" (this run's step {d.step_b})" if d.step_b != d.step else "")
     lines.append(f"FIRST DEPARTURE: {at}, {d.phase}, {d.optimizer}: {d.name}: {d.what}")
+    if d.hint:
+        lines.append(f"  what it usually means: {d.hint}")
     lines += _following(c, d.step)
     lines.append(f"DEPART: this run departs from the recording at {c.departing_steps} of "
                  f"{c.compared_steps} compared steps ({steps}), first at {at}: "

@@ -268,9 +268,20 @@ def colour(name: str, plt) -> tuple | str:
 
 
 def _legend_below(ax, entries: int) -> None:
-    """Under the axes, never over the data."""
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16),
-              ncol=min(entries, 4), frameon=False)  # fmt: skip
+    """Under the axes and under their x-axis (ticks and label), never over the data or the
+    label. Anchored a distance in points below the axes, the x-axis's measured height: the
+    ticks and the label sit at fixed points below the axes, so the anchor stays right when
+    `tight_layout` resizes the axes (a fraction of the axes' height would not: on a short
+    chart the label fell under the legend)."""
+    from matplotlib.transforms import offset_copy
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    axis = ax.xaxis.get_tightbbox(renderer)
+    below = 0.0 if axis is None else max(0.0, ax.get_window_extent(renderer).y0 - axis.y0)
+    anchor = offset_copy(ax.transAxes, fig=fig, y=-(below * 72.0 / fig.dpi + 4), units="points")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, 0.0),
+              bbox_transform=anchor, ncol=min(entries, 4), frameon=False)  # fmt: skip
 
 
 def _save(fig, plt, path: Path) -> Chart:

@@ -14,22 +14,41 @@ the first (A, "the recording"), and what follows (docs/compare.md).
    state is compared at the steps both recorded it.
 
 The first departure is described in full (`Departure`: step in both numberings, phase,
-tensor or setting, the two values or by how much and in which block); the ones after it are
-counted, step by step, as what follows.
+tensor or setting, the two values or by how much and in which block, and its kind and
+numbers, from which its hint is chosen: `checks/hints.py`); the ones after it are counted,
+step by step, as what follows.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from verify.checks import hints
+from verify.checks import kinds as k
 from verify.recording import tolerance
 from verify.recording.align import Alignment, align
 from verify.recording.sketch import BLOCKS, block_size, gaps, totals
 from verify.recording.store import LOSS, Recording
 from verify.recording.table import ORDER, Row, Table
-from verify.script_audit.phases import PARAMS_FIRST, STATE
+from verify.script_audit.phases import (
+    BUFFERS_LOCAL,
+    BUFFERS_SYNCED,
+    GRADS,
+    PARAMS_AFTER,
+    PARAMS_FIRST,
+    SCALER,
+    SETTINGS,
+    STATE,
+)
+
+# a departure's kind (its hint's key, `checks/hints.py`), by the phase it is in
+KINDS = {
+    PARAMS_FIRST: k.START_DEPARTS, SETTINGS: k.SETTING_DEPARTS, SCALER: k.SCALER_DEPARTS,
+    BUFFERS_SYNCED: k.BUFFERS_DEPART, BUFFERS_LOCAL: k.BUFFERS_DEPART, LOSS: k.LOSS_DEPARTS,
+    GRADS: k.GRADIENTS_DEPART, PARAMS_AFTER: k.PARAMETERS_DEPART, STATE: k.STATE_DEPARTS,
+}  # fmt: skip
 
 
 class NotComparable(ValueError):
@@ -48,6 +67,11 @@ class Departure:
     what: str  # by how much, and where
     gap: float | None = None  # tolerance mode: the largest relative gap; None: not measured
     block: int | None = None
+    kind: str = ""  # `KINDS`: what departed, the hint's key
+    # what was measured: the compared step's index and the alignment's offset; the loss's
+    # two values and each run's micro-steps; a setting's key
+    numbers: dict = field(default_factory=dict)
+    hint: str | None = None  # the first departure's (`checks/hints.py`)
 
 
 @dataclass(frozen=True)
@@ -87,7 +111,10 @@ def compare_recordings(a: Recording, b: Recording, align_step: int | None = None
     steps_b = range(lo_b, max(lo_b, hi_b))
     steps_a = range(lo_b + al.offset, lo_b + al.offset + len(steps_b))
     mode = tolerance.mode(a.meta, b.meta, steps_a, steps_b)
-    loss_dtype = tolerance.coarsest(ta.dtypes() | tb.dtypes())
+    prec = tolerance.precision(a.meta, b.meta)
+    loss_dtype = prec.of(tolerance.coarsest(ta.dtypes() | tb.dtypes()))
+    reason = mode.reason if mode.bitwise or prec.autocast is None else (
+        f"{mode.reason}; {prec.reason}")  # fmt: skip
     notes = _notes(ta, tb, steps_a, steps_b, al)
     found: list[Departure] = []
     following: list[tuple[int, str, int, tuple[str, ...]]] = []
@@ -98,23 +125,30 @@ def compare_recordings(a: Recording, b: Recording, align_step: int | None = None
         for opt, label in enumerate(a.optimizers):
             for phase, rows_a, rows_b in _phases(ta, tb, opt, sa, sb, al, first=j == 0):
                 for name in _names(rows_a, rows_b):
-                    d = _judge(rows_a.get(name), rows_b.get(name), mode.bitwise, j, loss_dtype)
+                    ra, rb = rows_a.get(name), rows_b.get(name)
+                    d = _judge(ra, rb, mode.bitwise, j, loss_dtype, prec)
                     if d is not None and d[0] is None:  # agrees: (None, gap, eps)
                         _keep_closest(closest, d[1], d[2], f"{name}, {phase.format(step=sa)}")
                     elif d is not None:
                         what, gap, block = d
+                        numbers = _numbers(a, b, phase, ra, rb, j, al.offset, sa, sb)
                         here.append(Departure(sa, sb, phase.format(step=sa), label, name,
-                                              what, gap, block))  # fmt: skip
+                                              what, gap, block, KINDS.get(phase, ""),
+                                              numbers))  # fmt: skip
         if here:
             departing += 1
             if not found:
                 found = here
             if departing <= 4:  # the first departing step in full, the next three in short
                 following += _grouped(here[1:] if here is found else here)
+    first = None
+    if found:  # its hint, from its kind and numbers (the run's world size: this run's)
+        first = found[0]
+        first = replace(first, hint=hints.hint_for(first, hints.Situation(b.meta["world_size"])))
     return Comparison(
-        bitwise=mode.bitwise, mode_reason=mode.reason, alignment=al.how, offset=al.offset,
+        bitwise=mode.bitwise, mode_reason=reason, alignment=al.how, offset=al.offset,
         steps_a=(steps_a.start, steps_a.stop - 1), steps_b=(steps_b.start, steps_b.stop - 1),
-        first=found[0] if found else None, following=tuple(following),
+        first=first, following=tuple(following),
         departing_steps=departing, compared_steps=len(steps_b), notes=tuple(notes),
         closest=closest[0] if closest else None,
     )  # fmt: skip
@@ -165,7 +199,33 @@ def _names(rows_a: dict, rows_b: dict) -> list[str]:
     return list(rows_a) + [n for n in rows_b if n not in rows_a]
 
 
-def _judge(ra: Row | None, rb: Row | None, bitwise: bool, j: int, loss_dtype: str):
+def _numbers(
+    a: Recording, b: Recording, phase: str, ra, rb, j: int, offset: int, sa: int, sb: int
+) -> dict:
+    """What a departure's hint reads (`Departure.numbers`)."""
+    numbers = {"compared_step": j, "offset": offset, "in_one_run": ra is None or rb is None}
+    if phase == LOSS and ra is not None and rb is not None:
+        numbers |= {"recording": ra.value, "this_run": rb.value,
+                    "micro_steps_recording": _at(a.meta.get("micro_steps"), sa),
+                    "micro_steps": _at(b.meta.get("micro_steps"), sb)}  # fmt: skip
+    if phase == SETTINGS:  # "param_groups[1].lr" or "param_groups[0].betas[0]"
+        key = (ra or rb).name.split(".", 1)[-1]
+        numbers["setting"] = key.split("[", 1)[0]
+    return numbers
+
+
+def _at(values, i: int):
+    return values[i] if values and 0 <= i < len(values) else None
+
+
+def _judge(
+    ra: Row | None,
+    rb: Row | None,
+    bitwise: bool,
+    j: int,
+    loss_dtype: str,
+    prec: tolerance.Precision,
+):
     """None when B's entry agrees with A's (in tolerance mode, (None, gap, eps)); else
     (what, gap, block)."""
     if ra is None or rb is None:
@@ -188,7 +248,7 @@ def _judge(ra: Row | None, rb: Row | None, bitwise: bool, j: int, loss_dtype: st
         return (f"differs bitwise: norm {na:.7g} vs {nb:.7g}, relative difference at least "
                 f"{g[block]:.2g}, largest in {where}", float(g[block]), block)  # fmt: skip
     dtype = ra.dtype if ra.dtype == rb.dtype else tolerance.coarsest({ra.dtype, rb.dtype})
-    limit = tolerance.eps(dtype, j)
+    limit = tolerance.eps(prec.of(dtype), j)
     if g[block] <= limit and limit > 0:
         return None, float(g[block]), limit
     return (f"norm {na:.7g} vs {nb:.7g}: relative difference at least {g[block]:.2g} "
@@ -241,6 +301,10 @@ def _notes(a: Table, b: Table, steps_a: range, steps_b: range, al: Alignment) ->
     if a.steps() != b.steps() or al.offset:
         notes.append(f"the recording has {a.steps()} steps, this run {b.steps()}: compared "
                      f"the {len(steps_b)} they share")  # fmt: skip
+    kinds_a, kinds_b = a.rec.meta.get("optimizer_types"), b.rec.meta.get("optimizer_types")
+    if kinds_a and kinds_b and kinds_a != kinds_b:  # (kept by recordings of this tool)
+        notes.append(f"the optimizers differ: {', '.join(kinds_a)} in the recording, "
+                     f"{', '.join(kinds_b)} in this run")  # fmt: skip
     for which, t in (("the recording", a), ("this run", b)):
         if t.rec.meta.get("stopped"):
             notes.append(f"{which} stopped recording early: {t.rec.meta['stopped']}")

@@ -11,7 +11,9 @@ averaged over the ranks: with gradients averaged across ranks (DDP) and accumula
 micro-steps, that is the loss whose gradient the step applies, so 1 rank x 4 micro-steps of
 `loss / 4` and 2 ranks x 2 micro-steps of `loss / 2` record the same number. A loss scaled by
 a GradScaler is recorded scaled (what backward saw). A backward on a non-scalar, or with an
-explicit `grad_tensors`, counts as a micro-step and adds nothing.
+explicit `grad_tensors`, counts as a micro-step and adds nothing. `on_backward`, if given, is
+called with the device type of each scalar seen (the recorder asks whether autocast is on
+there: `precision.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 class LossTap:
     """Sums what backward is called on (module docstring), until `take()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_backward=None) -> None:
+        self.on_backward = on_backward
         self._sum: torch.Tensor | None = None
         self.calls = 0
         self._original = None
@@ -49,6 +52,8 @@ class LossTap:
             t = tensors[0]
         if t is None or grad_tensors is not None or t.numel() != 1:
             return
+        if self.on_backward is not None:
+            self.on_backward(t.device.type)
         value = t.detach().reshape(()).to(torch.float64)  # stays on its device: no sync
         self._sum = value if self._sum is None else self._sum + value.to(self._sum.device)
 

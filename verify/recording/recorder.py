@@ -33,6 +33,7 @@ import torch
 from verify.launching.env import RECORD_ENV
 from verify.recording import shares, store
 from verify.recording.loss import LossTap
+from verify.recording.precision import AutocastTap
 from verify.recording.sketch import BLOCKS, COLUMNS, sketch, sketched_numel
 from verify.replica_audit.fingerprint import text_bits, value_bits
 
@@ -65,10 +66,12 @@ class Recorder:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.tap = LossTap()
+        self.autocast = AutocastTap()
+        self.tap = LossTap(on_backward=self.autocast.seen_at_backward)
         self.keys: dict[tuple, int] = {}
         self.phases: dict[str, int] = {}
         self.optimizers: dict[int, str] = {}
+        self.optimizer_types: dict[int, str] = {}  # index -> "ZeroRedundancyOptimizer over AdamW"
         self.steps: dict[int, int] = {}
         self.tensor_rows: list[tuple] = []
         self.blocks: list[np.ndarray] = []
@@ -90,9 +93,11 @@ class Recorder:
 
     def install(self) -> None:
         self.tap.install()
+        self.autocast.install()
 
     def remove(self) -> None:
         self.tap.remove()
+        self.autocast.remove()
 
     def add(self, group, roots, index: int, label: str, step: int, point: int, entries) -> None:
         """The first half of one audit point of optimizer `index` (`label`) at `step`, before
@@ -226,6 +231,10 @@ class Recorder:
             "threads": torch.get_num_threads(),
             "device": self.device,
             "compiled": self.compiled,
+            "autocast": sorted(self.autocast.dtypes),
+            "optimizer_types": [
+                self.optimizer_types.get(i, self.optimizers[i]) for i in sorted(self.optimizers)
+            ],
             "argv": list(sys.argv),
             "stopped": self.stopped,
         }

@@ -29,8 +29,15 @@ at the j-th compared step, where u is the dtype's unit roundoff (2**-24 for floa
   up as a random walk in the parameters (an optimizer such as AdamW does not amplify a
   relative difference of its gradients in one step).
 
+The dtype is that of the lowest precision that touched the computation (`precision`): the
+tensor's own, or the dtype autocast ran the forward in, in either run (`precision.py`).
+Under `torch.autocast(dtype=torch.bfloat16)` a float32 gradient is a sum of products of
+bfloat16 operands, each product's output rounded to bfloat16 (C = 4, u = 2**-8, as for a
+bfloat16 tensor): a reordering moves it by bfloat16's roundings, float32's tolerance would
+call it a departure.
+
 Settings (`param_groups[g].lr`, ...) and integer tensors are exact in both modes: no
-summation order changes them. The loss is judged like a tensor of the parameters' dtype. A
+summation order changes them. The loss is judged like a float tensor of the run. A
 real bug is orders of magnitude beyond eps (a mis-normalized loss: 1e-2 and more at step 0;
 a wrong lr: exact), so the tolerance does not hide one; a difference of the size of
 rounding, after many steps, is not a bug and is not reported as one.
@@ -75,6 +82,34 @@ def mode(a: dict, b: dict, steps_a: range, steps_b: range) -> Mode:
         return Mode(True, "same world size, micro-steps, torch, threads and device: the "
                           "sums run in the same order")  # fmt: skip
     return Mode(False, "; ".join(differ) + ": the summation order changed")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtype autocast ran in, in either run (None: no autocast, each tensor's own dtype
+    sets its tolerance); `reason` says which run used it."""
+
+    autocast: str | None
+    reason: str = ""
+
+    def of(self, dtype: str) -> str:
+        """The dtype whose tolerance a float tensor of `dtype` is judged by (integers and
+        text stay exact)."""
+        if self.autocast is None or dtype not in UNIT_ROUNDOFF:
+            return dtype
+        return coarsest({dtype, self.autocast})
+
+
+def precision(a: dict, b: dict) -> Precision:
+    """From the two runs' manifests: the coarsest autocast dtype either entered."""
+    seen_a, seen_b = set(a.get("autocast") or ()), set(b.get("autocast") or ())
+    if not (seen_a | seen_b):
+        return Precision(None)
+    dtype = coarsest(seen_a | seen_b)
+    runs = [w for w, seen in (("the recording", seen_a), ("this run", seen_b)) if seen]
+    where = " and ".join(runs) if len(runs) == 1 else "both runs"
+    return Precision(dtype, f"the forward ran under autocast to {dtype} in {where}: "
+                            f"{dtype}'s tolerance")  # fmt: skip
 
 
 def eps(dtype: str, j: int) -> float:

@@ -100,9 +100,10 @@ class Collector:
         )
 
     def settings(self, opt: torch.optim.Optimizer) -> list[Entry]:
-        """Every hyperparameter of every param group (lr, betas, weight_decay, ...)."""
+        """Every hyperparameter of every param group (lr, betas, weight_decay, ...), as the
+        optimizer that steps applies them (`_applied`)."""
         entries = []
-        for g, group in enumerate(opt.param_groups):
+        for g, group in enumerate(_applied(opt)):
             for key in sorted(k for k in group if k != "params"):
                 value = group[key]
                 items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
@@ -127,6 +128,33 @@ class Collector:
             if tracker is not None:
                 entries.append(Entry(report.SCALER, f"{name} growth tracker", tensor=tracker))
         return entries
+
+
+def described(opt: torch.optim.Optimizer) -> str:
+    """The optimizer's class, and the class of the local optimizer that steps for it, if it
+    has one (`ZeroRedundancyOptimizer over AdamW`)."""
+    inner = getattr(opt, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+        return f"{type(opt).__name__} over {type(inner).__name__}"
+    return type(opt).__name__
+
+
+def _applied(opt: torch.optim.Optimizer) -> list[dict]:
+    """The param groups' settings the step applies. `ZeroRedundancyOptimizer` steps a local
+    optimizer of its own (`.optim`), copying its groups' keys onto the local groups first,
+    and the local groups hold the rest: a group added with `add_param_group` holds only the
+    keys it was given until the first step copies the local optimizer's full group back
+    (amsgrad, eps, ... then appear). Its groups are the local ones overlaid with its own,
+    where the two line up one to one (on every rank: ZeRO gives each rank a local group per
+    group). Another class's inner optimizer is not read: its groups may differ by rank, and
+    the ranks would then audit different keys."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None or not isinstance(opt, zero.ZeroRedundancyOptimizer):
+        return opt.param_groups  # (a script that uses it has imported it)
+    local = getattr(getattr(opt, "optim", None), "param_groups", None)  # (built later
+    if local is None or len(local) != len(opt.param_groups):  # under overlap_with_ddp=True)
+        return opt.param_groups
+    return [{**mine, **own} for mine, own in zip(local, opt.param_groups)]
 
 
 def _setting(v) -> float | str:

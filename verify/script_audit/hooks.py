@@ -58,7 +58,7 @@ from verify.replica_audit.compare import Auditor, Entry, Outcome
 from verify.script_audit import closures, owners, report
 from verify.script_audit.book import Book
 from verify.script_audit.buffers import BroadcastBuffers
-from verify.script_audit.collect import Collector
+from verify.script_audit.collect import Collector, described
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
 from verify.script_audit.naming import Modules
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
@@ -261,6 +261,7 @@ class StepHooks:
     def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
         if self.recorder is not None:
+            self.recorder.optimizer_types.setdefault(index, described(opt))
             roots = self.modules.roots() if point == BEFORE else ()
             self.recorder.add(self.group, roots, index, label, step, point, entries)
             if not self.group.ready():
