@@ -261,6 +261,84 @@ def test_a_crash_is_reported_with_its_own_attempts_audit_after_a_retry(tmp_path)
     assert not problems, "\n".join(problems)
 
 
+def test_the_rank_killed_first_is_named_when_none_left_a_report(run_cli, tmp_path):
+    """torchrun's rank 1 killed by a signal, then rank 0 ended by torchrun: neither reports,
+    so the rank that died first is the root cause (the CRASH had named rank 0, the first in
+    rank order), and torchrun itself names rank 1."""
+    ran = run_cli("hang", "--json", "--out", str(tmp_path), "--", *torchrun("torchrun_killed.py"))
+    report = json.loads(ran.stdout)
+    diag = report["diagnosis"]
+    assert (ran.returncode, diag["verdict"], diag["culprit"]) == (1, "crash", 1), diag
+    assert diag["headline"].startswith("rank 1 exited without a report"), diag["headline"]
+    assert not [p for p in report["pids"].values() if alive(p)]
+
+
+PREEMPTIBLE = """\
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def on_sigterm(signum, frame):  # preempted: leave cleanly, as a cluster job does
+    sys.exit(0)
+
+
+def worker(rank, port):
+    signal.signal(signal.SIGTERM, on_sigterm)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 3))
+    sgd = torch.optim.SGD(net.parameters(), lr=0.05)
+    for it in range(3):
+        out = net(torch.full((4, 6), float(rank + it)))
+        if it == 1 and rank == 1:
+            raise ValueError("shard 7 is corrupt")
+        out.square().sum().backward()
+        sgd.step()
+        sgd.zero_grad()
+
+
+if __name__ == "__main__":
+    for port in sys.argv[1:]:  # a second try on a fresh port
+        try:
+            mp.spawn(worker, args=(port,), nprocs=2)
+            break
+        except Exception as exc:
+            print("retrying after:", exc, file=sys.stderr)
+"""
+
+
+def test_no_process_of_the_run_writes_its_report_after_the_verdict(tmp_path, monkeypatch):
+    """Rank 1 raises while rank 0 waits for it in the gradients' all-reduce, and the verdict
+    is taken on rank 1's failure. Only then does rank 0 end (mp.spawn stops it once rank 1 has
+    gone: SIGTERM, which this script turns into a clean exit), and a retry starts, joins and
+    runs to its end. Neither may leave anything of its end in the run's folder: the verdict's
+    evidence is the folder as it stood (the hog window's retry check found `rank*.ended` there
+    once). The tool waits for the launcher to end by itself, however long that takes, so the
+    late ends surely happen before the launch is torn down."""
+    from verify.checks.script_audit import AuditOptions, check_audit
+    from verify.launching import command as launcher_form
+
+    monkeypatch.setattr(launcher_form, "END_WAIT_S", 600.0)
+    script = tmp_path / "preemptible.py"
+    script.write_text(PREEMPTIBLE)
+    command = (sys.executable, str(script), str(free_port()), str(free_port()))
+    result = check_audit(AuditOptions(script=command, out=str(tmp_path / "out"), console="none",
+                                      timeout_s=300))  # fmt: skip
+    d = result.run.diagnosis
+    assert (result.verdict, d.verdict) == ("fault", "crash") and "shard 7" in d.headline, d.text()
+    folder = Path(result.run.report_dir)
+    sealed = (folder / "job.diagnosed").stat().st_mtime
+    ends = [folder / f"rank0.{end}" for end in ("ended", "failed", "failing")]
+    assert [p.name for p in ends if p.exists()] == []
+    assert (folder / "rank0.audit.json").stat().st_mtime <= sealed
+    assert result.audit.audited_steps == 1
+
+
 def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
     """SIGINT to the tool alone (torchrun's workers are in sessions of their own, which a
     terminal's Ctrl-C never reaches): exit 130, and none of the launcher's processes left."""
