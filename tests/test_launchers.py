@@ -235,8 +235,9 @@ def retry_problems(folder: str) -> list[str]:
         runs = {mode: pool.submit(audit, mode) for mode in ("raise", "oom")}
         results = {mode: run.result() for mode, run in runs.items()}
     problems = []
-    # (a rank dead by a signal leaves no report, and mp.spawn's end of its peers follows at
-    # once: which died first the tool cannot tell, so the kill's CRASH names no culprit here)
+    # (a rank dead by a signal leaves no report, and mp.spawn's end of its peers follows
+    # within milliseconds: the CRASH names the rank seen dead first, which is asserted on
+    # torchrun's wider gap, idle, in test_the_rank_killed_first_is_named_...)
     for mode, said in (("raise", "flaky disk on rank 1"), ("oom", "exited without a report")):
         r = results[mode]
         d = r.run.diagnosis

@@ -12,7 +12,10 @@ This process watches that folder as a torchrun job's node watchdog does (`jobwid
 watchdog's rule of `watching/watchdog.py` on one node): a rank's failure, a hang (a rank
 waiting in a traced collective, or blocked inside torch where the trace is blind, every
 rank still for the stall timeout), or every rank and the launcher ended, make the verdict;
-the diagnosis is the one of every run (`watching/diagnose.py`). It then ends whatever is
+the diagnosis is the one of every run (`watching/diagnose.py`), with the ranks that died
+without a report dated by when each died (`node_ranks.DeathClock`): the first is the root
+cause. At the verdict the folder is sealed (`private.seal`): a rank that ends later, or a
+launcher's next attempt, leaves nothing of its end there. It then ends whatever is
 left (`tree.py`: workers in sessions of their own included), also at Ctrl-C and at the
 deadline. A command whose processes never join a group gives no verdict: "nothing joined"
 (a usage error).

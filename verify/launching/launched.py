@@ -7,7 +7,10 @@ returns, the process is rank `get_rank()` of `get_world_size()`, and is adopted:
 set-up of a rank of the tool's own (`rank.adopt`: stack file, collective trace, helper
 thread, the sanitizer and the audit when asked), its files in the run's report folder under
 its rank, as a torchrun job's rank under `verify.hang_run` (`node_ranks.py`): `rank<r>.up`,
-then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`).
+then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`). The folder must
+be this user's alone (`private.py`): a process that finds it is not says so on stderr and is
+not adopted; and once the tool has its verdict (the seal), a rank's end is not told, nor its
+set-ups finished, and a process that joins is not adopted.
 
 The script is the launcher's to run, so its end is seen from inside: an exception that
 reaches the top (`sys.excepthook`), or `sys.exit` with a non-zero code (how `mp.spawn`'s
