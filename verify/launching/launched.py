@@ -151,7 +151,7 @@ def read_joined(folder: str, rank: int) -> tuple[int, int] | None:
     try:
         world, pid = (private.read(folder, _joined(rank)) or b"").split()
         return int(world), int(pid)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         if isinstance(exc, private.Untrusted):
             raise
         return None

@@ -15,7 +15,7 @@ the folder's seal: no rank leaves a message after it (`private.py`).
 
 These messages are JSON (or a line of text), read and written through `private.py`: the folder
 and each file must be this user's alone, so a message another user planted is refused, never
-read. A rank dead without a message is dated from when it was first seen dead (`note_deaths`),
+read. A rank dead without a message is dated from when its process ended (`DeathClock`),
 so that the first to die is the root cause, whatever order the ranks are numbered in.
 """
 
@@ -84,7 +84,7 @@ class DeathClock:
         """Watch process `pid` under `key` (once a key and process; where pidfds are not
         available, nothing: `ended_at` then gives its default)."""
         with self._lock:
-            if self._keys.get(key) == pid:
+            if self._keys.get(key) == pid or pid == os.getpid():  # (its own end is not seen)
                 return
             self._keys[key] = pid
             try:

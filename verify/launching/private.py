@@ -53,8 +53,10 @@ def check_dir(folder: str | os.PathLike) -> None:
 
 
 def read(folder: str | os.PathLike, name: str) -> bytes | None:
-    """The message `name` in `folder` (None: there is none); Untrusted if the folder or the
-    file is not this user's alone."""
+    """The message `name` in `folder` (None: there is none, nor a folder); Untrusted if the
+    folder or the file is not this user's alone."""
+    if not os.path.lexists(folder):
+        return None
     with _opened(folder) as dir_fd:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
         try:
