@@ -543,7 +543,7 @@ def test_a_keyboard_interrupt_inside_the_wait_for_the_zygote_abandons_the_reques
     read_end, write_end = os.pipe()
     try:
         with pytest.raises(KeyboardInterrupt):
-            zygote.spawn(str(tmp_path / "rank0.job"), dict(os.environ), write_end,
+            zygote.spawn(read_end, dict(os.environ), write_end,
                          out=str(tmp_path / "log"), cancelled=signal_lands)  # fmt: skip
         assert zygote.abandoned and not zygote.forked
     finally:

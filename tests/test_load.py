@@ -185,6 +185,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
         "launchers": {
             "launchers": (test_launchers.launch_problems, str(folder / "launchers")),
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
+            "killed": (test_launchers.killed_problems, str(folder / "killed")),
         },
         "on cpu": {
             "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from verify.launching import private
 from verify.options import Options, knob
 
 DEFAULT_OUT = "profiles"
@@ -82,7 +83,9 @@ def _cpu_model() -> str | None:
 
 def new_run_dir(out: str | os.PathLike, name: str, world_size: int | str, device: str) -> Path:
     """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder;
-    `world_size` "N" for a launcher command's run (its launcher decides the ranks)."""
+    `world_size` "N" for a launcher command's run (its launcher decides the ranks). The folder
+    is this user's alone, 0700 whatever the umask: its ranks' messages are read from it
+    (`launching/private.py`)."""
     safe = re.sub(r"[^A-Za-z0-9_.+-]+", "-", name).strip("-") or "run"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(out) / f"{safe}_{world_size}x{device}_{stamp}"
@@ -90,7 +93,7 @@ def new_run_dir(out: str | os.PathLike, name: str, world_size: int | str, device
     candidate, n = base, 1
     while True:
         try:
-            candidate.mkdir()  # atomic: two runs in the same second get different folders
+            private.make_dir(candidate)  # atomic: two runs in one second get two folders
             return candidate
         except FileExistsError:
             n += 1

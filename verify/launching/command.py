@@ -12,7 +12,10 @@ This process watches that folder as a torchrun job's node watchdog does (`jobwid
 watchdog's rule of `watching/watchdog.py` on one node): a rank's failure, a hang (a rank
 waiting in a traced collective, or blocked inside torch where the trace is blind, every
 rank still for the stall timeout), or every rank and the launcher ended, make the verdict;
-the diagnosis is the one of every run (`watching/diagnose.py`). It then ends whatever is
+the diagnosis is the one of every run (`watching/diagnose.py`), with the ranks that died
+without a report dated by when each died (`node_ranks.DeathClock`): the first is the root
+cause. At the verdict the folder is sealed (`private.seal`): a rank that ends later, or a
+launcher's next attempt, leaves nothing of its end there. It then ends whatever is
 left (`tree.py`: workers in sessions of their own included), also at Ctrl-C and at the
 deadline. A command whose processes never join a group gives no verdict: "nothing joined"
 (a usage error).
@@ -20,13 +23,13 @@ deadline. A command whose processes never join a group gives no verdict: "nothin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
 
-from verify.launching import launched, tree
-from verify.launching.env import DIAGNOSED
+from verify.launching import launched, private, tree
 from verify.launching.launcher import Started
 from verify.launching.node_ranks import POLL_S, NodeRanks
 from verify.launching.outcome import LaunchResult, RankOutcome
@@ -47,10 +50,16 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
     with started.reaping:  # workers whose launcher died come to us, not to init
         watch = _Watch(report_dir, stall_timeout_s)
         try:
-            reason = watch.run(launcher, started.start + timeout_s)
+            try:
+                reason = watch.run(launcher, started.start + timeout_s)
+            finally:
+                # The verdict is taken: no process of the run leaves a report after it, not a
+                # rank ending late nor a launcher's next attempt (`private.seal`); what the
+                # verdict rests on is read below. A failing rank waits for it, too.
+                with contextlib.suppress(OSError, private.Untrusted):
+                    private.seal(report_dir)
             result = watch.result(reason, time.monotonic() - started.start)
         finally:
-            _write(report_dir, DIAGNOSED)  # a failing rank waits for it before its traceback
             # After an end or a crash the launcher ends its workers its own way (and reports a
             # failure as it would have); after a hang, the deadline or Ctrl-C, it is ended now.
             polite = watch.reason in ("end", "crash")
@@ -102,6 +111,7 @@ class _Watch:
         while True:
             now = time.monotonic()
             self._join()
+            self.local.note_deaths()
             if self.local.failed():
                 return self._set("crash")
             if now >= deadline:
@@ -176,9 +186,4 @@ def _wait(launcher: subprocess.Popen, seconds: float) -> None:
     try:
         launcher.wait(seconds)
     except subprocess.TimeoutExpired:
-        pass
-
-
-def _write(folder: str, name: str) -> None:
-    with open(os.path.join(folder, name), "w"):
         pass

@@ -7,7 +7,10 @@ returns, the process is rank `get_rank()` of `get_world_size()`, and is adopted:
 set-up of a rank of the tool's own (`rank.adopt`: stack file, collective trace, helper
 thread, the sanitizer and the audit when asked), its files in the run's report folder under
 its rank, as a torchrun job's rank under `verify.hang_run` (`node_ranks.py`): `rank<r>.up`,
-then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`).
+then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`). The folder must
+be this user's alone (`private.py`): a process that finds it is not says so on stderr and is
+not adopted; and once the tool has its verdict (the seal), a rank's end is not told, nor its
+set-ups finished, and a process that joins is not adopted.
 
 The script is the launcher's to run, so its end is seen from inside: an exception that
 reaches the top (`sys.excepthook`), or `sys.exit` with a non-zero code (how `mp.spawn`'s
@@ -27,13 +30,11 @@ at the top) are not traced; `dist.all_reduce(...)` is.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import sys
 from dataclasses import replace
 
 from verify.launching.env import (
-    DIAGNOSED,
     LAUNCHED_AUDIT_ENV,
     LAUNCHED_ENV,
     LAUNCHED_SANITIZE_ENV,
@@ -52,10 +53,7 @@ def rehearse() -> None:
 
         _rehearsal.append(oncpu.install(None, -1))
     except Exception as exc:
-        with contextlib.suppress(OSError, KeyError):
-            folder = os.environ[LAUNCHED_ENV]
-            with open(os.path.join(folder, f"on_cpu.{os.getpid()}.error"), "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}\n")
+        _say(f"on_cpu.{os.getpid()}.error", exc)
 
 
 def init_process_group(original, args: tuple, kwargs: dict):
@@ -71,11 +69,22 @@ def init_process_group(original, args: tuple, kwargs: dict):
             else:
                 _adopt()
         except Exception as exc:  # the script runs on unwatched: say so where the tool looks
-            with contextlib.suppress(OSError):
-                folder = os.environ[LAUNCHED_ENV]
-                with open(os.path.join(folder, f"adopt.{os.getpid()}.error"), "w") as f:
-                    f.write(f"{type(exc).__name__}: {exc}\n")
+            _say(f"adopt.{os.getpid()}.error", exc)
     return out
+
+
+def _say(name: str, exc: Exception) -> None:
+    """Say `exc` in the run folder's file `name`; in a folder that is not this user's alone
+    (`private.Untrusted`), on stderr, writing nothing there."""
+    from verify.launching import private
+
+    line = f"{type(exc).__name__}: {exc}\n"
+    try:
+        private.write(os.environ[LAUNCHED_ENV], name, line.encode())
+    except private.Untrusted as untrusted:
+        print(f"verify: this process is not watched: {untrusted}", file=sys.stderr)
+    except (OSError, KeyError):
+        pass
 
 
 def _again() -> bool:
@@ -87,15 +96,17 @@ def _again() -> bool:
     next attempt's pass in place of the crash. Left unwatched, it is ended with the launcher."""
     import torch.distributed as dist
 
+    from verify.launching import private
+
     folder = os.environ[LAUNCHED_ENV]
     joined = read_joined(folder, dist.get_rank())
-    return os.path.exists(os.path.join(folder, DIAGNOSED)) or joined is not None
+    return private.sealed(folder) or joined is not None
 
 
 def _adopt() -> None:
     import torch.distributed as dist
 
-    from verify.launching import node_ranks
+    from verify.launching import node_ranks, private
     from verify.launching import rank as rank_side
     from verify.launching.rank_script import script_job
 
@@ -113,11 +124,7 @@ def _adopt() -> None:
         sanitize=os.environ.get(LAUNCHED_SANITIZE_ENV) == "1",
         audit_every=None if every is None else int(every),
     )
-    job = replace(
-        job,
-        on_failure=node_ranks.rank_failed(folder, rank),
-        on_failing=node_ranks.rank_failing(folder, rank),
-    )
+    job = replace(job, on_failing=node_ranks.rank_failing(folder, rank))
     running = rank_side.adopt(job)
     if _rehearsal:  # its report, under the rank now known
         from verify.oncpu import REPORT_SUFFIX
@@ -126,24 +133,27 @@ def _adopt() -> None:
         ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
         ledger.save()
     _adopted.update(job=job, running=running, failed=False)
-    with open(os.path.join(folder, f"rank{rank}.joined.tmp"), "w") as f:
-        f.write(f"{world} {os.getpid()}\n")
-    os.replace(os.path.join(folder, f"rank{rank}.joined.tmp"), _joined(folder, rank))
+    if not private.write(folder, _joined(rank), f"{world} {os.getpid()}\n".encode()):
+        return  # the verdict came meanwhile: not the run's, and its end is not told
     node_ranks.rank_up(folder, rank)()
     _hook_exits()
 
 
-def _joined(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"rank{rank}.joined")
+def _joined(rank: int) -> str:
+    return f"rank{rank}.joined"
 
 
 def read_joined(folder: str, rank: int) -> tuple[int, int] | None:
-    """(world size, process id) of rank `rank`, once it joined (None: not yet)."""
+    """(world size, process id) of rank `rank`, once it joined (None: not yet). Raises
+    `private.Untrusted` for a file that is not this user's alone."""
+    from verify.launching import private
+
     try:
-        with open(_joined(folder, rank)) as f:
-            world, pid = f.read().split()
+        world, pid = (private.read(folder, _joined(rank)) or b"").split()
         return int(world), int(pid)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, private.Untrusted):
+            raise
         return None
 
 
@@ -165,27 +175,37 @@ def _hook_exits() -> None:
 
 
 def _fail(exc: BaseException) -> None:
-    from verify.launching import setups
+    """The rank failed: its failure told, unless the run's verdict is out already (then
+    nothing of this rank's end is written: the seal, `private.py`)."""
+    from verify.launching import node_ranks, private, setups
     from verify.launching.rank_job import error_report
 
     if _adopted["failed"]:
         return
     _adopted["failed"] = True
     job = _adopted["job"]
-    job.on_failing()  # at once: what follows takes a while
-    if _rehearsal:  # the call it could not map, when that is what the rank died of
-        _rehearsal[0].finish(exc)
-    setups.finish(_adopted["running"], exc)  # what they found so far
-    job.on_failure(error_report(exc))  # waits (bounded) for the tool's diagnosis
+    with private.unsealed(job.helper_dir) as open_:
+        if open_ is None:
+            return
+        job.on_failing()  # at once: what follows takes a while
+        if _rehearsal:  # the call it could not map, when that is what the rank died of
+            _rehearsal[0].finish(exc)
+        setups.finish(_adopted["running"], exc)  # what they found so far
+        node_ranks.leave_failure(job.helper_dir, job.rank, error_report(exc))
+    node_ranks.await_diagnosis(job.helper_dir)  # (bounded) the tool's diagnosis first
 
 
 def _at_exit() -> None:
-    from verify.launching import node_ranks, setups
+    """The rank ended: its set-ups finished and its end told, unless the verdict is out."""
+    from verify.launching import node_ranks, private, setups
 
     if _adopted["failed"]:
         return
     job = _adopted["job"]
-    if _rehearsal:
-        _rehearsal[0].finish()
-    setups.finish(_adopted["running"])
-    node_ranks.rank_ended(job.helper_dir, job.rank, 0)
+    with private.unsealed(job.helper_dir) as open_:
+        if open_ is None:
+            return
+        if _rehearsal:
+            _rehearsal[0].finish()
+        setups.finish(_adopted["running"])
+        node_ranks.rank_ended(job.helper_dir, job.rank, 0)

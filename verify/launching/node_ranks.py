@@ -10,7 +10,13 @@ for `FAILING_S` it reads as busy, never hung; a rank that leaves no failure by t
 `FAILING_CAP_S` while it uses CPU, has crashed), `rank<r>.failed` (the failure, left by
 `rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned,
 `rank_ended`). The watchdog leaves `job.diagnosed` once the job's verdict is out, which a
-failing rank waits for (bounded), so that the diagnosis comes before the raw error.
+failing rank waits for (bounded), so that the diagnosis comes before the raw error; it is also
+the folder's seal: no rank leaves a message after it (`private.py`).
+
+These messages are JSON (or a line of text), read and written through `private.py`: the folder
+and each file must be this user's alone, so a message another user planted is refused, never
+read. A rank dead without a message is dated from when its process ended (`DeathClock`),
+so that the first to die is the root cause, whatever order the ranks are numbered in.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import contextlib
 import faulthandler
 import json
 import os
-import pickle
+import select
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
+from verify.launching import private
 from verify.launching.env import DIAGNOSED
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive
@@ -59,6 +67,54 @@ class NodeStatus:
     blocked: bool = False
 
 
+class DeathClock:
+    """When each watched process ended, within milliseconds whatever the watcher's polling:
+    a daemon thread waits on their pidfds (Linux 5.3 and later) and stamps each as it becomes
+    readable. Which rank died first names the root cause: ranks killed by a signal leave no
+    report, and the launcher ends the others right after the first."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, float] = {}
+        self._fds: dict[int, int] = {}  # pidfd -> key
+        self._keys: dict[int, int] = {}  # key -> pid watched
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, key: int, pid: int) -> None:
+        """Watch process `pid` under `key` (once a key and process; where pidfds are not
+        available, nothing: `ended_at` then gives its default)."""
+        with self._lock:
+            if self._keys.get(key) == pid or pid == os.getpid():  # (its own end is not seen)
+                return
+            self._keys[key] = pid
+            try:
+                self._fds[os.pidfd_open(pid)] = key
+            except (AttributeError, OSError):  # no pidfds here, or the process is gone
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ddp-verify-deaths",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+
+    def ended_at(self, key: int, default: float) -> float:
+        with self._lock:
+            return self._at.get(key, default)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._fds:
+                    self._thread = None
+                    return
+                fds = list(self._fds)
+            ready, _, _ = select.select(fds, [], [], 0.02)  # new processes join each round
+            now = time.time()
+            with self._lock:
+                for fd in ready:
+                    self._at.setdefault(self._fds.pop(fd), now)
+                    os.close(fd)
+
+
 @dataclass(frozen=True)
 class NodeReport:
     """A node's answer at a verdict: its ranks' last TAIL records and how each ended."""
@@ -76,6 +132,8 @@ class NodeRanks:
     def __init__(self, report_dir: str, ranks: list[int], stall_timeout_s: float) -> None:
         self.report_dir, self.ranks = report_dir, ranks
         self.pids: dict[int, int] = {}
+        self.died_at: dict[int, float] = {}  # wall clock a rank was first seen dead
+        self._clock = DeathClock()
         self._meters: dict[int, CpuMeter] = {}
         ask = capture.asker(report_dir, capture.read_in_torch)
         self._still = Stillness(ask, stall_timeout_s / 2)
@@ -88,15 +146,25 @@ class NodeRanks:
     def _path(self, r: int, what: str) -> str:
         return os.path.join(self.report_dir, f"rank{r}.{what}")
 
+    def _has(self, r: int, what: str) -> bool:
+        return private.read(self.report_dir, f"rank{r}.{what}") is not None
+
     def failed(self) -> bool:
-        return any(
-            os.path.exists(_failed(self.report_dir, r)) or self._gave_up(r) for r in self.ranks
-        )
+        return any(self._has(r, "failed") or self._gave_up(r) for r in self.ranks)
+
+    def note_deaths(self) -> None:
+        """Date each rank found dead (`died_at`): when its process ended (`DeathClock`), or,
+        where that is not known, now (call it often)."""
+        now = time.time()
+        for r, pid in self.pids.items():
+            self._clock.watch(r, pid)
+            if r not in self.died_at and not alive(pid):
+                self.died_at[r] = self._clock.ended_at(r, now)
 
     def _failing_since(self, r: int) -> float | None:
         """When rank r said it raised (`rank_failing`) in this attempt; None if it has not."""
-        said = _mtime(self._path(r, "failing"))
-        return said if said >= self._since else None
+        said = _load(self.report_dir, f"rank{r}.failing")
+        return said if isinstance(said, float) and said >= self._since else None
 
     def _gave_up(self, r: int) -> bool:
         """Rank r said it raised but left no failure in time: `FAILING_S`, or up to
@@ -118,7 +186,7 @@ class NodeRanks:
         return meter
 
     def ended(self, r: int) -> bool:
-        if os.path.exists(_failed(self.report_dir, r)) or os.path.exists(_ok(self.report_dir, r)):
+        if self._has(r, "failed") or self._has(r, "ended"):
             return True
         pid = self.pids.get(r)
         return pid is not None and not alive(pid)
@@ -129,6 +197,7 @@ class NodeRanks:
         now = time.monotonic()
         headers = {r: trace_file.read_header(self._path(r, "trace")) for r in self.ranks}
         self.pids.update({r: h.pid for r, h in headers.items() if h is not None})
+        self.note_deaths()
         live = [r for r in self.ranks if not self.ended(r)]
         waiting = any(headers[r] is not None and headers[r].pending for r in live)
         busy, blocked, still = False, False, []
@@ -144,7 +213,7 @@ class NodeRanks:
                 continue
             meter = self._meter(r, h.pid if h else None, now)
             self._still.sample(r, meter, now)
-            joined = (h is not None and h.events > 0) or os.path.exists(self._path(r, "up"))
+            joined = (h is not None and h.events > 0) or self._has(r, "up")
             starting = not joined and up_s < STARTUP_S
             busy = busy or starting or failing or (meter is not None and meter.busy())
             still.append(self._still.still_s(r, now))
@@ -179,16 +248,17 @@ class NodeRanks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pids[r], signal.SIGUSR1)
         time.sleep(_STACK_WAIT_S if live else 0)
+        self.note_deaths()
         outcomes, failed_at = {}, {}
         for r in self.ranks:
             stack = _read(self._path(r, "stack"))
-            failed = _read(_failed(self.report_dir, r), binary=True)
+            failed = _load(self.report_dir, f"rank{r}.failed")
             said = self._failing_since(r)  # a failure is dated from the raise, as on one machine
             if failed is not None:
-                error, tb, failed_at[r] = pickle.loads(failed)
+                error, tb, failed_at[r] = _failure(failed, self._path(r, "failed"))
                 failed_at[r] = min(failed_at[r], said or failed_at[r])
                 outcomes[r] = RankOutcome(r, "error", error=error, traceback=tb)
-            elif os.path.exists(_ok(self.report_dir, r)):
+            elif self._has(r, "ended"):
                 outcomes[r] = RankOutcome(r, "ok")
             elif said is not None and r in live:  # its failure not written (yet): a crash
                 why = f"raised, and sent no report within {time.time() - said:.0f}s"
@@ -201,7 +271,7 @@ class NodeRanks:
             else:
                 why = "exited without a report (a signal, or os._exit)"
                 outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
-                failed_at[r] = said or time.time()
+                failed_at[r] = said or self.died_at.get(r, time.time())
         traces = {r: trace_file.read_trace(self._path(r, "trace"), TAIL) for r in self.ranks}
         return NodeReport(node, host, traces, outcomes, failed_at)
 
@@ -221,16 +291,15 @@ class NodeRanks:
         """After the verdict: failing ranks go on to print their tracebacks (below the
         diagnosis); at a hang or a crash the others are ended, this process too unless its
         own rank failed, so torchrun tears the job down now, not at the collective timeout."""
-        with open(os.path.join(self.report_dir, DIAGNOSED), "w"):
-            pass
+        private.seal(self.report_dir)
         if reason == "end":
             return
         time.sleep(GRACE_S if reason == "crash" else 0)  # let the failing ones print
         for r, pid in self.pids.items():
-            if pid != os.getpid() and not os.path.exists(_failed(self.report_dir, r)):
+            if pid != os.getpid() and not self._has(r, "failed"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        if not os.path.exists(_failed(self.report_dir, self.ranks[0])):
+        if not self._has(self.ranks[0], "failed"):
             os._exit(1)
 
 
@@ -240,13 +309,24 @@ def rank_failed(report_dir: str, rank: int):
     diagnosis, so that it comes first."""
 
     def hook(report: RankReport) -> None:
-        _leave(_failed(report_dir, rank), (report.error, report.traceback, report.failed_at))
-        end = time.monotonic() + WAIT_S
-        done = os.path.join(report_dir, DIAGNOSED)
-        while not os.path.exists(done) and time.monotonic() < end:
-            time.sleep(POLL_S)
+        leave_failure(report_dir, rank, report)
+        await_diagnosis(report_dir)
 
     return hook
+
+
+def leave_failure(report_dir: str, rank: int, report: RankReport) -> None:
+    """Leave rank `rank`'s failure for the watchdog (nothing once the folder is sealed)."""
+    failure = {"error": report.error, "traceback": report.traceback, "at": report.failed_at}
+    _leave(_failed(report_dir, rank), failure)
+
+
+def await_diagnosis(report_dir: str) -> None:
+    """Wait (at most WAIT_S) for the job's diagnosis (`DIAGNOSED`, the seal)."""
+    end = time.monotonic() + WAIT_S
+    done = os.path.join(report_dir, DIAGNOSED)
+    while not os.path.exists(done) and time.monotonic() < end:
+        time.sleep(POLL_S)
 
 
 def rank_failing(report_dir: str, rank: int):
@@ -255,7 +335,7 @@ def rank_failing(report_dir: str, rank: int):
 
     def hook() -> None:
         with contextlib.suppress(OSError):  # the failure itself must still be reported
-            _leave(os.path.join(report_dir, f"rank{rank}.failing"), None)
+            _leave(os.path.join(report_dir, f"rank{rank}.failing"), time.time())
 
     return hook
 
@@ -289,17 +369,27 @@ def _ok(report_dir: str, rank: int) -> str:
     return os.path.join(report_dir, f"rank{rank}.ended")
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except OSError:
-        return float("-inf")
-
-
 def _leave(path: str, value) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(value, f)
-    os.replace(path + ".tmp", path)
+    """The message `value` (JSON) at `path`; nothing once the folder is sealed."""
+    private.write(os.path.dirname(path), os.path.basename(path), json.dumps(value).encode())
+
+
+def _load(report_dir: str, name: str):
+    """The message `name` (None: there is none, or it is not whole yet)."""
+    data = private.read(report_dir, name)
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:
+        return None
+
+
+def _failure(found, path: str) -> tuple[str, str | None, float]:
+    """(error, traceback, wall clock) of a `rank<r>.failed` message."""
+    if isinstance(found, dict):
+        error, tb, at = found.get("error"), found.get("traceback"), found.get("at")
+        if isinstance(error, str) and isinstance(tb, str | None) and isinstance(at, float):
+            return error, tb, at
+    raise private.Untrusted(f"{path} is not a rank's failure: refused")
 
 
 def _read(path: str, binary: bool = False):

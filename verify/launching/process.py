@@ -1,9 +1,12 @@
 """One rank as the parent sees it: a process in a session of its own.
 
 Every rank the tool starts, for a function (`spawn.py`) or a user's script (`script.py`), runs
-`rank.main(<job file>, <fd>)` in a process `RankProcess.start()` forks from a zygote
-(`zygote.py`) or starts as a fresh interpreter (`python -c <boot> <job file> <fd>`), the same
+`rank.main(<job fd>, <fd>)` in a process `RankProcess.start()` forks from a zygote
+(`zygote.py`) or starts as a fresh interpreter (`python -c <boot> <job fd> <fd>`), the same
 either way:
+
+- its job from an anonymous file it inherits (`runner._job_file`): a pickle, so never from a
+  file in a folder (another user could plant or swap one);
 
 - a new session (`setsid` before exec): Ctrl-C in the terminal reaches the tool, never the
   ranks (which would print a KeyboardInterrupt traceback each); the parent ends them, and
@@ -41,7 +44,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 _BOOT = (
     f"import gc, sys; sys.path.insert(0, {_ROOT!r}); "
     "from verify.launching.rank import main; "
-    "main(sys.argv[1], int(sys.argv[2])) == 'fn' and gc.freeze()"
+    "main(int(sys.argv[1]), int(sys.argv[2])) == 'fn' and gc.freeze()"
 )
 
 
@@ -51,7 +54,7 @@ class RankProcess:
     def __init__(
         self,
         rank: int,
-        job_path: str,
+        job_file,
         env: dict[str, str],
         *,
         log_path: str,
@@ -62,7 +65,7 @@ class RankProcess:
         self.rank = rank
         self.zygote = zygote  # fork from it (`zygote.py`) rather than start an interpreter
         self._pid: int | None = None
-        self.job_path = job_path
+        self.job_file = job_file  # the job, pickled, in an anonymous file (`runner._job_file`)
         self.env = env
         self.log_path = log_path  # stdout and stderr (or stdout only, with err_path)
         self.err_path = err_path
@@ -93,13 +96,14 @@ class RankProcess:
             if self.stream is None:
                 out = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
                 err = open(self.err_path, "wb") if self.err_path else subprocess.STDOUT  # noqa: SIM115
+            job_fd = self.job_file.fileno()
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, self.job_path, str(write_end)],
+                [sys.executable, "-c", _BOOT, str(job_fd), str(write_end)],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=out if out is not None else subprocess.PIPE,
                 stderr=err if err is not None else subprocess.PIPE,
-                pass_fds=(write_end,),
+                pass_fds=(write_end, job_fd),
                 start_new_session=True,
             )
         finally:
@@ -116,7 +120,7 @@ class RankProcess:
         out, err = (pipes[0][1], pipes[1][1]) if pipes else (self.log_path, self.err_path)
         try:
             self._pid = self.zygote.spawn(
-                self.job_path, self.env, write_end, out=out, err=err, cancelled=cancelled
+                self.job_file.fileno(), self.env, write_end, out=out, err=err, cancelled=cancelled
             )
         except BaseException:  # KeyboardInterrupt from the signal handler, in the wait
             for fd in (read_end, write_end, *(fd for pipe in pipes for fd in pipe)):

@@ -1,7 +1,7 @@
 """Inside a rank: what runs between the interpreter's start and the rank's exit.
 
-`main(job_path, fd)` is the entry point of every rank the tool starts (`process.py` execs it).
-The job file says what to run:
+`main(job_fd, fd)` is the entry point of every rank the tool starts (`process.py` execs it).
+The job, read from the anonymous file `job_fd` the rank inherits, says what to run:
 
 - a function (`kind="fn"`): join the process group through the launch's `file://` store,
   report "up", call `fn(ctx, *args)`, report its value or its traceback;
@@ -43,7 +43,7 @@ from verify.launching.rank_job import (
 from verify.launching.rank_script import run_script_job
 
 
-def main(job_path: str, fd: int, parent: int | None = None) -> str:
+def main(job_fd: int, fd: int, parent: int | None = None) -> str:
     """The entry point: `parent` is the process this rank must die with, when it is not the
     tool itself (a rank forked by the zygote dies with the zygote, which dies with the tool).
     Returns the job's kind, "fn" or "script" (how a forked rank ends: `zygote_serve.py`)."""
@@ -52,8 +52,10 @@ def main(job_path: str, fd: int, parent: int | None = None) -> str:
     # nohup) has SIGINT ignored, which a fresh rank would inherit, and a script can tell
     # (tests/fixtures/rank_probe.py). Here, for fresh and forked ranks alike.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with open(job_path, "rb") as f:
-        job: RankJob = pickle.load(f)
+    # Read whole from its start, whatever the file's offset (one description, shared with
+    # the tool and with any copy the zygote was sent), then closed.
+    job: RankJob = pickle.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
+    os.close(job_fd)
     if parent is not None:
         job = replace(job, ppid=parent)
     run_job(job, fd)

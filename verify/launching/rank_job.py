@@ -1,5 +1,5 @@
 """What a rank is given, and what both kinds of rank (a function's, `rank.py`; a user's
-script's, `rank_script.py`) use inside it: the job file's contents (`RankJob`), the report of
+script's, `rank_script.py`) use inside it: the job's contents (`RankJob`), the report of
 a raise, NCCL's blocking waits, the process group's keywords and the helper thread that
 answers the parent's questions.
 """
@@ -19,7 +19,7 @@ from verify.launching.outcome import RankReport, one_line
 
 @dataclass(frozen=True, kw_only=True)
 class RankJob:
-    """Everything a rank needs, written by the parent into a job file before the exec."""
+    """Everything a rank needs, handed over by the parent before the exec (`runner._job_file`)."""
 
     kind: str  # "fn" | "script"
     rank: int

@@ -1,7 +1,7 @@
 """Start ranks from their jobs, supervise them, and turn what they left into a LaunchResult.
 
 The path every spawned run takes, for a function (`spawn.launch`) and a user's script
-(`script.run_script`) alike: write each rank's job file, start the ranks (`process.py`),
+(`script.run_script`) alike: hand each rank its job, start the ranks (`process.py`),
 supervise them (`supervisor.py`), end and reap every one, then read what they left behind
 (exit codes, the tails of their output, their collective traces) into one `RankOutcome` per
 rank and the collective-trace diagnosis (`watching/diagnose.py`).
@@ -9,14 +9,15 @@ rank and the collective-trace diagnosis (`watching/diagnose.py`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import socket
+import tempfile
 import time
 from dataclasses import replace
 from typing import TextIO
 
+from verify.launching import private
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
 from verify.launching.rank_job import RankJob
@@ -50,12 +51,13 @@ def run(
 ) -> LaunchResult:
     """Run `jobs` (one per rank) to the end; see the module docstring.
 
-    `folder` holds the job files, the ranks' output, stacks and traces (the report folder
-    when one is kept); `env` is added to this process's environment for every rank; `stream`
+    `folder` holds the ranks' output, stacks and traces (the report folder when one is
+    kept), and must be this user's alone (`private.check_dir`; else `private.Untrusted`); `env` is added to this process's environment for every rank; `stream`
     sends the ranks' output, prefixed, to that console as well as to their files (scripts);
     `zygotes[r]` forks rank r from a process that has imported torch (`zygote.py`).
     """
     check_interrupted()
+    private.check_dir(folder)  # what the ranks leave there is read: this user's alone
     n = len(jobs)
     base = {**os.environ, **env}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -65,9 +67,6 @@ def run(
         base.setdefault(name, _loopback_ifname())
     ranks = []
     for job in jobs:
-        job_path = os.path.join(folder, f"rank{job.rank}.job")
-        with open(job_path, "wb") as f:
-            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
         rank_env = {
             **base,
             "RANK": str(job.rank),
@@ -78,7 +77,7 @@ def run(
         ranks.append(
             RankProcess(
                 job.rank,
-                job_path,
+                _job_file(job),
                 rank_env,
                 log_path=os.path.join(folder, f"rank{job.rank}.{'stdout' if split else 'stderr'}"),
                 err_path=os.path.join(folder, f"rank{job.rank}.stderr") if split else None,
@@ -112,12 +111,12 @@ def run(
         )
         # Read before the ranks are ended: a rank that sees its peer die would record its
         # pending collective as failed, and the diagnosis is of the run as it stood.
+        private.check_dir(folder)
         traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
     finally:
         end_all(ranks, grace_s=0.0 if interrupted() else 0.5)  # interrupted: now, not politely
         for rank in ranks:
-            with contextlib.suppress(OSError):
-                os.remove(rank.job_path)
+            rank.job_file.close()
     outcomes = []
     for o, rank in zip(sup.outcomes, ranks, strict=True):
         tail = None if o.status == "ok" else _tail(rank.err_path or rank.log_path)
@@ -146,6 +145,16 @@ def run(
         threads=threads,
         report_dir=report_dir,
     )
+
+
+def _job_file(job: RankJob):
+    """An anonymous file (no name in any folder, so no other user can write or swap it)
+    holding `job`, pickled: the rank inherits its descriptor (`rank.main`). A pickle is code,
+    so it never comes from a file another principal can reach."""
+    f = tempfile.TemporaryFile()  # noqa: SIM115 - closed once the rank is over
+    pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+    f.flush()
+    return f
 
 
 def _tail(path: str) -> str | None:

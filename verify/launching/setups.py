@@ -1,6 +1,6 @@
 """What a user's script's rank runs around the script when the job asks for it: its set-ups.
 
-A set-up is small picklable data (it travels in the job file, `RankJob.setups`) with one
+A set-up is small picklable data (it travels in the job, `RankJob.setups`) with one
 method, `start(rank)`. It is called once the rank's tracer and helper thread are in and
 before the script imports anything from `torch.distributed`, in the job's order (the
 rehearsal last: its wrappers then sit over the sanitizer's and the audit's, which see the

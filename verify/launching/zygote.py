@@ -218,7 +218,7 @@ class Zygote:
 
     def spawn(
         self,
-        job_path: str,
+        job_fd: int,
         env: dict,
         report_fd: int,
         *,
@@ -226,7 +226,7 @@ class Zygote:
         err: str | int | None = None,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> int | None:
-        """Fork a rank running `rank.main(job_path, report_fd)`; its pid, or None if the
+        """Fork a rank running `rank.main(job_fd, report_fd)`; its pid, or None if the
         zygote refused or is gone (the caller then starts a fresh interpreter), or when
         `cancelled()` says so while it waits (Ctrl-C: a zygote still importing torch on a
         crowded machine can take many seconds to answer).
@@ -234,13 +234,13 @@ class Zygote:
         `out` is where the rank's stdout goes: a file's path (made afresh) or the write end
         of a pipe; `err` its stderr, the same way (None: with stdout)."""
         deadline = time.monotonic() + self.REPLY_S - self.MARGIN_S
-        fds = [report_fd] + [x for x in (out, err) if isinstance(x, int)]
+        fds = [report_fd, job_fd] + [x for x in (out, err) if isinstance(x, int)]
         # a pipe travels as its index among the fds sent, a path as itself
         where = [fds.index(x) if isinstance(x, int) else x for x in (out, err)]
         with self.lock:
             self._next += 1
             ident = self._next
-            request = pickle.dumps((ident, deadline, job_path, env, where, os.getcwd()))
+            request = pickle.dumps((ident, deadline, env, where, os.getcwd()))
             try:
                 socket.send_fds(self.sock, [request], fds)
             except OSError:

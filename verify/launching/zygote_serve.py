@@ -20,6 +20,7 @@ import sys
 import time
 
 MAX_MSG = 1 << 20  # the longest message either side sends
+_MAX_FDS = 4  # a request's descriptors: the report pipe, the job's file, stdout's and stderr's
 
 
 def serve(fd: int, preload: list[str]) -> None:
@@ -41,14 +42,14 @@ def serve(fd: int, preload: list[str]) -> None:
         if not ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, _MAX_FDS)
         except OSError:
             os._exit(0)
         if not data:
             os._exit(0)  # the tool is gone
-        ident, deadline, job_path, env, where, cwd = pickle.loads(data)
+        ident, deadline, env, where, cwd = pickle.loads(data)
         late = time.monotonic() > deadline  # the tool may have given up: never a second rank
-        pid = None if late or not _one_thread() else _fork(sock, job_path, env, where, cwd, fds)
+        pid = None if late or not _one_thread() else _fork(sock, env, where, cwd, fds)
         for f in fds:
             os.close(f)
         if pid is not None:
@@ -56,7 +57,8 @@ def serve(fd: int, preload: list[str]) -> None:
         _send(sock, ("started", ident, pid))
 
 
-def _fork(sock, job_path: str, env: dict, where: list, cwd: str, fds: list[int]) -> int:
+def _fork(sock, env: dict, where: list, cwd: str, fds: list[int]) -> int:
+    """Fork the rank: `fds` are its report pipe, its job's file, then its output pipes."""
     pid = os.fork()
     if pid:
         return pid
@@ -83,7 +85,7 @@ def _fork(sock, job_path: str, env: dict, where: list, cwd: str, fds: list[int])
         os.environ.update(env)
         from verify.launching import rank
 
-        script = rank.main(job_path, fds[0], parent=os.getppid()) == "script"
+        script = rank.main(fds[1], fds[0], parent=os.getppid()) == "script"
         ending = SystemExit(0)
     except SystemExit as exc:  # a script's sys.exit() (`rank_script.py` raises it again)
         script, ending = True, exc

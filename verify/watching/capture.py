@@ -18,6 +18,7 @@ import os
 import threading
 import time
 
+from verify.launching import private
 from verify.watching import stacks
 
 _FR_WAIT_S = 1.0
@@ -44,23 +45,22 @@ def start_rank_helper(folder: str, rank: int) -> None:
                     os.remove(_path(folder, rank, "where.request"))
                 # The user's line, then whether the main thread is blocked inside torch.
                 site, blocked = stacks.main_thread_site() or "", stacks.main_thread_in_torch()
-                _write(_path(folder, rank, "where"), f"{site}\n{int(blocked)}")
+                _write(folder, f"rank{rank}.where", f"{site}\n{int(blocked)}")
             if not fr_done and os.path.exists(_path(folder, rank, "fr.request")):
                 fr_done = True
                 try:
                     dump = _flight_recorder_json()
                 except Exception as exc:  # not built in, or not enabled: say so in the file
                     dump = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-                _write(fr_path(folder, rank), dump)
+                _write(folder, os.path.basename(fr_path(folder, rank)), dump)
 
     threading.Thread(target=serve, name="ddp-verify-helper", daemon=True).start()
 
 
-def _write(path: str, text: str) -> None:
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+def _write(folder: str, name: str, text: str) -> None:
+    """An answer the parent asked for, in the run folder only this user can write."""
+    with contextlib.suppress(OSError, private.Untrusted):
+        private.write(folder, name, text.encode(), asked=True)
 
 
 def request_where(folder: str, rank: int) -> None:
@@ -98,8 +98,10 @@ def read_in_torch(folder: str, rank: int) -> bool | None:
 
 
 def _read_answer(folder: str, rank: int) -> list[str] | None:
-    with contextlib.suppress(OSError), open(_path(folder, rank, "where")) as f:
-        return f.read().split("\n")
+    """The answer's lines; raises `private.Untrusted` for one that is not this user's alone."""
+    with contextlib.suppress(OSError):
+        answer = private.read(folder, f"rank{rank}.where")
+        return None if answer is None else answer.decode(errors="replace").split("\n")
     return None
 
 

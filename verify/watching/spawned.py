@@ -22,6 +22,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from verify.launching import private
+
 # The rendezvous variables a script's rank gets from the tool, which its own processes inherit.
 INHERITED = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
@@ -55,9 +57,8 @@ def install(folder: str, rank: int) -> None:
     @functools.wraps(original)
     def start_processes(fn, args=(), nprocs=1, *rest, **kwargs):
         site = frame_site(sys._getframe(1)) or "<unknown>"
-        with contextlib.suppress(OSError):
-            with open(path(folder, rank), "w") as f:
-                f.write(f"{int(nprocs)}\t{site}\n")
+        with contextlib.suppress(OSError, private.Untrusted):
+            private.write(folder, f"rank{rank}.spawned", f"{int(nprocs)}\t{site}\n".encode())
         return original(fn, args, nprocs, *rest, **kwargs)
 
     module.start_processes = start_processes
@@ -65,11 +66,14 @@ def install(folder: str, rank: int) -> None:
 
 
 def read(folder: str, rank: int) -> OwnRanks | None:
-    """What rank `rank` started, if it called `start_processes` (None: it did not)."""
+    """What rank `rank` started, if it called `start_processes` (None: it did not). Raises
+    `private.Untrusted` for a file that is not this user's alone."""
     try:
-        with open(path(folder, rank)) as f:
-            nprocs, _, site = f.read().strip().partition("\t")
+        said = private.read(folder, f"rank{rank}.spawned")
+        nprocs, _, site = (said or b"").decode(errors="replace").strip().partition("\t")
         return OwnRanks(rank, int(nprocs), site)
+    except private.Untrusted:
+        raise
     except (OSError, ValueError):
         return None
 

@@ -1,0 +1,166 @@
+"""Who is trusted (docs/design.md): a run folder and the messages in it are this user's alone
+(verify/launching/private.py). A folder made under any umask is 0700; a message another user
+planted, or a folder swapped for another user's, is refused in one line and never read, let
+alone unpickled; a rank's job (a pickle) is never a file in a folder; no message lands after
+the seal.
+
+The suite runs as root here, so another owner is made with os.chown (uid 65534, nobody); those
+tests are skipped elsewhere. In-process, but for one launch of one rank and one launcher
+command of one process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify import runs
+from verify.launching import launch, launched, private
+from verify.launching.node_ranks import NodeRanks
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
+
+
+class _Touch:
+    """A pickle that, unpickled, creates `path`: what a planted one could run instead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _plant(folder: Path, name: str, ran: Path, owner: int = NOBODY) -> None:
+    (folder / name).write_bytes(pickle.dumps(_Touch(ran)))
+    os.chown(folder / name, owner, owner)
+
+
+def test_a_run_folder_is_the_users_alone_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)  # a shared group's umask: a plain mkdir would give the group write
+    try:
+        run = runs.new_run_dir(tmp_path, "audit", 2, "cpu")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+
+
+@as_root
+def test_a_failure_planted_by_another_user_is_refused_and_never_unpickled(tmp_path):
+    run = runs.new_run_dir(tmp_path, "audit", "N", "cpu")
+    ran = tmp_path / "ran"
+    _plant(run, "rank1.failed", ran)
+    ranks = NodeRanks(str(run), [0, 1], 10.0)
+    with pytest.raises(ValueError) as refused:
+        if ranks.failed():
+            ranks.report("crash", 0, "host")
+    assert not ran.exists()
+    assert str(refused.value) == (
+        f"file {run}/rank1.failed is owned by uid {NOBODY}, not by this user (uid 0): refused "
+        "(a run's files are its own user's alone; another user may have planted or swapped it)"
+    )
+
+
+@as_root
+def test_a_run_folder_swapped_for_another_users_is_refused(tmp_path):
+    """Another user who can write `--out` renames the run folder and puts their own in its
+    place: neither the tool nor a rank reads or writes anything there."""
+    run = runs.new_run_dir(tmp_path, "audit", "N", "cpu")
+    ranks = NodeRanks(str(run), [0], 10.0)
+    assert not ranks.failed()
+    os.rename(run, tmp_path / "moved")
+    run.mkdir(mode=0o777)
+    (run / "rank0.joined").write_text(f"1 {os.getpid()}\n")
+    os.chown(run / "rank0.joined", NOBODY, NOBODY)
+    ran = tmp_path / "ran"
+    _plant(run, "rank0.failed", ran, owner=0)  # even a file of ours, in their folder
+    os.chown(run, NOBODY, NOBODY)
+    for read in (ranks.failed, lambda: launched.read_joined(str(run), 0)):
+        with pytest.raises(private.Untrusted, match=f"run folder {run} is owned by uid {NOBODY}"):
+            read()
+    with pytest.raises(private.Untrusted):
+        private.write(run, "rank0.ended", b"null")
+    assert not ran.exists() and not (run / "rank0.ended").exists()
+
+
+def test_a_link_or_a_fifo_in_a_messages_place_is_refused_without_blocking(tmp_path):
+    run = runs.new_run_dir(tmp_path, "audit", "N", "cpu")
+    (tmp_path / "elsewhere").write_text("null")
+    os.symlink(tmp_path / "elsewhere", run / "rank0.ended")
+    os.mkfifo(run / "rank1.ended")
+    for name in ("rank0.ended", "rank1.ended"):
+        with pytest.raises(private.Untrusted, match=f"{run}/{name}"):
+            private.read(run, name)
+
+
+def test_nothing_is_written_after_the_seal(tmp_path):
+    run = runs.new_run_dir(tmp_path, "audit", "N", "cpu")
+    assert private.write(run, "rank0.up", b"null")
+    assert stat.S_IMODE((run / "rank0.up").stat().st_mode) == 0o600
+    private.seal(run)
+    assert not private.write(run, "rank0.ended", b"null")
+    with private.unsealed(run) as open_:
+        assert open_ is None
+    assert sorted(p.name for p in run.iterdir()) == ["job.diagnosed", "rank0.up"]
+
+
+def _files(ctx, folder: str) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def test_a_ranks_job_is_never_a_file_in_its_folder(tmp_path):
+    """A rank's job is a pickle (its function and arguments: code), so it never lies where
+    another user could plant or swap it: the rank inherits it in an anonymous file."""
+    folder = runs.new_run_dir(tmp_path, "run", 1, "cpu")
+    result = launch(_files, world_size=1, args=(str(folder),), report_dir=str(folder))
+    assert result.ok, result.outcomes
+    assert not [name for name in result.outcomes[0].value if name.endswith(".job")]
+
+
+PLANTER = """\
+import os, pickle, sys, time
+from pathlib import Path
+import torch.distributed as dist
+
+class Touch:
+    def __reduce__(self):
+        return (Path.touch, (Path(sys.argv[1]),))
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+path = os.path.join(os.environ["DDP_VERIFY_LAUNCHED"], "rank0.failed")
+with open(path + ".x", "wb") as f:
+    pickle.dump(Touch(), f)
+os.chown(path + ".x", 65534, 65534)
+os.rename(path + ".x", path)
+time.sleep(60)
+"""
+
+
+@as_root
+def test_a_launcher_commands_planted_message_is_one_line_and_runs_nothing(run_cli, tmp_path):
+    """The launcher form end to end: a message planted by another user while the command runs
+    is refused in one line, exit 2, with nothing of it run and nothing left running."""
+    script = tmp_path / "planter.py"
+    script.write_text(PLANTER)
+    ran = tmp_path / "ran"
+    out = tmp_path / "out"
+    command = [sys.executable, str(script), str(ran), str(tmp_path / "store")]
+    done = run_cli("hang", "--json", "--out", str(out), "--", *command)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("verify: error: file "), done.stderr
+    assert f"rank0.failed is owned by uid {NOBODY}" in lines[0]
+    assert not ran.exists()
+    (run,) = out.iterdir()
+    assert done.stdout == ""  # no verdict
+    marker = f"DDP_VERIFY_LAUNCHED={run}".encode()
+    from verify.launching.tree import carries
+
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    assert not [p for p in pids if carries(p, marker)]
