@@ -110,6 +110,9 @@ class Outcome:
     # who differs, for the mismatched entries `known` does not cover and `diffs` does not
     # describe: the ranks, and a None tensor or another dtype or shape; nothing measured
     undescribed: dict[int, TensorDiff] = field(default_factory=dict)
+    # this rank's fingerprint of each entry, once the ranks agreed on the layout (else empty):
+    # what the audit already computed, for whoever follows the values (`stillness.py`)
+    prints: list[int] = field(default_factory=list)
 
 
 class Auditor:
@@ -175,7 +178,7 @@ def compare(
         sizes[(where[0], where[2])] = len(entries)
         same = agree(prints, group)
     mismatched = [i for i, ok in enumerate(same) if not ok]
-    outcome = Outcome(mismatched=mismatched)
+    outcome = Outcome(mismatched=mismatched, prints=prints)
     if not mismatched:
         return outcome
     told = [i for i in mismatched if not known(entries[i])]
