@@ -17,7 +17,14 @@ idle and with every core busy:
 - a script whose ranks meet at a tcp:// address of its own (audit_tcp_init.py, written for a
   launch of its own) never meets under torchrun or the tool: a HANG that says the ranks never
   met in init_process_group and where torchrun's ranks meet, not a collective (its ranks
-  count as starting for the first minute, so this case takes one).
+  count as starting for the first minute, so this case takes one);
+- an optimizer built over a set of parameter names (audit_set_order.py: each rank prints its
+  own order, and they differ) passes: the same parameters are the same entries in whatever
+  order a rank lists them; where that order packs a flat buffer that is all-reduced, the
+  gradients differ, and the FAULT names them;
+- a model whose loss trains nothing (audit_one_class.py: a cross-entropy over one logit, its
+  gradients exactly zero) passes, with the note "nothing trained" beside the verdict; a run
+  that trains (Muon's) has no such note.
 
 Each case is the real command line. The two usage errors (their one line on stderr, and no
 traceback from a real interpreter on its way out) run as `python -m verify` in a process of
@@ -57,6 +64,9 @@ CASES = {  # name -> (command, nproc, script and its arguments)
     "cuda-set-device": ("audit", 2, ("audit_needs_cuda.py", "set-device")),
     "cuda-nccl": ("hang", 2, ("audit_needs_cuda.py", "nccl")),
     "never-met": ("hang", 2, ("audit_tcp_init.py",)),
+    "set-order": ("audit", 2, ("audit_set_order.py", "ddp")),
+    "set-order-flat": ("audit", 2, ("audit_set_order.py", "flat")),
+    "one-class": ("audit", 2, ("audit_one_class.py",)),
 }
 IN_A_PROCESS = ("cuda-set-device", "cuda-nccl")  # a real interpreter's console: no traceback
 
@@ -123,6 +133,38 @@ def problems(done: dict[str, subprocess.CompletedProcess | Ran]) -> list[str]:
     want("never-met", "HANG: the ranks never met: every rank is still inside init_process_group"
          in met.stdout and "audit_tcp_init.py:15" in met.stdout, "the meeting that never was")  # fmt: skip
     want("never-met", "init_method='env://'" in met.stdout, "where torchrun's ranks meet")
+    found += _set_order_problems(done)
+    one = done["one-class"]
+    want("one-class", one.returncode == 0, "exit 0: the verdict stands")
+    want("one-class", "note: nothing trained: the loss's gradients were exactly zero at every "
+         "audited step and no parameter changed" in one.stdout, "the note")  # fmt: skip
+    want("one-class", "bitwise identical at every audited step, but nothing trained" in one.stdout,
+         "said beside the verdict")  # fmt: skip
+    want("muon", "nothing trained" not in muon, "no note on a run that trains")
+    return found
+
+
+def _set_order_problems(done: dict) -> list[str]:
+    """An optimizer over a set of parameters (audit_set_order.py): its ranks list them in
+    different orders (each rank prints its own), and the run passes; where the order packs a
+    flat buffer that is all-reduced, the gradients differ: a FAULT naming them."""
+    found = []
+    for name in ("set-order", "set-order-flat"):
+        p = done[name]
+        orders = {line.split(" order: ")[1] for line in p.stdout.splitlines() if " order: " in line}
+        if len(orders) != 2 and os.environ.get("PYTHONHASHSEED", "random") == "random":
+            found.append(f"{name}: the ranks' orders do not differ: {orders}\n{p.stdout[-2000:]}")
+    ok, flat = done["set-order"], done["set-order-flat"]
+    if ok.returncode != 0 or "replicas bitwise identical at every audited step" not in ok.stdout:
+        found.append(f"set-order: not a pass (exit {ok.returncode})\n{ok.stdout[-3000:]}")
+    head = "FIRST DIVERGENCE: gradients before step 0 (Lion): 12 tensors differ"
+    if (
+        flat.returncode != 1
+        or head not in flat.stdout
+        or "blocks.0.weight on rank 1" not in flat.stdout
+    ):
+        found.append(f"set-order-flat: not the gradients named (exit {flat.returncode})\n"
+                     f"{flat.stdout[-3000:]}")  # fmt: skip
     return found
 
 
