@@ -36,8 +36,8 @@ mp.spawn (tests/test_on_cpu.py), the Lightning and L-BFGS scripts whose gradient
 where final (tests/test_frameworks.py), and the verdicts of
 `audit --nproc N -- train.py` on the scripts of
 tests/test_script_verdicts.py (a hang after five steps, nothing audited, Muon's owned state,
-right and wrong, an optimizer over a set of parameters, right and wrong, a loss that trains
-nothing, and the usage errors of a script that needs CUDA).
+right and wrong, an optimizer over a set of parameters, right and wrong (and right under
+torchrun), a loss that trains nothing, and the usage errors of a script that needs CUDA).
 
 Every loaded verdict runs in one hog window, all at once, in one test marked `alone` (while it
 lasts no other test of the run does: tests/conftest.py): under the hogs each rank gets a
@@ -177,6 +177,9 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "sharded": (test_matrix.sharded_problems,),
             "reload": (test_matrix.reload_problems,),
             "untrained": (test_audit.untrained_problems,),
+            "set-order-torchrun": (
+                test_script_verdicts.launcher_problems, folder / "set-order-torchrun"
+            ),
         },
         "join": {
             "join": (test_join_audit.join_problems, out, test_join_audit.LOADED),
@@ -273,6 +276,7 @@ def _check_verdicts(window: Window) -> None:
     assert not window["sharded"], "\n".join(window["sharded"])
     assert not window["reload"], "\n".join(window["reload"])
     assert not window["untrained"], "\n".join(window["untrained"])
+    assert not window["set-order-torchrun"], "\n".join(window["set-order-torchrun"])
     one_rank_problems, _ = window["one-rank"]
     assert not one_rank_problems, "\n".join(one_rank_problems)
     assert not window["set-order"], "\n".join(window["set-order"])
