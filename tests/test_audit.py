@@ -182,3 +182,36 @@ def test_audit_catches_one_ulp_in_any_tensor_on_one_rank_and_names_it(workload, 
         )
         assert first_index == expected
         assert max_abs_diff > 0
+
+
+def untrained_problems() -> list[str]:
+    """A student's DDP whose flat buffer is never filled (tests/fixtures/zeroed_grads_ddp.py)
+    keeps the replicas bitwise alike while every gradient is zero: consistency passes, as it
+    must (the replicas do agree), and says beside the verdict that nothing trained, in the
+    JSON too; a correct class (naive) has no such note. What is wrong (none); the hog
+    window's `untrained` job too (tests/test_load.py)."""
+    from pathlib import Path
+
+    from verify.checks.consistency import ConsistencyOptions, check_consistency
+
+    fixture = Path(__file__).parent / "fixtures" / "zeroed_grads_ddp.py"
+    zeroed = check_consistency(ConsistencyOptions(impl=f"{fixture}:FlatBufferDDP"))
+    right = check_consistency(ConsistencyOptions(impl="naive"))
+    problems = []
+    if zeroed.verdict != "pass" or not zeroed.headline.endswith(
+        "but nothing trained (see the note)"
+    ):
+        problems.append(f"zeroed: {zeroed.verdict}: {zeroed.headline}")
+    said = "nothing trained: the loss's gradients were exactly zero at every audited step"
+    doc = zeroed.to_dict()
+    if not doc["untrained"].startswith(said) or doc["untrained"] not in doc["notes"]:
+        problems.append(f"zeroed: the note: {doc['untrained']!r} {doc['notes']}")
+    if right.verdict != "pass" or right.untrained or "nothing trained" in right.headline:
+        problems.append(f"naive: {right.verdict}: {right.headline} {right.untrained!r}")
+    return problems
+
+
+@pytest.mark.under_load
+def test_a_class_whose_gradients_are_all_zero_passes_with_the_note_that_nothing_trained():
+    problems = untrained_problems()
+    assert not problems, "\n".join(problems)

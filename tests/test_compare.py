@@ -171,6 +171,41 @@ def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs
     assert "equal, bitwise, the recording's after step 2" in c.alignment
 
 
+class _Parameters:
+    """A recording's parameters as `align` reads them: one hash a step, the same name."""
+
+    def __init__(self, start: int, after: list[int]) -> None:
+        self._start, self._after = start, after
+
+    def steps(self) -> int:
+        return len(self._after)
+
+    def start(self, optimizer: int) -> dict:
+        return {"w": store_row(self._start)}
+
+    def after(self, optimizer: int, step: int) -> dict:
+        return {"w": store_row(self._after[step])}
+
+
+def store_row(value: int):
+    from verify.recording.table import Row
+
+    return Row("w", "float32", (2,), value)
+
+
+def test_an_alignment_that_several_steps_fit_says_it_is_ambiguous():
+    """Parameters that never changed (a run that trains nothing) fit a resume at every step:
+    the alignment taken is the first (from step 0), and it says that it is ambiguous and which
+    offsets fit; a run that trains fits one offset, and says nothing more."""
+    from verify.recording.align import align
+
+    still = align(_Parameters(7, [7, 7, 7]), _Parameters(7, [7, 7]))
+    assert still.offset == 0 and still.how.startswith("from step 0: both runs start")
+    assert "ambiguous: 6 offsets fit equally (0, 1, 2, 3, -1, -2)" in still.how, still.how
+    trains = align(_Parameters(1, [2, 3, 4]), _Parameters(3, [4]))
+    assert trains.offset == 2 and "ambiguous" not in trains.how, trains.how
+
+
 @RUNS_ON_ONE_WORKER
 def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_scheduler_sets(runs):
     """The first resumed step (3) runs with the lr saved in the optimizer's state_dict, which

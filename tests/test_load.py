@@ -7,7 +7,10 @@ collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one ra
 (tests/test_agreement.py), classes that all-reduce in the order of a set, of parameters or of
 names (tests/test_launch.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
 matrix of sharded optimizers by slices and by trimmed param_groups, correct and buggy, beside
-zero1 (tests/fixtures/sharded_styles.py), the shard layout check on zero3, FSDP2 and students'
+zero1 (tests/fixtures/sharded_styles.py), the matrix's round trip under the scheduler of a
+ZeRO-1 that loses the scheduled lr on a reload beside its twin that reloads right
+(tests/fixtures/zero1_reload.py), a class whose gradients are all zero (consistency: a pass
+that says nothing trained, tests/test_audit.py), the shard layout check on zero3, FSDP2 and students'
 sharded classes, right and wrong (tests/test_shard_layout.py), a student's hook DDP that
 scales gradients while their all-reduce is in flight beside its twin that waits, in the
 matrix's plain and no_sync() rows (tests/test_matrix.py), the replica audit of the
@@ -34,7 +37,8 @@ mp.spawn (tests/test_on_cpu.py), the Lightning and L-BFGS scripts whose gradient
 where final (tests/test_frameworks.py), and the verdicts of
 `audit --nproc N -- train.py` on the scripts of
 tests/test_script_verdicts.py (a hang after five steps, nothing audited, Muon's owned state,
-right and wrong, and the usage errors of a script that needs CUDA).
+right and wrong, an optimizer over a set of parameters, right and wrong (and right under
+torchrun), a loss that trains nothing, and the usage errors of a script that needs CUDA).
 
 Every loaded verdict runs in one hog window, all at once, in one test marked `alone` (while it
 lasts no other test of the run does: tests/conftest.py): under the hogs each rank gets a
@@ -69,6 +73,7 @@ import pytest
 
 from tests import (
     test_agreement,
+    test_audit,
     test_compare,
     test_compare_fresh,
     test_evidence,
@@ -174,6 +179,11 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "wrong": (check_equivalence, EquivalenceOptions(impl="faulty:no-divide")),
             "cut-short": (deadline_loops.verdict_problems,),
             "sharded": (test_matrix.sharded_problems,),
+            "reload": (test_matrix.reload_problems,),
+            "untrained": (test_audit.untrained_problems,),
+            "set-order-torchrun": (
+                test_script_verdicts.launcher_problems, folder / "set-order-torchrun"
+            ),
         },
         "join": {
             "join": (test_join_audit.join_problems, out, test_join_audit.LOADED),
@@ -272,6 +282,9 @@ def _check_verdicts(window: Window) -> None:
     assert wrong.verdict == "fault" and "first divergence" in wrong.headline, wrong.headline
     assert not window["cut-short"], "\n".join(window["cut-short"])
     assert not window["sharded"], "\n".join(window["sharded"])
+    assert not window["reload"], "\n".join(window["reload"])
+    assert not window["untrained"], "\n".join(window["untrained"])
+    assert not window["set-order-torchrun"], "\n".join(window["set-order-torchrun"])
     one_rank_problems, _ = window["one-rank"]
     assert not one_rank_problems, "\n".join(one_rank_problems)
     assert not window["set-order"], "\n".join(window["set-order"])

@@ -233,3 +233,40 @@ def test_a_script_finding_is_the_one_finding_and_keeps_its_json_keys(tmp_path):
         AuditOptions(script=(DECAY, "correct"), out=str(tmp_path), console="none")
     )
     assert correct.verdict == "pass" and not correct.findings, correct.to_dict()
+
+
+def test_a_layout_that_differs_is_always_said_how():
+    """An audit point whose ranks hold different lists of keys says how each rank's differ
+    from the reference rank's: which it lacks or has extra, which it holds more times, or,
+    the same keys in another order, where the orders part. Never an empty parenthesis (the
+    set-ordered optimizer's false alarm printed one: its lists differed in order only)."""
+    ref = ["grads|a|f32|(2,)", "grads|b|f32|(3,)", "grads|c|f32|(4,)"]
+    differs = compare_module._differs
+    assert differs(1, 0, list(ref), ref) == ""
+    order = differs(1, 0, [ref[1], ref[0], ref[2]], ref)
+    assert order == "rank 1: the same 3 entries in another order (entry 0 is b where rank 0's is a)"
+    assert differs(1, 0, ref[:2], ref) == "rank 1: lacks 1 (c)"
+    twice = differs(2, 0, [*ref, ref[0]], ref)
+    assert twice == "rank 2: a 2 times where rank 0 has it 1", twice
+
+
+def test_stillness_follows_zero_gradients_and_unchanged_parameters():
+    """`Stillness` (the note "nothing trained"): gradients exactly zero at every point, -0.0
+    and None included, and parameters whose fingerprints never leave their first ones; one
+    nonzero element, or one changed fingerprint, and it stops looking."""
+    from verify.replica_audit.stillness import Stillness, nothing_trained
+
+    still = Stillness()
+    assert not still.zero_gradients and not still.unchanged  # nothing shown: no claim
+    still.parameters({"w": 5, "b": 7})
+    for _ in range(3):
+        still.gradients([torch.zeros(3), torch.tensor([-0.0, 0.0]), None])
+        still.parameters({"w": 5, "b": 7})
+    assert still.zero_gradients and still.unchanged
+    both = nothing_trained(still.zero_gradients, still.unchanged)
+    assert both.startswith("nothing trained: the loss's gradients were exactly zero at every")
+    still.gradients([torch.zeros(3), torch.tensor([0.0, 1e-30])])
+    still.parameters({"w": 5, "b": 8})
+    assert not still.zero_gradients and not still.unchanged
+    assert nothing_trained(False, False) == ""
+    assert "by SGD #2" in nothing_trained(False, True, "SGD #2")

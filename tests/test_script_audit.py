@@ -214,6 +214,49 @@ def test_names_come_from_the_modules():
         modules.remove()
 
 
+def test_an_optimizer_over_a_set_is_audited_in_the_models_order():
+    """An optimizer built over a Python set lists its parameters in each process's own hash
+    order; the audit lists each group's in the model's order (`Collector.params`), so the
+    ranks hold the same entries in one order. The groups stay apart and in their order, and
+    a parameter no module owns comes after the model's, in its group's order."""
+    modules = Modules()
+    modules.install()
+    try:
+        net = torch.nn.Sequential(
+            torch.nn.Linear(2, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        )
+    finally:
+        modules.remove()
+    stray = torch.nn.Parameter(torch.ones(1))
+    p = dict(net.named_parameters())
+    opt = torch.optim.SGD([{"params": [p["2.bias"], stray, p["0.weight"], p["1.weight"]]},
+                           {"params": [p["1.bias"], p["0.bias"]], "lr": 0.5}], lr=0.1)  # fmt: skip
+    names = [n for n, _ in Collector(modules).params(opt)]
+    assert names == ["0.weight", "1.weight", "2.bias", "param_groups[0][1]", "0.bias", "1.bias"]
+
+
+def test_the_report_says_when_nothing_trained():
+    """The note beside the verdict: once for the run when no optimizer trained (zero
+    gradients, parameters unchanged), else named by optimizer; no note when all trained."""
+    from verify.cli.text_audit import untrained, verdict_line
+
+    steps = {"SGD": 3, "Adam #2": 3}
+    stuck = report.AuditReport(steps=steps, zero_gradients=("SGD", "Adam #2"),
+                               unchanged=("SGD", "Adam #2"))  # fmt: skip
+    (note,) = untrained(stuck)
+    assert note.startswith("nothing trained: the loss's gradients were exactly zero"), note
+    line = verdict_line(stuck, "pass")
+    assert (
+        line
+        == "replicas bitwise identical at every audited step, but nothing trained (see the note)"
+    )
+    some = report.AuditReport(steps=steps, unchanged=("Adam #2",))
+    assert [n.split(":")[0] for n in untrained(some)] == ["nothing trained by Adam #2"]
+    assert untrained(report.AuditReport(steps=steps)) == []
+    again = report.AuditReport.from_dict(stuck.to_dict())
+    assert again.zero_gradients == ("SGD", "Adam #2") and again.unchanged == stuck.unchanged
+
+
 def _compare_on_rank(ctx: RankContext) -> tuple[str, list]:
     group = SideGroup()
     assert group.ready()

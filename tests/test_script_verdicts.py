@@ -17,7 +17,14 @@ idle and with every core busy:
 - a script whose ranks meet at a tcp:// address of its own (audit_tcp_init.py, written for a
   launch of its own) never meets under torchrun or the tool: a HANG that says the ranks never
   met in init_process_group and where torchrun's ranks meet, not a collective (its ranks
-  count as starting for the first minute, so this case takes one).
+  count as starting for the first minute, so this case takes one);
+- an optimizer built over a set of parameter names (audit_set_order.py: each rank prints its
+  own order, and they differ) passes: the same parameters are the same entries in whatever
+  order a rank lists them; where that order packs a flat buffer that is all-reduced, the
+  gradients differ, and the FAULT names them;
+- a model whose loss trains nothing (audit_one_class.py: a cross-entropy over one logit, its
+  gradients exactly zero) passes, with the note "nothing trained" beside the verdict; a run
+  that trains (Muon's) has no such note.
 
 Each case is the real command line. The two usage errors (their one line on stderr, and no
 traceback from a real interpreter on its way out) run as `python -m verify` in a process of
@@ -30,6 +37,7 @@ with the rest of the load test's verdicts: tests/test_load.py.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +65,9 @@ CASES = {  # name -> (command, nproc, script and its arguments)
     "cuda-set-device": ("audit", 2, ("audit_needs_cuda.py", "set-device")),
     "cuda-nccl": ("hang", 2, ("audit_needs_cuda.py", "nccl")),
     "never-met": ("hang", 2, ("audit_tcp_init.py",)),
+    "set-order": ("audit", 2, ("audit_set_order.py", "ddp")),
+    "set-order-flat": ("audit", 2, ("audit_set_order.py", "flat")),
+    "one-class": ("audit", 2, ("audit_one_class.py",)),
 }
 IN_A_PROCESS = ("cuda-set-device", "cuda-nccl")  # a real interpreter's console: no traceback
 
@@ -123,7 +134,61 @@ def problems(done: dict[str, subprocess.CompletedProcess | Ran]) -> list[str]:
     want("never-met", "HANG: the ranks never met: every rank is still inside init_process_group"
          in met.stdout and "audit_tcp_init.py:15" in met.stdout, "the meeting that never was")  # fmt: skip
     want("never-met", "init_method='env://'" in met.stdout, "where torchrun's ranks meet")
+    found += _set_order_problems(done)
+    one = done["one-class"]
+    want("one-class", one.returncode == 0, "exit 0: the verdict stands")
+    want("one-class", "note: nothing trained: the loss's gradients were exactly zero at every "
+         "audited step and no parameter changed" in one.stdout, "the note")  # fmt: skip
+    want("one-class", "bitwise identical at every audited step, but nothing trained" in one.stdout,
+         "said beside the verdict")  # fmt: skip
+    want("muon", "nothing trained" not in muon, "no note on a run that trains")
     return found
+
+
+def _set_order_problems(done: dict) -> list[str]:
+    """An optimizer over a set of parameters (audit_set_order.py): its ranks list them in
+    different orders (each rank prints its own), and the run passes; where the order packs a
+    flat buffer that is all-reduced, the gradients differ: a FAULT naming them."""
+    found = []
+    for name in ("set-order", "set-order-flat"):
+        p = done[name]
+        orders = {line.split(" order: ")[1] for line in p.stdout.splitlines() if " order: " in line}
+        if len(orders) != 2 and os.environ.get("PYTHONHASHSEED", "random") == "random":
+            found.append(f"{name}: the ranks' orders do not differ: {orders}\n{p.stdout[-2000:]}")
+    ok, flat = done["set-order"], done["set-order-flat"]
+    if ok.returncode != 0 or "replicas bitwise identical at every audited step" not in ok.stdout:
+        found.append(f"set-order: not a pass (exit {ok.returncode})\n{ok.stdout[-3000:]}")
+    # How many differ depends on the two orders (a parameter packed at the same offset on
+    # both ranks is averaged right): at least one, each named with the rank that differs.
+    head = "FIRST DIVERGENCE: gradients before step 0 (Lion): "
+    named = re.search(r"\n  [\w.]+ on rank 1 vs rank 0: max \|diff\| ", flat.stdout)
+    if flat.returncode != 1 or head not in flat.stdout or not named:
+        found.append(f"set-order-flat: not the gradients named (exit {flat.returncode})\n"
+                     f"{flat.stdout[-3000:]}")  # fmt: skip
+    return found
+
+
+def launcher_problems(out: Path) -> list[str]:
+    """The set-ordered optimizer as its owner launches it, `audit -- torchrun ...`: each rank
+    a fresh interpreter with its own hash seed, the orders apart, and a pass. What is wrong
+    (none); the hog window's `set-order-torchrun` job too (tests/test_load.py)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2",
+               str(FIXTURES / "audit_set_order.py"), "ddp", str(out)]  # fmt: skip
+    ran = run_main("audit", "--out", str(out), "--stall-timeout", "5", "--", *command)
+    orders = {p.read_text() for p in out.glob("order.*")}
+    found = []
+    if len(orders) != 2 and os.environ.get("PYTHONHASHSEED", "random") == "random":
+        found.append(f"torchrun: the ranks' orders do not differ: {orders}")
+    if ran.returncode != 0 or "replicas bitwise identical at every audited step" not in ran.stdout:
+        found.append(f"torchrun: not a pass (exit {ran.returncode})\n{ran.stdout[-3000:]}")
+    return found
+
+
+@pytest.mark.under_load
+def test_a_set_ordered_optimizer_under_torchrun_passes(tmp_path):
+    problems = launcher_problems(tmp_path)
+    assert not problems, "\n".join(problems)
 
 
 def log_problems(out: Path) -> list[str]:

@@ -3,7 +3,8 @@ must get right, each a plain baseline changed by one knob.
 
 A `Behaviour` is data (torchtitan's `OverrideDefinitions` idea): a key, a title, and the knobs
 it changes from the baseline (the MLP at world size 2 with 25 MB buckets, AdamW over two
-parameter groups). One knob a row: a class that fails a row fails it for that knob, not
+parameter groups). One knob a row (the sharded optimizer's round trip is a resume, so it
+runs under the LR scheduler, as a resumed run does): a class that fails a row fails it for that knob, not
 because it lacks some other capability (the keep-grads and bucket rows train the plain MLP,
 not the model with unused parameters). `spec()` turns a row into the `TrainSpec` the trainer
 runs.
@@ -128,8 +129,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour(key="add-param-group", title="add_param_group after construction",
               add_param_group=True, sharded_only=True),
     Behaviour(key="scheduler", title="an LR scheduler (StepLR)", scheduler=True, sharded_only=True),
+    # A resume: the round trip under the scheduler, whose later lr must reach the reloaded
+    # optimizer (a class that rebuilds its groups on load loses it; one knob, "a resume").
     Behaviour(key="round-trip", title="optimizer state_dict round trip",
-              round_trip=True, sharded_only=True),
+              round_trip=True, scheduler=True, sharded_only=True),
     Behaviour(key="more-ranks-than-params", title="more ranks than parameters (3 tensors, 4 ranks)",
               workload="tied", world_size=4, sharded_only=True),
 )

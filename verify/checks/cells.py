@@ -159,7 +159,8 @@ def run_cell_on_rank(
                 found = with_hints(collapse(list(report.findings)), situation)
                 return CellResult("fail", _findings_text(report.findings), findings=found)
             n = len(report.checkpoints)
-            return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints")
+            empty = f"; {report.untrained}" if report.untrained else ""
+            return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints{empty}")
         if check == "equivalence":
             local = _local(judge, guard, spec)
             gathered: list = [local]

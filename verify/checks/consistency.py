@@ -42,7 +42,9 @@ from verify.checks.sanitizing import training
 from verify.checks.verdict import FAULT, Finding, Refusal, Verdicted, collapse, verdict_of
 from verify.launching import Raised, RankContext
 from verify.options import knob
+from verify.replica_audit.fingerprint import fingerprints
 from verify.replica_audit.group import comm_device
+from verify.replica_audit.stillness import Stillness, nothing_trained
 from verify.training.hooks import Hooks, Progress
 from verify.training.interface import InterfaceError
 from verify.training.sharded import full_gradients, full_state
@@ -73,6 +75,7 @@ class ConsistencyReport:
     mismatches: tuple[TensorDiff, ...] = ()
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
+    untrained: str = ""  # nothing trained, in words (`AuditHooks.untrained`); "" if it did
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,14 @@ class ConsistencyResult(Verdicted):
     threads: str = ""
     # a failed run's diagnosis and raise as typed findings, with their hints (`failures.py`)
     failure_findings: tuple[Finding, ...] = ()
+    untrained: str = ""  # nothing trained, in words (a note too); "" when training moved
 
     @property
     def headline(self) -> str:
         if self.passed:
             ranks, n = verdict.every_rank(self.options.world_size), len(self.checkpoints)
-            return f"PASS: replicas bitwise identical on {ranks} at all {n} checkpoints"
+            empty = ", but nothing trained (see the note)" if self.untrained else ""
+            return f"PASS: replicas bitwise identical on {ranks} at all {n} checkpoints{empty}"
         if self.findings:
             more = len(self.findings) - 1
             tail = f" (and {more} more distinct finding{'s' if more > 1 else ''})" if more else ""
@@ -130,6 +135,7 @@ def check_consistency(options: ConsistencyOptions) -> ConsistencyResult:
         notes=notes,
         threads=run.threads,
         failure_findings=failure_findings(run, situation),
+        untrained=report.untrained,
     )
 
 
@@ -169,6 +175,7 @@ class AuditHooks(Hooks):
         self.findings: list[Finding] = []
         self.notes: list[str] = []
         self._layouts: set[tuple[str, str]] = set()  # layout problems found (not found again)
+        self.still = Stillness()  # did the class train anything? (`untrained`)
 
     def after_build(self, run: Trainer) -> None:
         # A wrapper with full_parameters() shards the parameters, so their optimizer state too.
@@ -182,6 +189,7 @@ class AuditHooks(Hooks):
         if run.spec.same_init:
             self.notes.append("--same-init: every rank built the model from the same seed")
         state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
+        self._follow(state)
         self._layout(run, "construction", 0, "construction", state)
         found = self._audit("construction", 0, "construction", state)
         hint = (
@@ -202,6 +210,7 @@ class AuditHooks(Hooks):
         grads = full_gradients(run.model, run.wrapped)
         named = [(f"grad:{name}", grad) for name, grad in grads.items()]
         self._audit(f"step {step} gradients", step, "gradients", named)
+        self.still.gradients(grads.values())
 
     def after_step(self, run: Trainer, step: int) -> None:
         if self.auditor.optimizer is not None:
@@ -210,6 +219,7 @@ class AuditHooks(Hooks):
         if step == 1:  # once trained: the layout a step leaves (construction's is checked too)
             self._layout(run, f"step {step}", step, "step", state)
         self._audit(f"step {step}", step, "step", state)
+        self._follow(state)
 
     def after_load(self, run: Trainer, step: int, error: Exception | None) -> None:
         if error is not None:
@@ -225,6 +235,30 @@ class AuditHooks(Hooks):
         label = f"step {step} after the state_dict round trip"
         state = full_state(self.auditor.state_tensors(), run.model, run.wrapped)
         self._audit(label, step, "checkpoint", state)
+
+    def _follow(self, state) -> None:
+        """The parameters' fingerprints to `self.still`, until one has changed (a run that
+        trains fingerprints its parameters twice here: at construction and after step 1)."""
+        if self.still.moved:
+            return
+        params = [(n, t) for n, t in state if n.startswith("param:") and t is not None]
+        prints = fingerprints([t for _, t in params])
+        self.still.parameters({n: p for (n, _), p in zip(params, prints)})
+
+    @property
+    def untrained(self) -> str:
+        """Nothing trained, in words ("" when it did): the class's gradients after their
+        synchronization, and its parameters after each step. The tool's own loss trains the
+        model, so what stands still is the class's doing."""
+        s = self.still
+        why = (
+            "(the class left every gradient zero or None after synchronizing them: "
+            "equivalence against one process would fail)"
+            if s.zero_gradients
+            else "(the class's step never reaches the parameters: equivalence against one "
+            "process would fail)"
+        )
+        return nothing_trained(s.zero_gradients, s.unchanged, why=why)
 
     def _layout(self, run: Trainer, label: str, step: int, phase: str, state) -> None:
         """The shard layout check (layout.py) on the full parameters in `state`."""
@@ -269,8 +303,14 @@ class AuditHooks(Hooks):
         if sanitize is not None:
             findings += sanitize.findings
             notes += sanitize.notes
+        if self.untrained:
+            notes.append(self.untrained)
         return ConsistencyReport(
-            tuple(self.checkpoints), tuple(self.mismatches), tuple(findings), tuple(notes)
+            tuple(self.checkpoints),
+            tuple(self.mismatches),
+            tuple(findings),
+            tuple(notes),
+            self.untrained,
         )
 
 

@@ -152,7 +152,19 @@ def parameters_diverge(n: dict, s) -> str | None:
             "state_dict() must hold every parameter's state (gather the shards), not only "
             "this rank's, or list only this rank's parameters"
         )
-    if s.scheduler and step >= 2:
+    # The first step after a reload runs with the rate the checkpoint holds; from the next,
+    # with the first one the scheduler set after the reload.
+    rt = s.round_trip_step
+    if s.scheduler and rt is not None and step >= rt + 2:
+        causes.append(
+            f"the scheduler's lr did not reach the inner optimizer after the state_dict() "
+            f"round trip after step {s.round_trip_step}: copy each global group's "
+            "hyper-parameters (lr, weight_decay) to the inner optimizer's groups before its "
+            "step(); if the scheduler row passes, load_state_dict() replaced the groups the "
+            "scheduler reaches (the inner optimizer's load builds new ones: make those the "
+            "optimizer's own again)"
+        )
+    elif s.scheduler and step >= 2:
         causes.append(
             "the scheduler's lr never reached the inner optimizer: copy each global group's "
             "hyper-parameters (lr, weight_decay) to the inner optimizer's groups before its "

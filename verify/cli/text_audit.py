@@ -7,6 +7,7 @@ from verify.checks.script_audit import AuditResult
 from verify.checks.verdict import NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
 from verify.launching.launcher import is_command
+from verify.replica_audit.stillness import nothing_trained
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
 
@@ -62,6 +63,7 @@ def findings(audited: AuditReport | None, recorded_alone: bool = False) -> list[
                      f"({held} entries): not compared across ranks; the parameters it updates "
                      "are, at every audited step")  # fmt: skip
     lines += _joined(audited)
+    lines += [f"note: {text}" for text in untrained(audited)]
     lines.append(_recorded_alone(audited) if recorded_alone else _summary(audited))
     if audited.stopped:
         lines.append(f"note: the audit stopped early: {audited.stopped}")
@@ -81,8 +83,24 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
             "replicas bitwise identical at every audited step"
             + (" (apart from the buffers noted, kept per rank by design)" if kept else "")
             + (" until the audit stopped (see the note)" if report.stopped else "")
+            + (", but nothing trained (see the note)" if untrained(report) else "")
         )
     return f"verdict: {verdict}"
+
+
+def untrained(report: AuditReport) -> list[str]:
+    """What trained nothing (`AuditReport.zero_gradients`, `unchanged`), as notes: one for
+    the whole run when no optimizer trained, else one for each kind of stillness."""
+    zero, still = set(report.zero_gradients), set(report.unchanged)
+    every = set(report.steps) or zero | still
+    if every and (zero >= every or still >= every):
+        return [nothing_trained(zero >= every, still >= every)]
+    notes = []
+    for labels, z, u in ((zero & still, True, True), (zero - still, True, False),
+                         (still - zero, False, True)):  # fmt: skip
+        if labels:
+            notes.append(nothing_trained(z, u, ", ".join(sorted(labels))))
+    return notes
 
 
 def _block(f: Finding, title: str) -> list[str]:

@@ -104,11 +104,15 @@ class Outcome:
     """What one audit point found."""
 
     layout: str = ""  # non-empty: the ranks audit different entries; what differs
+    layout_ranks: tuple[int, ...] = ()  # of a layout: the ranks whose entries differ
     mismatched: list[int] = field(default_factory=list)  # indices of entries that differ
     diffs: dict[int, TensorDiff] = field(default_factory=dict)  # detail, by index
     # who differs, for the mismatched entries `known` does not cover and `diffs` does not
     # describe: the ranks, and a None tensor or another dtype or shape; nothing measured
     undescribed: dict[int, TensorDiff] = field(default_factory=dict)
+    # this rank's fingerprint of each entry, once the ranks agreed on the layout (else empty):
+    # what the audit already computed, for whoever follows the values (`stillness.py`)
+    prints: list[int] = field(default_factory=list)
 
 
 class Auditor:
@@ -168,12 +172,13 @@ def compare(
         both = agree(header + body, group)
         agreed, same = all(both[: len(header)]), both[len(header) :]
     if not agreed:
-        return Outcome(layout=_layout(group, header, keys))
+        layout, ranks = _layout(group, header, keys)
+        return Outcome(layout=layout, layout_ranks=ranks)
     if expected != len(entries):
         sizes[(where[0], where[2])] = len(entries)
         same = agree(prints, group)
     mismatched = [i for i, ok in enumerate(same) if not ok]
-    outcome = Outcome(mismatched=mismatched)
+    outcome = Outcome(mismatched=mismatched, prints=prints)
     if not mismatched:
         return outcome
     told = [i for i in mismatched if not known(entries[i])]
@@ -273,8 +278,10 @@ def describe(
     )  # fmt: skip
 
 
-def _layout(group: Group, header: list[int], keys: list[str]) -> str:
-    """What differs between the ranks' entries (module docstring, step 1)."""
+def _layout(group: Group, header: list[int], keys: list[str]) -> tuple[str, tuple[int, ...]]:
+    """What differs between the ranks' entries (module docstring, step 1), and the ranks
+    that differ from the reference rank. Never nothing: keys that differ are said to differ
+    in which ones, in how many of one, or in their order."""
     headers = gather_ints(group, header)
     ref = reference_rank([h[0] for h in headers])
     parts = []
@@ -283,18 +290,37 @@ def _layout(group: Group, header: list[int], keys: list[str]) -> str:
         at = ", ".join(f"rank {r}: optimizer {h[2]} step {h[3]}" for r, h in enumerate(headers))
         parts.append(f"the ranks are at different steps ({at})")
     theirs = broadcast_text(group, "\n".join(keys), ref).split("\n")
+    said = gather_texts(group, _differs(group.rank, ref, keys, theirs), _TEXT)
+    parts += [text for text in said if text]
+    parts.append(f"(compared with rank {ref}'s {len(theirs)} entries)")
+    off = {r for r, h in enumerate(headers) if h[2:] != headers[ref][2:]}
+    ranks = tuple(sorted(off | {r for r, text in enumerate(said) if text}))
+    return "; ".join(parts), ranks
+
+
+def _differs(rank: int, ref: int, keys: list[str], theirs: list[str]) -> str:
+    """How this rank's `keys` differ from rank `ref`'s (`theirs`), or "" where they do not."""
+    if keys == theirs:
+        return ""
     have, want = set(keys), set(theirs)
     missing = [k for k in theirs if k not in have]
     extra = [k for k in keys if k not in want]
-    mine = ""
     if missing or extra:
-        mine = f"rank {group.rank}: " + "; ".join(
+        return f"rank {rank}: " + "; ".join(
             f"{label} {len(ks)} ({', '.join(_short(k) for k in ks[:3])})"
             for label, ks in (("lacks", missing), ("has extra", extra)) if ks
         )  # fmt: skip
-    parts += [text for text in gather_texts(group, mine, _TEXT) if text]
-    parts.append(f"(compared with rank {ref}'s {len(theirs)} entries)")
-    return "; ".join(parts)
+    mine, ours = Counter(keys), Counter(theirs)
+    if mine != ours:  # the same keys, some of them repeated
+        odd = [k for k in dict.fromkeys(keys) if mine[k] != ours[k]]
+        return f"rank {rank}: " + ", ".join(
+            f"{_short(k)} {mine[k]} times where rank {ref} has it {ours[k]}" for k in odd[:3]
+        )
+    at = next(i for i, (a, b) in enumerate(zip(keys, theirs)) if a != b)
+    return (
+        f"rank {rank}: the same {len(keys)} entries in another order (entry {at} is "
+        f"{_short(keys[at])} where rank {ref}'s is {_short(theirs[at])})"
+    )
 
 
 def _short(key: str) -> str:

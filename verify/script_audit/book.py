@@ -46,7 +46,7 @@ class Book:
     def add(self, optimizer: str, step: int, entries: list[Entry], outcome: Outcome) -> bool:
         """Fold one audit point in; True when the findings changed."""
         if outcome.layout:
-            return self._layout(optimizer, step, outcome.layout)
+            return self._layout(optimizer, step, outcome.layout, outcome.layout_ranks)
         by_phase: dict[str, list[int]] = {}
         for i in outcome.mismatched:
             by_phase.setdefault(entries[i].phase, []).append(i)
@@ -132,14 +132,14 @@ class Book:
                 if phase == report.SCALER and self._scaled is None:
                     self._scaled = index
 
-    def _layout(self, optimizer: str, step: int, detail: str) -> bool:
+    def _layout(self, optimizer: str, step: int, detail: str, ranks: tuple[int, ...]) -> bool:
         key = (optimizer, report.LAYOUT, "")
         if key in self._covered:
             return self._again(optimizer, step, report.LAYOUT, "")
         self._covered[key] = len(self.findings)
         numbers = {"optimizer": optimizer, "count": 0, "tensors": [], "echo_of": None}
         where = _where(report.LAYOUT, step, optimizer)
-        found = Finding("audit", report.LAYOUT, step, detail, None, (), (step,), where,
+        found = Finding("audit", report.LAYOUT, step, detail, None, ranks, (step,), where,
                         AUDIT_LAYOUT, numbers)  # fmt: skip
         self.findings.append(_hinted(found))
         return True

@@ -36,11 +36,19 @@ class Collector:
         self.sharded = 0
 
     def params(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """(qualified name, parameter) for every parameter of the optimizer, in order."""
+        """(qualified name, parameter) for every parameter of the optimizer, group by group,
+        each group's in the order the model names them (`Modules.place_of`), the parameters
+        no module owns after them in the group's order. Not in the group's own order: an
+        optimizer built over a Python set (`Lion(set(model.parameters()) - frozen)`) lists
+        them in each process's hash order, and the same parameters are the same entries
+        whatever order a rank lists them in. Where that order changes the numbers (a flat
+        buffer packed in it), the tensors themselves differ."""
         out = []
         for g, group in enumerate(opt.param_groups):
-            for i, p in enumerate(group["params"]):
-                out.append((self.modules.name_of(p) or f"param_groups[{g}][{i}]", p))
+            names = [self.modules.name_of(p) for p in group["params"]]  # (may rebuild them)
+            places = [self.modules.place_of(p) for p in group["params"]]
+            order = sorted(range(len(names)), key=lambda i: (0, places[i]) if names[i] else (1, i))
+            out += [(names[i] or f"param_groups[{g}][{i}]", group["params"][i]) for i in order]
         return out
 
     def tensors(self, phase: str, named: Iterable[tuple[str, torch.Tensor | None]]) -> list[Entry]:

@@ -60,6 +60,7 @@ from verify.script_audit.book import Book
 from verify.script_audit.buffers import BroadcastBuffers
 from verify.script_audit.collect import Collector, described
 from verify.script_audit.joins import PARTIAL, SHADOW, Joins
+from verify.script_audit.motion import Motion
 from verify.script_audit.naming import Modules
 from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
@@ -78,6 +79,7 @@ class StepHooks:
         self.auditor = Auditor(self.group)
         self.joins = Joins()
         self.book = Book()
+        self.motion = Motion()  # did the script train anything? (`motion.py`)
         self.scalers: weakref.WeakSet = weakref.WeakSet()
         # Keyed by the objects, weakly: an id is reused once the script drops an optimizer.
         # -> steps every rank took (under join(), not those after some rank joined)
@@ -272,6 +274,7 @@ class StepHooks:
         )
         if self.recorder is not None:  # the ranks have just compared: in step, and told
             self.recorder.settle(self.group, agreed=not outcome.layout)  # the layouts agree
+        self.motion.saw(label, entries, outcome)
         self.audits += 1
         self.tensors = max(self.tensors, len(entries))
         self.sharded = max(self.sharded, self.collect.sharded)
@@ -308,6 +311,7 @@ class StepHooks:
             seconds=self.seconds, findings=tuple(self.book.findings),
             joined=dict(self.joined), unseen=dict(self.unseen),
             joined_ranks=self.joins.fewest,
+            zero_gradients=self.motion.zero_gradients(), unchanged=self.motion.unchanged(),
             stopped=self.stopped,
             finished=finished,
         )  # fmt: skip

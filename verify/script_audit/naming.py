@@ -8,7 +8,10 @@ the *roots* among them (modules that are nobody's child) give each parameter its
 name, as `named_parameters()` spells it, with a wrapper's own prefix dropped: `module.` of
 `DistributedDataParallel` (or of a hand-written wrapper that holds the model as `module`) and
 `_orig_mod.` of `torch.compile`. A parameter no module owns is named by its place in the
-optimizer (`param_groups[0][3]`).
+optimizer (`param_groups[0][3]`). The roots' `named_parameters()` order is also each
+parameter's *place* (`place_of`): the one order every rank agrees on, whatever order its
+optimizer lists them in (an optimizer built over a Python set lists them in each process's
+own hash order).
 
 `DistributedDataParallel` is also noted as it wraps a model: with `broadcast_buffers=True` it
 broadcasts the model's buffers at the start of a forward (each one after a synced backward was
@@ -35,6 +38,7 @@ class Modules:
         self._seen: dict[int, weakref.ref] = {}  # id -> module, in the order first seen
         self._version = 0  # bumped on every registration: the name map is rebuilt lazily
         self._names: dict[int, str] = {}
+        self._places: dict[int, int] = {}  # id -> position in the roots' named_parameters()
         self._names_version = -1
         self._may_rebuild = True  # one rebuild on a miss per audit point (`refresh`)
         self._handles: list = []
@@ -87,6 +91,11 @@ class Modules:
             self._may_rebuild = False
         return self._names.get(id(param))
 
+    def place_of(self, param: torch.Tensor) -> int | None:
+        """Where `param` comes in the roots' `named_parameters()` (module docstring), or None
+        if no module owns it; valid after `name_of(param)`."""
+        return self._places.get(id(param))
+
     def owners_of(self, params: list[torch.Tensor]) -> list[nn.Module]:
         """The root modules that hold any of `params`."""
         wanted = {id(p) for p in params}
@@ -97,6 +106,7 @@ class Modules:
         for root in self.roots():
             for name, p in root.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), strip(root, name))
+        self._places = {key: place for place, key in enumerate(names)}
         self._names, self._names_version = names, self._version
 
 

@@ -59,6 +59,11 @@ class AuditReport:
     joined: dict[str, int] = field(default_factory=dict)
     joined_ranks: tuple[int, int] | None = None
     unseen: dict[str, int] = field(default_factory=dict)
+    # Nothing trained (`motion.py`, this rank's view: every rank's where the replicas agree):
+    # the optimizers whose audited gradients were exactly zero (or None) at every audited
+    # step, and those whose parameters never changed over the run
+    zero_gradients: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
     finished: bool = False  # the script ended (or exited) and the report was written then
 
     @property
@@ -86,7 +91,9 @@ class AuditReport:
         known = {f.name for f in fields(cls)}
         fewest = d.get("joined_ranks")
         return cls(**{**{k: v for k, v in d.items() if k in known}, "findings": findings,
-                      "joined_ranks": None if fewest is None else tuple(fewest)})  # fmt: skip
+                      "joined_ranks": None if fewest is None else tuple(fewest),
+                      "zero_gradients": tuple(d.get("zero_gradients", ())),
+                      "unchanged": tuple(d.get("unchanged", ()))})  # fmt: skip
 
     def write(self, path: str) -> None:
         """Atomically: the parent may read it while the rank runs, or after it was killed."""
