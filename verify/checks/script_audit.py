@@ -6,7 +6,10 @@ to be replicated is bitwise identical on every rank (`verify/script_audit/`).
 The verdict: "fault" when the audit found a divergence, or the run hung, desynced or crashed,
 or `--sanitize` found a race; "timeout" when the deadline came first; "nothing audited"
 (exit 2, not a pass: a CI gate must not pass on nothing checked) when the script ended well
-without an optimizer step in a process group of 2 or more ranks; "pass" when the script ran
+without an optimizer step in a process group of 2 or more ranks; "audit stopped" (exit 2,
+not a pass either) when the audit ended before the script did and had found nothing until
+then (its report could not be written: the steps after it were never checked, and a fault
+would say the user's training is wrong, which nothing showed); "pass" when the script ran
 to the end with identical replicas (notes, such as buffers kept per rank by design or
 optimizer state each rank holds its own share of, do not fail a run). The report folder holds each rank's `rank<r>.audit.json` beside the hang
 report's files.
@@ -20,7 +23,7 @@ from pathlib import Path
 from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
 from verify.checks.script_options import AuditOptions
-from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
+from verify.checks.verdict import AUDIT_STOPPED, FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching.launcher import Started
 from verify.script_audit import AuditReport, Finding
 
@@ -55,6 +58,8 @@ class AuditResult(Verdicted):
         verdict = self.run.watched_verdict
         if verdict == PASS and (self.audit is None or self.audit.audits == 0):
             return NOTHING_AUDITED
+        if verdict == PASS and (self.audit.stopped or not self.audit.finished):
+            return AUDIT_STOPPED  # every rank ended well, its report did not (`stopped_line`)
         return verdict
 
     def to_dict(self) -> dict:
