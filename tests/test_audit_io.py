@@ -4,19 +4,21 @@ together, never the training, never a hang, and the user is told where and why.
 
 In-process first (milliseconds): two ranks as two threads of this process, over a `Group` of
 threads, one rank's report writer raising ENOSPC; the output streamer over `/dev/full`; a
-full disk at the start. Then one real run each: a small tmpfs filled mid-run (skipped where
-mounting is not permitted) and the run folder removed mid-run.
+full disk at the start. Then real runs side by side: a small tmpfs filled mid-run (left out
+where mounting is not permitted), the run folder removed mid-run, and the same loop left
+alone (a pass): also under load (tests/test_load.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import subprocess
 import sys
 import threading
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,47 +188,62 @@ def _audit(out: Path, *script_args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _trained_to_the_end(run: subprocess.CompletedProcess) -> bool:
-    return all(f"[rank {r}] rank {r}: trained {8} steps" in run.stdout for r in range(2))
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs, mounted for the test (skipped where mounting is not permitted)."""
-    where = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    where.mkdir()
+@contextlib.contextmanager
+def _small_tmpfs(where: Path):
+    """A 4 MiB tmpfs mounted at `where`; None where mounting is not permitted."""
+    where.mkdir(parents=True)
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
                           capture_output=True, text=True)  # fmt: skip
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
     try:
-        yield where
+        yield where if made.returncode == 0 else None
     finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+        if made.returncode == 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_a_disk_that_fills_mid_run_stops_the_audit_not_the_training(small_tmpfs):
-    """`--out` on a 4 MiB tmpfs that the script fills at step 3 (a checkpoint that takes
-    the last byte): every rank trains to the end, the audit says where it stopped and why,
-    and the run is not a pass: exit 2 (the steps after it were never checked; nothing showed
-    the training wrong, so not 1 either). No traceback, in seconds rather than at a timeout."""
-    run = _audit(small_tmpfs, "fill", str(small_tmpfs))
-    text = run.stdout + run.stderr
-    assert run.returncode == 2, text
-    assert _trained_to_the_end(run), text
-    assert "the audit stopped at step 4: no space left on device" in text, text
-    assert "AUDIT STOPPED" in run.stdout and "Traceback" not in text, text
+# case -> (exit code, what the output must say); the script's own line on every rank too
+EXPECTED = {
+    # a checkpoint takes the disk's last byte at step 3: the audit stops at the next point
+    "fill": (2, ("the audit stopped at step 4: no space left on device", "AUDIT STOPPED")),
+    # a clean-up job removes the run folder at step 3
+    "remove": (2, ("the audit stopped at step 4: no such file or directory",
+                   "was removed while the run ran")),
+    # nothing happens to the disk: the same loop passes
+    "none": (0, ("replicas bitwise identical at every audited step",)),
+}  # fmt: skip
 
 
-def test_a_run_folder_removed_mid_run_ends_the_audit_not_the_training(tmp_path):
-    """The run folder is removed at step 3 (a clean-up job, a user's `rm -r`): the training
-    finishes on every rank, the ranks' output says the audit stopped at step 4 and why, and
-    the tool says in one line that the run could not be checked: exit 2, no traceback."""
-    run = _audit(tmp_path, "remove", str(tmp_path))
-    text = run.stdout + run.stderr
-    assert run.returncode == 2, text
-    assert _trained_to_the_end(run), text
-    assert "the audit stopped at step 4: no such file or directory" in text, text
-    assert "Traceback" not in text, text
-    (error,) = run.stderr.strip().splitlines()
-    assert "was removed while the run ran" in error, error
+def audit_io_problems(folder: Path) -> list[str]:
+    """What is wrong with three runs of tests/fixtures/audit_disk.py side by side (empty:
+    each as EXPECTED, every rank trained to the end, no traceback). `fill` runs on a small
+    tmpfs, and is left out where none can be mounted. Shared with the load test."""
+    with _small_tmpfs(folder / "tmpfs") as tmpfs, ThreadPoolExecutor(3) as pool:
+        outs = {"fill": tmpfs, "remove": folder / "remove", "none": folder / "none"}
+        jobs = {case: pool.submit(_audit, out, case, str(out)) for case, out in outs.items()
+                if out is not None}  # fmt: skip
+        done = {case: job.result() for case, job in jobs.items()}
+    problems = []
+    for case, run in done.items():
+        code, says = EXPECTED[case]
+        text = run.stdout + run.stderr
+        missing = [s for s in says if s not in text]
+        trained = all(f"[rank {r}] rank {r}: trained 8 steps" in run.stdout for r in range(2))
+        if run.returncode != code or missing or not trained or "Traceback" in text:
+            problems.append(f"{case}: exit {run.returncode}, missing {missing}, trained "
+                            f"{trained}:\n{text}")  # fmt: skip
+    if "remove" in done and len(done["remove"].stderr.strip().splitlines()) != 1:
+        problems.append(f"remove: not one line: {done['remove'].stderr}")
+    return problems
+
+
+@pytest.mark.under_load
+def test_a_disk_that_fills_or_a_folder_removed_mid_run_ends_the_audit_not_the_training(tmp_path):
+    """Real runs of a small DDP loop: `--out` on a 4 MiB tmpfs that the script fills at step
+    3 (skipped where mounting is not permitted), and the run folder removed at step 3 (a
+    clean-up job, a user's `rm -r`). Every rank trains to the end; the ranks' output says
+    where the audit stopped and why, and the run is not a pass: exit 2, since the steps
+    after it were never checked, and nothing showed the training wrong (so not 1 either).
+    No traceback, and in seconds rather than at a timeout. The same loop on a disk left
+    alone passes."""
+    problems = audit_io_problems(tmp_path)
+    assert not problems, "\n\n".join(problems)
