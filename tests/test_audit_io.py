@@ -4,8 +4,9 @@ together, never the training, never a hang, and the user is told where and why.
 
 In-process first (milliseconds): two ranks as two threads of this process, over a `Group` of
 threads, one rank's report writer raising ENOSPC; the output streamer over `/dev/full`; a
-full disk at the start. Then real runs side by side: a small tmpfs filled mid-run (left out
-where mounting is not permitted), the run folder removed mid-run, and the same loop left
+full disk at the start. Then real runs side by side: a small tmpfs filled mid-run, under
+--nproc and through torchrun (left out where mounting is not permitted), the run folder
+removed mid-run, and the same loop left
 alone (a pass): also under load (tests/test_load.py).
 """
 
@@ -181,10 +182,15 @@ def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_folder(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
-def _audit(out: Path, *script_args: str) -> subprocess.CompletedProcess:
+def _audit(out: Path, case: str) -> subprocess.CompletedProcess:
+    """`audit` of the script, `--nproc 2` or, for a case ending in "torchrun", through
+    torchrun (the launcher form); the script's event is under `out`, the run's --out."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "verify", "audit", "--nproc", "2", "--timeout", "240", "--out",
-           str(out), "--", SCRIPT, *script_args]  # fmt: skip
+    what = case.removesuffix("-torchrun")
+    ranks = ("--", "torchrun", "--standalone", "--nproc-per-node", "2") if what != case else (
+        "--nproc", "2", "--")  # fmt: skip
+    cmd = [sys.executable, "-m", "verify", "audit", "--timeout", "240", "--out", str(out),
+           *ranks, SCRIPT, what, str(out)]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -201,10 +207,12 @@ def _small_tmpfs(where: Path):
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+FILLED = ("the audit stopped at step 4: no space left on device", "AUDIT STOPPED")
 # case -> (exit code, what the output must say); the script's own line on every rank too
 EXPECTED = {
     # a checkpoint takes the disk's last byte at step 3: the audit stops at the next point
-    "fill": (2, ("the audit stopped at step 4: no space left on device", "AUDIT STOPPED")),
+    "fill": (2, FILLED),
+    "fill-torchrun": (2, FILLED),  # the launcher form: the ranks' marks on a full disk too
     # a clean-up job removes the run folder at step 3
     "remove": (2, ("the audit stopped at step 4: no such file or directory",
                    "was removed while the run ran")),
@@ -214,20 +222,22 @@ EXPECTED = {
 
 
 def audit_io_problems(folder: Path) -> list[str]:
-    """What is wrong with three runs of tests/fixtures/audit_disk.py side by side (empty:
-    each as EXPECTED, every rank trained to the end, no traceback). `fill` runs on a small
-    tmpfs, and is left out where none can be mounted. Shared with the load test."""
-    with _small_tmpfs(folder / "tmpfs") as tmpfs, ThreadPoolExecutor(3) as pool:
-        outs = {"fill": tmpfs, "remove": folder / "remove", "none": folder / "none"}
-        jobs = {case: pool.submit(_audit, out, case, str(out)) for case, out in outs.items()
-                if out is not None}  # fmt: skip
-        done = {case: job.result() for case, job in jobs.items()}
+    """What is wrong with the runs of tests/fixtures/audit_disk.py in EXPECTED, side by side
+    (empty: each as EXPECTED, every rank trained to the end, no traceback). The fills run on
+    small tmpfs mounts, and are left out where none can be mounted. Shared with the load
+    test."""
+    with contextlib.ExitStack() as stack:
+        outs = {case: stack.enter_context(_small_tmpfs(folder / case)) if case.startswith(
+            "fill") else folder / case for case in EXPECTED}  # fmt: skip
+        with ThreadPoolExecutor(len(outs)) as pool:
+            jobs = {case: pool.submit(_audit, out, case) for case, out in outs.items() if out}
+            done = {case: job.result() for case, job in jobs.items()}
     problems = []
     for case, run in done.items():
         code, says = EXPECTED[case]
         text = run.stdout + run.stderr
         missing = [s for s in says if s not in text]
-        trained = all(f"[rank {r}] rank {r}: trained 8 steps" in run.stdout for r in range(2))
+        trained = all(f"rank {r}: trained 8 steps" in run.stdout for r in range(2))
         if run.returncode != code or missing or not trained or "Traceback" in text:
             problems.append(f"{case}: exit {run.returncode}, missing {missing}, trained "
                             f"{trained}:\n{text}")  # fmt: skip
@@ -239,7 +249,8 @@ def audit_io_problems(folder: Path) -> list[str]:
 @pytest.mark.under_load
 def test_a_disk_that_fills_or_a_folder_removed_mid_run_ends_the_audit_not_the_training(tmp_path):
     """Real runs of a small DDP loop: `--out` on a 4 MiB tmpfs that the script fills at step
-    3 (skipped where mounting is not permitted), and the run folder removed at step 3 (a
+    3, under --nproc and through torchrun (left out where mounting is not permitted), and
+    the run folder removed at step 3 (a
     clean-up job, a user's `rm -r`). Every rank trains to the end; the ranks' output says
     where the audit stopped and why, and the run is not a pass: exit 2, since the steps
     after it were never checked, and nothing showed the training wrong (so not 1 either).

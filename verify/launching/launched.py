@@ -188,4 +188,10 @@ def _at_exit() -> None:
     if _rehearsal:
         _rehearsal[0].finish()
     setups.finish(_adopted["running"])
-    node_ranks.rank_ended(job.helper_dir, job.rank, 0)
+    try:
+        node_ranks.rank_ended(job.helper_dir, job.rank, 0)
+    except OSError:  # a full disk still takes an empty file (no data block): the mark is
+        # its name. A removed run folder takes nothing; either way no traceback at the exit
+        # of a script that ended well.
+        with contextlib.suppress(OSError):
+            open(node_ranks.ended_mark(job.helper_dir, job.rank), "x").close()
