@@ -184,14 +184,16 @@ def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_folder(tmp_path, mon
 
 def _audit(out: Path, case: str) -> subprocess.CompletedProcess:
     """`audit` of the script, `--nproc 2` or, for a case ending in "torchrun", through
-    torchrun (the launcher form); the script's event is under `out`, the run's --out."""
+    torchrun (the launcher form); the script's event is under `out`, the run's --out. The
+    deadline is far: four such runs side by side on a loaded machine took 240 s (a run that
+    reaches it is a TIMEOUT, which fails the case)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     what = case.removesuffix("-torchrun")
     ranks = ("--", "torchrun", "--standalone", "--nproc-per-node", "2") if what != case else (
         "--nproc", "2", "--")  # fmt: skip
-    cmd = [sys.executable, "-m", "verify", "audit", "--timeout", "240", "--out", str(out),
+    cmd = [sys.executable, "-m", "verify", "audit", "--timeout", "600", "--out", str(out),
            *ranks, SCRIPT, what, str(out)]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @contextlib.contextmanager
