@@ -2,7 +2,8 @@
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, `audit --record/--against` (a student's accumulation loop right and wrong, a resume:
 tests/test_compare.py; a nanoGPT-style script under bf16 autocast, ZeRO-1 against AdamW, its
-replicas diverging: tests/test_compare_fresh.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
+replicas diverging: tests/test_compare_fresh.py), the audit's own files failing mid-run (a small
+tmpfs filled, the run folder removed: tests/test_audit_io.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
 (tests/test_agreement.py), classes that all-reduce in the order of a set, of parameters or of
 names (tests/test_launch.py), a script whose ranks block inside PyTorch DDP's C++ reducer, a
@@ -74,6 +75,7 @@ import pytest
 from tests import (
     test_agreement,
     test_audit,
+    test_audit_io,
     test_compare,
     test_compare_fresh,
     test_evidence,
@@ -192,6 +194,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "compare": (test_compare.verdict_problems, folder / "compare"),
             "compare-fresh": (test_compare_fresh.fresh_problems, folder / "compare-fresh"),
         },
+        "audit io": {"audit-io": (test_audit_io.audit_io_problems, folder / "audit-io")},
         "launchers": {
             "launchers": (test_launchers.launch_problems, str(folder / "launchers")),
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
@@ -358,6 +361,14 @@ def _check_compare(window: Window) -> None:
     assert not problems, "\n".join(problems)
 
 
+def _check_audit_io(window: Window) -> None:
+    """The audit's own files failing mid-run (a small tmpfs filled, the run folder removed):
+    the audit stops on every rank together, the training runs to its end, exit 2; the same
+    loop left alone passes (tests/test_audit_io.py)."""
+    problems = window["audit-io"]
+    assert not problems, "\n\n".join(problems)
+
+
 def _check_launchers(window: Window) -> None:
     """`audit -- torchrun ...` and `audit -- python spawn_*.py` (mp.spawn) of a clean script
     (a pass, every step audited) and a buggy one (named at its step, tensor and rank), `hang
@@ -393,6 +404,7 @@ CHECKS = {
     "join": _check_join,
     "script verdicts": _check_script_verdicts,
     "compare": _check_compare,
+    "audit io": _check_audit_io,
     "launchers": _check_launchers,
     "on cpu": _check_on_cpu,
     "frameworks": _check_frameworks,

@@ -77,11 +77,13 @@ def main(argv: list[str]) -> int:
     report = AuditReport.read(os.path.join(report_dir, f"rank{rank}.audit.json"))
     faulty = report is not None and bool(report.faults)
     nothing = not faulty and code == 0 and (report is None or report.audits == 0)
+    stopped = not (faulty or nothing) and code == 0 and not (report.finished and not report.stopped)
     if rank == 0:
-        verdict = "fault" if faulty else "nothing audited" if nothing else "pass"
+        verdict = ("fault" if faulty else "nothing audited" if nothing
+                   else "audit stopped" if stopped else "pass")  # fmt: skip
         lines = text_audit.findings(report) + mapped + [text_audit.verdict_line(report, verdict)]
         print("\n".join(["verify.audit_run:", *lines, f"report: {report_dir}"]), flush=True)
-    return 1 if faulty else 2 if nothing else code
+    return 1 if faulty else 2 if nothing or stopped else code
 
 
 def on_cpu_lines(report_dir: str, rank: int) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -108,7 +109,7 @@ def run_watched_script(
         started = started or start_command(options, command, audit_every=audit_every, record=record)
         report_dir, start = started.report_dir, started.start
         try:
-            runs.write_metadata(Path(report_dir), options.to_dict())
+            _first_write(report_dir, options)
             run = run_command(
                 started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
             )
@@ -117,7 +118,7 @@ def run_watched_script(
             raise
     else:
         report_dir = run_folder(options, command, record)
-        runs.write_metadata(Path(report_dir), options.to_dict())
+        _first_write(report_dir, options)
         run = run_script(
             options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,
             on_cpu=options.on_cpu, report_dir=report_dir,
@@ -126,6 +127,12 @@ def run_watched_script(
             sanitize=options.sanitize, audit_every=audit_every,
         )  # fmt: skip
     elapsed = time.monotonic() - start
+    if not os.path.isdir(report_dir):
+        raise ValueError(
+            f"the run folder {report_dir} was removed while the run ran: the ranks' reports "
+            "went with it (the audit's, the traces), so the run could not be checked (the "
+            "ranks' output says where the audit stopped)"
+        )
     world = run.world_size
     files, pids = finish_report(report_dir, world)
     mapped = _rehearsed(run, report_dir, world) if options.on_cpu else None
@@ -144,6 +151,20 @@ def run_watched_script(
         audit=None if audit_every is None else audit_of(report_dir, world),
         on_cpu=mapped,
     )  # fmt: skip
+
+
+def _first_write(report_dir: str, options) -> None:
+    """The run folder's metadata, its first file. A folder that cannot be written (a full
+    disk) is a run that cannot be checked: ValueError (one line, exit 2), the folder
+    removed (the caller ends a launcher command it started: nothing of the run is left)."""
+    try:
+        runs.write_metadata(Path(report_dir), options.to_dict())
+    except OSError as exc:
+        shutil.rmtree(report_dir, ignore_errors=True)
+        raise ValueError(
+            f"cannot write the run folder {report_dir}: {exc.strerror or exc} (free space "
+            "there, or choose another folder with --out DIR)"
+        ) from None
 
 
 def _rehearsed(run, report_dir: str, world: int) -> dict:
@@ -166,7 +187,11 @@ def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int
     pids: dict[int, int] = {}
     for r in range(world):
         jsonl = os.path.join(report_dir, f"rank{r}.collectives.jsonl")
-        trace = trace_file.export_jsonl(os.path.join(report_dir, f"rank{r}.trace"), jsonl)
+        trace_path = os.path.join(report_dir, f"rank{r}.trace")
+        try:
+            trace = trace_file.export_jsonl(trace_path, jsonl)
+        except OSError:  # a full disk: the binary trace stays as it is
+            trace = trace_file.read_trace(trace_path)
         if trace is not None:
             pids[r] = trace.pid
         kinds = ("collectives.jsonl", "stack", "stderr", "stdout", "flight_recorder.json",
@@ -201,5 +226,7 @@ def audit_of(report_dir: str, world: int) -> AuditReport | None:
         AuditReport.read(os.path.join(report_dir, f"rank{r}.audit.json")) for r in range(world)
     ]
     reports = [r for r in reports if r is not None]
-    key = lambda r: (r.audits, len(r.findings), sum(r.joined.values()))  # noqa: E731
+    # a report written at the end (or saying why the audit stopped) before one left behind
+    key = lambda r: (r.audits, len(r.findings), sum(r.joined.values()), r.finished,  # noqa: E731
+                     r.stopped is not None)  # fmt: skip
     return max(reports, key=key, default=None)

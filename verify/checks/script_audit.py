@@ -6,7 +6,10 @@ to be replicated is bitwise identical on every rank (`verify/script_audit/`).
 The verdict: "fault" when the audit found a divergence, or the run hung, desynced or crashed,
 or `--sanitize` found a race; "timeout" when the deadline came first; "nothing audited"
 (exit 2, not a pass: a CI gate must not pass on nothing checked) when the script ended well
-without an optimizer step in a process group of 2 or more ranks; "pass" when the script ran
+without an optimizer step in a process group of 2 or more ranks; "audit stopped" (exit 2,
+not a pass either) when the audit ended before the script did and had found nothing until
+then (its report could not be written: the steps after it were never checked, and a fault
+would say the user's training is wrong, which nothing showed); "pass" when the script ran
 to the end with identical replicas (notes, such as buffers kept per rank by design or
 optimizer state each rank holds its own share of, do not fail a run). The report folder holds each rank's `rank<r>.audit.json` beside the hang
 report's files.
@@ -14,13 +17,14 @@ report's files.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
 from verify.checks.script_options import AuditOptions
-from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS, Verdicted
+from verify.checks.verdict import AUDIT_STOPPED, FAULT, NOTHING_AUDITED, PASS, Verdicted
 from verify.launching.launcher import Started
 from verify.script_audit import AuditReport, Finding
 
@@ -55,6 +59,8 @@ class AuditResult(Verdicted):
         verdict = self.run.watched_verdict
         if verdict == PASS and (self.audit is None or self.audit.audits == 0):
             return NOTHING_AUDITED
+        if verdict == PASS and (self.audit.stopped or not self.audit.finished):
+            return AUDIT_STOPPED  # every rank ended well, its report did not (`stopped_line`)
         return verdict
 
     def to_dict(self) -> dict:
@@ -76,12 +82,19 @@ def check_audit(options: AuditOptions, started: Started | None = None) -> AuditR
         started=started,
     )  # fmt: skip
     result = AuditResult(options, run)
-    runs.write_json(Path(run.report_dir) / "report.json", result.to_dict())
+    save_report(run.report_dir, result.to_dict())
     if options.recording:  # --record DIR / --against DIR (verify/recording/command.py)
         from verify.recording.command import with_recording
 
         return with_recording(result)
     return result
+
+
+def save_report(report_dir: str, data: dict) -> None:
+    """`report.json` in the run folder, where it can be written: on a full disk the verdict
+    is still printed (and says the audit stopped), never lost to the save."""
+    with contextlib.suppress(OSError):
+        runs.write_json(Path(report_dir) / "report.json", data)
 
 
 __all__ = ["AuditOptions", "AuditResult", "check_audit"]

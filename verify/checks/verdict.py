@@ -6,7 +6,10 @@
   one not claimed or n/a: not a pass), "nothing audited" (a script's audit: no optimizer
   step ran in a group of 2 or more ranks, so nothing was checked: not a pass) or "unwatched"
   (a script started ranks of its own, which the tool neither watched nor audited: not a pass
-  either). The CLI's exit code follows it: 0, 1, 2, 2, 2 and 2.
+  either), "audit stopped" (a script's audit ended before the script did, with nothing
+  found until then: its own report could not be written, a full disk or a removed run
+  folder; the steps after it were not checked, so not a pass either). The CLI's exit code
+  follows it: 0, 1, 2, 2, 2, 2 and 2.
 - `Finding` (`verify/replica_audit/finding.py`: the one type of every check, the script
   audit's too): one distinct thing wrong, with the check and phase that saw it, the tensor,
   the first step, every later step it showed at again, where in the user's code when known,
@@ -30,8 +33,10 @@ from verify.replica_audit.finding import Finding
 
 PASS, FAULT, TIMEOUT, NOTHING = "pass", "fault", "timeout", "nothing certified"
 NOTHING_AUDITED = "nothing audited"
+AUDIT_STOPPED = "audit stopped"
 UNWATCHED = "unwatched"
-EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2, NOTHING_AUDITED: 2, UNWATCHED: 2}
+EXIT_CODES = {PASS: 0, FAULT: 1, TIMEOUT: 2, NOTHING: 2, NOTHING_AUDITED: 2, AUDIT_STOPPED: 2,
+              UNWATCHED: 2}  # fmt: skip
 #: the phases a finding can belong to, in the order a report lists a step's findings: a race
 #: first, since it is the likely cause of the step's wrong gradients or parameters
 PHASES = ("construction", "race", "gradients", "step", "checkpoint", "run")

@@ -20,6 +20,7 @@ scripts of `benchmarks/`, with the flags, help and exit codes of a command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -204,8 +205,9 @@ def _run(argv: list[str] | None, alone: Command | None, prog: str) -> int:
         print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else text)
         folder = getattr(result, "report_dir", None) or getattr(result, "run_dir", None)
         if folder and command.report:  # the run's folder keeps what the run printed
-            with open(os.path.join(folder, f"{command.report}.txt"), "w") as f:
-                f.write(text + "\n")
+            with contextlib.suppress(OSError):  # (a full disk: the text is printed all the same)
+                with open(os.path.join(folder, f"{command.report}.txt"), "w") as f:
+                    f.write(text + "\n")
         if folder and not args.json and os.path.isdir(folder):  # nothing ever cleans --out
             print(runs.disk_line(folder))
     return EXIT_CODES[result.verdict]

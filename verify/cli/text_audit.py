@@ -4,7 +4,7 @@ only, every verdict is decided by the check (`checks/script_audit.py`)."""
 from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
-from verify.checks.verdict import NOTHING_AUDITED
+from verify.checks.verdict import AUDIT_STOPPED, NOTHING_AUDITED
 from verify.cli.text_checks import watched_tail
 from verify.launching.launcher import is_command
 from verify.replica_audit.stillness import nothing_trained
@@ -65,8 +65,9 @@ def findings(audited: AuditReport | None, recorded_alone: bool = False) -> list[
     lines += _joined(audited)
     lines += [f"note: {text}" for text in untrained(audited)]
     lines.append(_recorded_alone(audited) if recorded_alone else _summary(audited))
-    if audited.stopped:
-        lines.append(f"note: the audit stopped early: {audited.stopped}")
+    if audited.stopped:  # (an error of the audit's own; or, agreed, why every rank stopped)
+        said = audited.stopped.startswith("the audit stopped")
+        lines.append(f"note: {'' if said else 'the audit stopped early: '}{audited.stopped}")
     return lines
 
 
@@ -77,6 +78,13 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
     if verdict == NOTHING_AUDITED:
         return ("NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks, "
                 "so nothing was checked (exit 2, not a pass)")  # fmt: skip
+    if verdict == AUDIT_STOPPED:
+        why = "see the note" if report.stopped else (
+            f"the ranks' reports end after {report.audited_steps} audited steps, before the "
+            "script did: they could not be written (see the ranks' output)"
+        )  # fmt: skip
+        return (f"AUDIT STOPPED ({why}): the replicas were bitwise identical at every step "
+                "audited before it; the steps after it were not checked (exit 2, not a pass)")  # fmt: skip
     if verdict == "pass":
         kept = any(not f.fault for f in report.findings)
         return (

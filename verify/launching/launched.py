@@ -202,10 +202,16 @@ def _at_exit() -> None:
     if _adopted["failed"]:
         return
     job = _adopted["job"]
-    with private.unsealed(job.helper_dir) as open_:
-        if open_ is None:
-            return
-        if _rehearsal:
-            _rehearsal[0].finish()
-        setups.finish(_adopted["running"])
-        node_ranks.rank_ended(job.helper_dir, job.rank, 0)
+    try:
+        with private.unsealed(job.helper_dir) as dir_fd:
+            if dir_fd is None:
+                return
+            if _rehearsal:
+                _rehearsal[0].finish()
+            setups.finish(_adopted["running"])
+            try:
+                node_ranks.rank_ended(job.helper_dir, job.rank, 0)
+            except OSError:  # a full disk still takes the empty mark (`mark_ended`)
+                node_ranks.mark_ended(job.helper_dir, job.rank)
+    except OSError:  # a removed run folder takes nothing: no traceback at the exit of a
+        pass  # script that ended well (the tool says the folder was removed)

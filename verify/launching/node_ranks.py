@@ -369,6 +369,12 @@ def _ok(report_dir: str, rank: int) -> str:
     return os.path.join(report_dir, f"rank{rank}.ended")
 
 
+def mark_ended(report_dir: str, rank: int) -> None:
+    """`rank_ended`'s mark where its message cannot be written (a full disk): the empty
+    file, whose existence is all `ended` reads."""
+    private.mark(report_dir, os.path.basename(_ok(report_dir, rank)))
+
+
 def _leave(path: str, value) -> None:
     """The message `value` (JSON) at `path`; nothing once the folder is sealed."""
     private.write(os.path.dirname(path), os.path.basename(path), json.dumps(value).encode())

@@ -268,15 +268,20 @@ def send(fd: int | None, message: object) -> None:
 
 def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
     """Copy a rank's output to its file and, line by line with a rank prefix, to `console`
-    (without the backend's INFO log: `BackendLog`)."""
+    (without the backend's INFO log: `BackendLog`). A file that cannot be written (a full
+    disk, a removed run folder) is given up, never the echo: the rank's output is drained to
+    its end, or a rank that prints would block on a full pipe."""
 
     def run() -> None:
         quiet = BackendLog()
-        with open(path, "ab") as log:
+        try:
+            log = open(path, "ab")
+        except OSError:
+            log = None
+        with log or contextlib.nullcontext():
             pending = b""
             for chunk in iter(lambda: pipe.read1(1 << 16), b""):
-                log.write(chunk)
-                log.flush()
+                log = _logged(log, chunk)
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 _echo(console, rank, quiet.drop(lines))
@@ -286,6 +291,20 @@ def _pump(pipe, path: str, console: TextIO, rank: int) -> threading.Thread:
     thread = threading.Thread(target=run, name=f"rank{rank}-output", daemon=True)
     thread.start()
     return thread
+
+
+def _logged(log, chunk: bytes):
+    """`log` once `chunk` is written to it; None (given up) when it cannot be."""
+    if log is None:
+        return None
+    try:
+        log.write(chunk)
+        log.flush()
+        return log
+    except OSError:
+        with contextlib.suppress(OSError):
+            log.close()  # (what it buffered is dropped with it)
+        return None
 
 
 _ECHO_LOCK = threading.Lock()

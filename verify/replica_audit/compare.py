@@ -113,6 +113,7 @@ class Outcome:
     # this rank's fingerprint of each entry, once the ranks agreed on the layout (else empty):
     # what the audit already computed, for whoever follows the values (`stillness.py`)
     prints: list[int] = field(default_factory=list)
+    stop: bool = False  # some rank asked to stop here (`compare`'s `stop`): nothing compared
 
 
 class Auditor:
@@ -133,11 +134,12 @@ class Auditor:
         entries: list[Entry],
         where: tuple[int, int, int],
         known: Callable[[Entry], bool] = lambda e: False,
+        stop: bool = False,
     ) -> Outcome:
         """`compare` of `entries` at `where` = (optimizer index, step, point) over this
         auditor's group, with its sizes and detail budget."""
         return compare(self.group, entries, where, known=known, sizes=self.sizes,
-                       max_detail=self.max_detail, per_phase=self.per_phase)  # fmt: skip
+                       max_detail=self.max_detail, per_phase=self.per_phase, stop=stop)  # fmt: skip
 
 
 def compare(
@@ -148,6 +150,7 @@ def compare(
     sizes: dict | None = None,
     max_detail: int = MAX_DETAIL,
     per_phase: int = PER_PHASE,
+    stop: bool = False,
 ) -> Outcome:
     """Compare `entries` across ranks (module docstring); `where` = (optimizer index, step,
     point), which every rank must share. Entries for which `known` is true (a divergence
@@ -159,18 +162,26 @@ def compare(
     then travel in one all-reduce, the fingerprints padded or cut to that agreed size, and
     are used only if the header agrees and its count is that size (what every rank decides
     alike, from agreed values); otherwise a second all-reduce sends them at the agreed count.
-    At steady state an audit point is one all-reduce."""
+    At steady state an audit point is one all-reduce.
+
+    `stop`: this rank cannot go on auditing (its report cannot be written). It rides in the
+    header, so the ranks learn in the same all-reduce whether any of them asked: if one did,
+    every rank returns `Outcome(stop=True)` here, nothing compared, and the ranks stop
+    together rather than one leaving the others in the next collective."""
     keys = [e.key for e in entries]
-    header = [text_bits("\n".join(keys)), len(entries), *where]
+    header = [text_bits("\n".join(keys)), len(entries), *where, int(stop)]
     sizes = {} if sizes is None else sizes
     expected = sizes.get((where[0], where[2]))
     prints = _fingerprints(entries)
     if expected is None:
-        agreed, same = all(agree(header, group)), None
+        told, same = agree(header, group), None
     else:
         body = (prints + [0] * expected)[:expected]
         both = agree(header + body, group)
-        agreed, same = all(both[: len(header)]), both[len(header) :]
+        told, same = both[: len(header)], both[len(header) :]
+    if stop or not told[-1]:  # a rank asked to stop: every rank sees it, alike
+        return Outcome(stop=True)
+    agreed = all(told[:-1])
     if not agreed:
         layout, ranks = _layout(group, header, keys)
         return Outcome(layout=layout, layout_ranks=ranks)

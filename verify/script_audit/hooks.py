@@ -39,10 +39,18 @@ The audit never changes what the script computes: it reads tensors (fingerprints
 copy of a differing tensor) and never writes one, draws nothing from a random generator, and
 talks over its own group (`side_group.py`). An error inside the audit stops the audit, with
 the reason in the report, and never reaches the script.
+
+A rank that cannot write its report (a full disk, a run folder removed) goes on taking part
+in the audit's collectives and says so at the next audit point, in the header the ranks
+agree on anyway (`compare`'s `stop`): there every rank stops together, "the audit stopped at
+step k: no space left on device (...)", and the training goes on unaudited. A rank that
+stopped alone would leave the others waiting for it in the audit's next collective.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import traceback
 import weakref
@@ -66,6 +74,10 @@ from verify.script_audit.report import STATE_EVERY, AuditReport, AuditSettings
 from verify.script_audit.side_group import SideGroup
 
 BEFORE, AFTER, STATE = 0, 1, 2  # the audit points of a step
+
+
+class _Stopped(Exception):
+    """Every rank stops the audit here, alike (module docstring); its text says why."""
 
 
 class StepHooks:
@@ -102,6 +114,7 @@ class StepHooks:
         self.seconds = 0.0  # time spent inside the audit, in all
         self.sharded_state: dict[str, int] = {}  # label -> state entries held by one rank each
         self.stopped: str | None = None
+        self._io_error: OSError | None = None  # this rank's report could not be written
         self._handles: list = []
         self._scaler_init = None
         # `audit --record/--against`: every audit point's entries also become rows of a
@@ -262,6 +275,8 @@ class StepHooks:
 
     def _check(self, opt, step: int, point: int, entries: list[Entry]) -> Outcome:
         index, label = self._label(opt)
+        if self._io_error is not None and not self.group.ready():  # alone: no one to tell
+            raise _Stopped(self._why_stopped(step))
         if self.recorder is not None:
             self.recorder.optimizer_types.setdefault(index, described(opt))
             roots = self.modules.roots() if point == BEFORE else ()
@@ -270,8 +285,13 @@ class StepHooks:
                 self.recorder.settle(self.group, agreed=True)
                 return Outcome()
         outcome = self.auditor.check(
-            entries, (index, step, point), lambda e: self.book.known(label, e.phase, e.name)
+            entries,
+            (index, step, point),
+            lambda e: self.book.known(label, e.phase, e.name),
+            stop=self._io_error is not None,
         )
+        if outcome.stop:  # some rank cannot write its report: every rank stops here
+            raise _Stopped(self._why_stopped(step))
         if self.recorder is not None:  # the ranks have just compared: in step, and told
             self.recorder.settle(self.group, agreed=not outcome.layout)  # the layouts agree
         self.motion.saw(label, entries, outcome)
@@ -289,10 +309,31 @@ class StepHooks:
             self.labels[opt] = (index, name)
         return self.labels[opt]
 
+    def _why_stopped(self, step: int) -> str:
+        """Why the audit stops at `step`, alike on every rank (a collective where there are
+        ranks to compare with): the worst error, of the lowest rank that met it."""
+        exc = self._io_error
+        code = (exc.errno or 1) if exc is not None else 0
+        worst, who = code, self.group.rank
+        if self.group.ready():
+            size = self.group.size  # (the max of size - rank is the lowest rank)
+            worst, low = self.group.max([code, size - self.group.rank if code else 0])
+            who = size - low
+        what = os.strerror(worst) if worst > 1 else "its report could not be written"
+        where = f"rank {who} could not write its report"
+        if exc is not None and who == self.group.rank and exc.filename:
+            where = f"rank {who} could not write {exc.filename}"
+        return f"the audit stopped at step {step}: {what[0].lower() + what[1:]} ({where})"
+
     def _guard(self, fn, *args) -> None:
         start = time.perf_counter()
         try:
             fn(*args)
+        except _Stopped as why:  # agreed by every rank, at the same audit point
+            self.stopped = str(why)
+            if self.group.rank == 0:  # said once, in the script's output, as it happens
+                print(f"ddp-verify: {why}; the training goes on, unaudited", file=sys.stderr)
+            self.write()
         except Exception as exc:  # the audit's own failure never becomes the script's
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
@@ -317,8 +358,15 @@ class StepHooks:
         )  # fmt: skip
 
     def write(self, finished: bool = False) -> None:
-        if self.settings.path:
+        """This rank's report, on disk; never raises. A report that cannot be written (a
+        full disk, a removed run folder) stops the audit at the next audit point, on every
+        rank (module docstring)."""
+        if not self.settings.path:
+            return
+        try:
             self.report(finished).write(self.settings.path)
+        except OSError as exc:
+            self._io_error = self._io_error or exc
 
     def finish(self) -> None:
         """The script ended: write the final report (and the recording, if one is made)."""

@@ -14,6 +14,7 @@ that the script's wrapper does not synchronize and that differ: a documented des
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -96,10 +97,17 @@ class AuditReport:
                       "unchanged": tuple(d.get("unchanged", ()))})  # fmt: skip
 
     def write(self, path: str) -> None:
-        """Atomically: the parent may read it while the rank runs, or after it was killed."""
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(path + ".tmp", path)
+        """Atomically: the parent may read it while the rank runs, or after it was killed.
+        Raises OSError when it cannot be written (the earlier report is left as it was, and
+        no partial file beside it)."""
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+            raise
 
     @classmethod
     def read(cls, path: str) -> AuditReport | None:
