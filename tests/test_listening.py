@@ -12,15 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.processes import Listener, descendants, listeners
+from tests.processes import Listener, descendants, free_port, listeners
 from verify.launching import RankContext, launch
 
 SCRIPT = "tests/fixtures/hang_script.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -73,3 +77,32 @@ def test_nothing_a_launch_opens_listens_beyond_loopback(run_cli, tmp_path):
     assert os.getpid() in {x.pid for x in seen}, seen  # the ranks' rendezvous store
     assert {x.pid for x in seen} >= ranks, seen
     assert all(x.loopback for x in seen), sorted(seen, key=str)
+
+
+def test_a_stale_torchrun_environment_is_one_line_and_listens_nowhere(tmp_path):
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT left over from a job, and no job there:
+    the check says so in one line, exit 2, and never listens (it became the server of a store
+    on every interface at that port, waited 121 s for a peer, and ended in a DistStoreError
+    traceback, exit 1). A rank never hosts the job's store: torchrun's agent does."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verify", "consistency", "--impl", "bucketed"], cwd=tmp_path,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen: set[Listener] = set()
+    try:
+        while proc.poll() is None and proc.returncode is None:
+            seen |= listeners({proc.pid} | descendants(proc.pid))
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert err.splitlines() == [err.strip()], err[-3000:]
+    assert f"MASTER_PORT={port}" in err and "no job's store answers" in err, err
+    assert seen == set(), seen

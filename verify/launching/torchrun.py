@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from verify.launching import job_store
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, STALL_ENV, joining
 from verify.launching.outcome import LaunchResult, RankContext, RankReport
@@ -123,10 +124,13 @@ def _job_store(timeout: datetime.timedelta) -> dist.Store:
     its store across restarts (torch 2.13), so without it a restarted attempt's first launch
     met the last attempt's keys and hung. Across nodes the attempt is not in the prefix: a
     node restarted for another's membership change keeps its count (torchelastic counts only
-    its own failures), and nodes with different counts would never meet."""
+    its own failures), and nodes with different counts would never meet.
+
+    The store is the agent's (`job_store.py`): a process whose torchrun environment is stale
+    reaches none, and that is a ValueError (exit 2)."""
     global _store
-    if _store is None:  # one client for every launch of this process
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    if _store is None:  # one client for every launch of this process, never its server
+        store = job_store.connect(timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         one_node = os.environ.get("GROUP_WORLD_SIZE", "1") == "1"
         _store = dist.PrefixStore(f"attempt{attempt}/", store) if one_node else store
