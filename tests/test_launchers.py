@@ -324,6 +324,34 @@ def test_a_command_that_never_joins_a_group_runs_to_the_timeout(run_cli, tmp_pat
     assert not [p for p in pids if alive(p) and carries(p, marker)]
 
 
+def test_a_worker_that_did_not_inherit_the_tools_environment_is_named(tmp_path):
+    """A scheduler's wrapper (tests/fixtures/launchers/clean_env_wrapper.py) starts rank 1
+    with a clean environment: it trains, but runs nothing of the tool. The audited rank 0
+    does not wait for it in the audit's group (it did, for the group's 30-minute timeout,
+    and the tool's verdict at its own timeout was "TIMEOUT: ... no rank was hung"): rank 1
+    is named in one line, the training runs to its end, and an unaudited rank is no pass
+    (nothing audited: exit 2). `roll_call.py`. (A process of its own: the launcher's output
+    is on the tool's console, which the test reads.)"""
+    command = [*python("clean_env_wrapper.py"), f"{FIXTURES}/torchrun_clean.py"]
+    ran = subprocess.run(
+        [sys.executable, "-m", "verify", "audit", "--timeout", "300", "--out", str(tmp_path),
+         "--", *command],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    said = [ln for ln in ran.stdout.splitlines() if "did not inherit" in ln]
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert len(said) == 1 and "rank 1 did not inherit the tool's environment" in said[0], said
+    assert "it was not audited" in said[0], said
+    assert "step 2 loss" in ran.stdout, ran.stdout  # the training ran to its end
+    assert "NOTHING AUDITED: the audit stopped before its first step" in ran.stdout, ran.stdout
+    assert "TIMEOUT" not in ran.stdout + ran.stderr
+    (run,) = tmp_path.iterdir()
+    marker = f"{LAUNCHED_ENV}={os.path.abspath(run)}".encode()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    assert not [p for p in pids if alive(p) and carries(p, marker)]
+
+
 def _subreaper() -> int:
     """This process's PR_GET_CHILD_SUBREAPER (37): 1 while it adopts its descendants' orphans."""
     import ctypes

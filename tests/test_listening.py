@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tests.processes import Listener, descendants, free_port, listeners
-from verify.launching import RankContext, launch
+from verify.launching import RankContext, launch, loopback
 
 SCRIPT = "tests/fixtures/hang_script.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,3 +106,42 @@ def test_a_stale_torchrun_environment_is_one_line_and_listens_nowhere(tmp_path):
     assert err.splitlines() == [err.strip()], err[-3000:]
     assert f"MASTER_PORT={port}" in err and "no job's store answers" in err, err
     assert seen == set(), seen
+
+
+def _side_group_on_one_node(ctx: RankContext) -> tuple[str | None, list[str]]:
+    """In a rank: the audit's group made as in the launcher form on one node (no
+    GLOO_SOCKET_IFNAME: only the tool's own ranks get it, `runner.py`; torchrun's
+    LOCAL_WORLD_SIZE equal to the world), and the addresses this process listens on."""
+    from verify.script_audit.side_group import SideGroup
+
+    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    os.environ["LOCAL_WORLD_SIZE"] = str(ctx.world_size)
+    group = SideGroup()
+    assert group.ready()
+    assert group.max([ctx.rank]) == [ctx.world_size - 1]  # the group is made, and works
+    return group.interface, sorted({x.address for x in listeners({os.getpid()})})
+
+
+def test_the_audits_own_group_is_on_loopback_on_one_node():
+    """The audit's gloo group (script_audit/side_group.py) is made on the loopback device
+    when every rank is on this machine, whatever the host name resolves to (it was made on
+    gloo's default device: the host name's address, on most machines the network's)."""
+    result = launch(_side_group_on_one_node, world_size=2)
+    assert result.ok, result.summary()
+    for interface, addresses in result.values:
+        assert interface == loopback.ifname(), interface
+        assert addresses and all(a in ("127.0.0.1", "::1") for a in addresses), addresses
+
+
+def test_a_group_of_the_tools_faces_the_network_only_across_nodes(monkeypatch):
+    """Where the ranks span nodes (torchrun's LOCAL_WORLD_SIZE below WORLD_SIZE) the group
+    must reach them: torch's default device, as the job's own groups; a GLOO_SOCKET_IFNAME
+    the user set wins; on one node, loopback."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert loopback.interface() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert loopback.interface() == loopback.ifname()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert loopback.interface() is None

@@ -95,7 +95,7 @@ def _again() -> bool:
 def _adopt() -> None:
     import torch.distributed as dist
 
-    from verify.launching import node_ranks
+    from verify.launching import node_ranks, roll_call
     from verify.launching import rank as rank_side
     from verify.launching.rank_script import script_job
 
@@ -126,6 +126,7 @@ def _adopt() -> None:
         ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
         ledger.save()
     _adopted.update(job=job, running=running, failed=False)
+    roll_call.answer(rank)  # a rank of the tool's, audited: the audit's group may wait for it
     with open(os.path.join(folder, f"rank{rank}.joined.tmp"), "w") as f:
         f.write(f"{world} {os.getpid()}\n")
     os.replace(os.path.join(folder, f"rank{rank}.joined.tmp"), _joined(folder, rank))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import time
 from dataclasses import replace
 from typing import TextIO
 
+from verify.launching import loopback
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
 from verify.launching.rank_job import RankJob
@@ -62,7 +62,7 @@ def run(
         # Gloo listens on whatever the hostname resolves to, NCCL's bootstrap on the first
         # interface that is not loopback: our ranks are all local, so nothing they open need
         # be reachable from the network (a variable the user set wins).
-        base.setdefault(name, _loopback_ifname())
+        base.setdefault(name, loopback.ifname())
     ranks = []
     for job in jobs:
         job_path = os.path.join(folder, f"rank{job.rank}.job")
@@ -157,7 +157,3 @@ def _tail(path: str) -> str | None:
     except OSError:
         return None
     return text or None
-
-
-def _loopback_ifname() -> str:
-    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")
