@@ -199,6 +199,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "launchers": (test_launchers.launch_problems, str(folder / "launchers")),
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
             "killed": (test_launchers.killed_problems, str(folder / "killed")),
+            "unaudited": (test_launchers.unaudited_problems, str(folder / "unaudited")),
         },
         "on cpu": {
             "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),
@@ -374,9 +375,10 @@ def _check_launchers(window: Window) -> None:
     (a pass, every step audited) and a buggy one (named at its step, tensor and rank), `hang
     -- torchrun ...` with a rank parked while its peer waits in DDP's reducer (a HANG naming
     it and its line), and a script that retries mp.spawn after a rank raised (the CRASH with
-    the failed attempt's audit, not the retry's): the verdicts of an idle machine
-    (tests/test_launchers.py)."""
-    problems = window["launchers"] + window["retry"]
+    the failed attempt's audit, not the retry's), and a wrapper that starts a rank with a
+    clean environment (that rank named as not audited, no TIMEOUT; kept, a pass and a
+    divergence found): the verdicts of an idle machine (tests/test_launchers.py)."""
+    problems = window["launchers"] + window["retry"] + window["unaudited"]
     assert not problems, "\n".join(problems)
 
 

@@ -93,14 +93,18 @@ def one_node(
     stall_s: float = 3.0,
     module: str = MODULE,
     rdzv_id: str | None = None,
+    master_port: int | None = None,
 ) -> Node:
     """`torchrun --standalone --nproc-per-node 2 -m MODULE script ARGS`, in `folder`; with
     `rdzv_id`, a c10d rendezvous of that id on loopback instead (a run id the user fixed, as
-    `--rdzv-id` does, where --standalone makes a new one every run)."""
+    `--rdzv-id` does, where --standalone makes a new one every run); with `master_port`,
+    torchrun's default (static) rendezvous, its store on that port (its run id: "none")."""
     flags = ["--standalone"]
     if rdzv_id is not None:
         flags = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-id", rdzv_id,
                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    if master_port is not None:
+        flags = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
     (node,) = _launch(folder, [[*flags, "--nproc-per-node", "2"]], [module, script, *args], stall_s)
     return node
 

@@ -76,8 +76,10 @@ def verdict_line(report: AuditReport | None, verdict: str) -> str:
         first = report.faults[0]
         return f"REPLICAS DIVERGED: first at {first.where}"
     if verdict == NOTHING_AUDITED:
-        return ("NOTHING AUDITED: no optimizer step ran in a process group of 2 or more ranks, "
-                "so nothing was checked (exit 2, not a pass)")  # fmt: skip
+        why = ("the audit stopped before its first step (see the note)"
+               if report is not None and report.stopped
+               else "no optimizer step ran in a process group of 2 or more ranks")  # fmt: skip
+        return f"NOTHING AUDITED: {why}, so nothing was checked (exit 2, not a pass)"
     if verdict == AUDIT_STOPPED:
         why = "see the note" if report.stopped else (
             f"the ranks' reports end after {report.audited_steps} audited steps, before the "

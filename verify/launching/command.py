@@ -134,9 +134,9 @@ class _Watch:
         """The node watchdog's rule (`jobwide.NodeWatch._judge`) over this one node."""
         if status.events != self._events:
             self._events, self._last_change = status.events, now
+        if status.ended and launcher_ended:  # (a rank that never joined ended with it)
+            return bool(self._set("end"))
         if status.ended and len(self.local.ranks) >= self.world:
-            if launcher_ended:
-                return bool(self._set("end"))
             return False  # the launcher is still tearing down
         if now - self._last_change < self.stall_timeout_s or status.busy:
             return False

@@ -21,6 +21,9 @@ LAUNCHED_ENV = "DDP_VERIFY_LAUNCHED"
 LAUNCHED_AUDIT_ENV = "DDP_VERIFY_LAUNCHED_AUDIT"
 LAUNCHED_SANITIZE_ENV = "DDP_VERIFY_LAUNCHED_SANITIZE"
 LAUNCHED_ON_CPU_ENV = "DDP_VERIFY_LAUNCHED_ON_CPU"
+# The run's secret (hex), which only the processes the tool started hold: it seals what its
+# ranks say in the launcher's store (`roll_call.py`).
+LAUNCHED_SECRET_ENV = "DDP_VERIFY_LAUNCHED_SECRET"
 RECORD_ENV = "DDP_VERIFY_RECORD"  # "1": `audit --record/--against` (verify/recording/recorder.py)
 # A file of the report folder: the run's verdict is out (failing ranks wait for it; ranks a
 # launcher starts after it, torchrun's restarts, are not the run's).

@@ -4,7 +4,8 @@ node; on one node it is the same path, with one node).
 Each node's watchdog (a thread of its LOCAL_RANK 0 process) reads only its own ranks' trace
 files; a job's verdict needs every rank's. The nodes meet in the job's key-value store:
 torchrun's agent store at MASTER_ADDR:MASTER_PORT, which every rank of the job already
-reaches, under keys of the tool's own (`ddp-verify/job/<run id>/<restart>/`):
+reaches, under keys of the tool's own (`ddp-verify/job/<name>/`, the name derived from the
+job's secret):
 
 1. Every SAMPLE_S each node publishes a `NodeStatus`: a few numbers (its ranks' collective
    events, whether one waits in a collective, whether one works or starts outside them,
@@ -27,6 +28,10 @@ reaches, under keys of the tool's own (`ddp-verify/job/<run id>/<restart>/`):
    every other node prints one line pointing to it. Every node's report folder holds its
    own ranks' files and the job's diagnosis.
 
+That store listens on every interface, and any process that reaches it can write there:
+every value is inert data sealed with the job's secret, under keys named after it
+(`board.py`), and one that does not check out is ignored and said.
+
 The store lives in torchrun's agent on the first node: a rank there that the backend aborts
 (gloo's "Is there a distributed collective mismatch" is a C++ abort) takes it down within a
 fraction of a second. The survivor that claims the verdict then diagnoses from what it holds,
@@ -37,18 +42,15 @@ and a skip still shows from one side: its rank's history says which collective i
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import pickle
 import socket
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-import torch.distributed as dist
-
-from verify.launching.node_ranks import POLL_S, NodeRanks, NodeReport, NodeStatus
+from verify.launching.board import Board
+from verify.launching.node_ranks import POLL_S, STARTUP_S, NodeRanks, NodeReport, NodeStatus
 from verify.launching.outcome import RankOutcome
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.watching.diagnose import diagnose
@@ -78,7 +80,9 @@ class NodeWatch:
         self.local = NodeRanks(report_dir, local, stall_timeout_s)
         self.host = socket.gethostname()
         run = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-        self.prefix = f"ddp-verify/job/{run}/"
+        self._meeting = f"ddp-verify/job/{run}/seal/"  # where the nodes agree their secret
+        self.board: Board | None = None  # once the job's store is met (`run`)
+        self._seen: dict[int, int] = {}  # the last status number read of each node
         self.detection_s: float | None = None
         self._exit_code = 0
         self._finished = threading.Event()
@@ -97,13 +101,11 @@ class NodeWatch:
 
     def run(self) -> None:
         try:
-            self.store = _Store(
-                dist.TCPStore(
-                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    timeout=datetime.timedelta(seconds=ANSWER_S),
-                )
+            self.board = Board.connect(
+                self._meeting, self.node, self.nodes, STARTUP_S, ANSWER_S,
+                f"{self.tool} (node {self.node})",
             )  # fmt: skip
-            start, sampled, placed, at = time.monotonic(), 0.0, 0.0, -1
+            start, sampled, placed, at, sent = time.monotonic(), 0.0, 0.0, -1, 0
             while True:
                 now = time.monotonic()
                 if self.local.failed():
@@ -111,13 +113,14 @@ class NodeWatch:
                 if now - sampled >= SAMPLE_S:  # the store hears from a node 4 times a second
                     sampled = now
                     status = self.local.status(now - start)
-                    self._set(f"status/{self.node}", status)
+                    sent += 1
+                    self.board.set(f"status/{self.node}", _Published(sent, status))
                     if now - placed >= POSITION_S and status.events != at:
                         placed, at = now, status.events
-                        self._set(f"position/{self.node}", self.local.positions())
+                        self.board.set(f"position/{self.node}", self.local.positions())
                     if self.node == 0:
                         self._judge(now)
-                    if self.store.check([self.prefix + "claim"]):
+                    if self.board.claimed() is not None:
                         break
                 time.sleep(POLL_S)
             self._verdict()
@@ -128,10 +131,12 @@ class NodeWatch:
 
     def _judge(self, now: float) -> None:
         """Rank 0's node: the watchdog's hang rule over every node's status."""
-        keys = [f"{self.prefix}status/{n}" for n in range(self.nodes)]
-        if not self.store.check(keys):
+        keys = [f"status/{n}" for n in range(self.nodes)]
+        if not self.board.has(*keys):
             return  # a node not up yet is starting
-        statuses: list[NodeStatus] = [pickle.loads(b) for b in self.store.multi_get(keys)]
+        statuses = [self._status(n, b) for n, b in enumerate(self.board.raw(keys))]
+        if None in statuses:
+            return  # a status that did not check out: as if that node had said nothing yet
         events = tuple(s.events for s in statuses)
         if events != self._last_events:
             self._last_events, self._last_change = events, now
@@ -157,31 +162,45 @@ class NodeWatch:
                 self._claim("hang")
 
     def _claim(self, reason: str) -> None:
-        self.store.compare_set(self.prefix + "claim", "", f"{reason}:{self.node}")
+        self.board.claim(reason, self.node)
+
+    def _status(self, node: int, blob: bytes) -> NodeStatus | None:
+        """Node `node`'s status from its key, None where it does not check out or is older
+        than one read before (a replay)."""
+        published = self.board.open(f"status/{node}", blob, _Published)
+        if published is None:
+            return None
+        if published.seq < self._seen.get(node, 0):
+            self.board.ignore(f"status/{node}", "an older status than one read before")
+            return None
+        self._seen[node] = published.seq
+        return published.status
 
     # ---------------------------------------------------------------- the verdict
 
     def _verdict(self) -> None:
-        reason, claimant = self.store.get(self.prefix + "claim").decode().split(":")
+        reason, claimant = self.board.claimed() or ("crash", -1)  # (a claim seen is never unmade)
         own = self.local.report(reason, self.node, self.host)
         with contextlib.suppress(Exception):
-            self._set(f"report/{self.node}", own)
-        if int(claimant) == self.node:
+            self.board.set(f"report/{self.node}", own)
+        if claimant == self.node:
             diag = self._diagnose(reason, self._gather(own))
             with contextlib.suppress(Exception):
-                self._set("diagnosis", diag)
+                self.board.set("diagnosis", diag)
             job = f"job of {self.nodes} nodes" if self.nodes > 1 else "node watchdog"
             text = f"{self.tool} ({job}): {diag.text()}"
             if diag.verdict != "ok":
                 every = " (every node's folder holds the diagnosis)" if self.nodes > 1 else ""
                 text += f"\nreport: {self.report_dir}{every}"
             print(text, file=sys.stderr, flush=True)
-            others = [f"{self.prefix}ack/{n}" for n in range(self.nodes) if n != self.node]
+            others = [f"ack/{n}" for n in range(self.nodes) if n != self.node]
             with contextlib.suppress(Exception):  # they read it before this node's store goes
-                self.store.wait(others, datetime.timedelta(seconds=ANSWER_S))
+                self.board.wait(others, ANSWER_S)
         else:
-            self.store.wait([self.prefix + "diagnosis"], datetime.timedelta(seconds=3 * ANSWER_S))
-            diag = pickle.loads(self.store.get(self.prefix + "diagnosis"))
+            self.board.wait(["diagnosis"], 3 * ANSWER_S)
+            diag = self.board.get("diagnosis", Diagnosis)
+            if diag is None:
+                raise Unsealed("the job's diagnosis in its store did not check out")
             text = (
                 f"{self.tool} (node {self.node}): the job's diagnosis is printed by node "
                 f"{claimant}: {diag.verdict.upper()}: {diag.headline}\nreport: {self.report_dir}"
@@ -189,7 +208,7 @@ class NodeWatch:
             if diag.verdict != "ok":
                 print(text, file=sys.stderr, flush=True)
             with contextlib.suppress(Exception):
-                self._set(f"ack/{self.node}", 1)
+                self.board.set(f"ack/{self.node}", 1)
         self._finish(reason, diag, text)
 
     def _gather(self, own: NodeReport) -> dict[int, NodeReport]:
@@ -197,19 +216,18 @@ class NodeWatch:
         ranks died with its watchdog, or its store did): its last positions are kept."""
         for n in range(self.nodes):  # read first: the store may not outlive the wait
             with contextlib.suppress(Exception):
-                if n != self.node and self.store.check([f"{self.prefix}position/{n}"]):
-                    self._positions.update(
-                        pickle.loads(self.store.get(f"{self.prefix}position/{n}"))
-                    )
-        keys = [f"{self.prefix}report/{n}" for n in range(self.nodes) if n != self.node]
+                if n != self.node and self.board.has(f"position/{n}"):
+                    self._positions.update(self.board.get(f"position/{n}", dict[int, str]) or {})
+        others = [n for n in range(self.nodes) if n != self.node]
         with contextlib.suppress(Exception):
-            self.store.wait(keys, datetime.timedelta(seconds=ANSWER_S))
+            self.board.wait([f"report/{n}" for n in others], ANSWER_S)
         reports = {self.node: own}
-        for key in keys:
+        for n in others:
             with contextlib.suppress(Exception):
-                if self.store.check([key]):
-                    report = pickle.loads(self.store.get(key))
-                    reports[report.node] = report
+                if self.board.has(f"report/{n}"):
+                    report = self.board.get(f"report/{n}", NodeReport)
+                    if report is not None and report.node == n:
+                        reports[n] = report
         return reports
 
     def _diagnose(self, reason: str, reports: dict[int, NodeReport]) -> Diagnosis:
@@ -246,7 +264,12 @@ class NodeWatch:
         end = time.monotonic() + GRACE_S
         while not self.local.failed() and time.monotonic() < end:
             time.sleep(POLL_S)
-        why = f"the job's store is gone ({type(exc).__name__}): only this node's ranks were seen"
+        lost = (
+            str(exc)
+            if isinstance(exc, Unsealed)
+            else f"the job's store is gone ({type(exc).__name__})"
+        )
+        why = f"{lost}: only this node's ranks were seen"
         if not self.local.failed():
             print(f"{self.tool} (node {self.node}): {why}; no verdict", file=sys.stderr)
             return
@@ -261,30 +284,17 @@ class NodeWatch:
         self._exit_code = 1 if diag.faulty else 0
         self.local.end(reason)
 
-    def _set(self, key: str, value) -> None:
-        self.store.set(self.prefix + key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+@dataclass(frozen=True)
+class _Published:
+    """A node's status, numbered: a reader takes none older than one it read (a replay)."""
+
+    seq: int
+    status: NodeStatus
 
 
-class _Store:
-    """The job's store until it is lost (it goes with the first node's agent): from then on
-    every call fails at once, rather than each leaving the client's warning on stderr."""
-
-    def __init__(self, store) -> None:
-        self._store, self.gone = store, False
-
-    def __getattr__(self, name: str):
-        method = getattr(self._store, name)
-
-        def call(*args):
-            if self.gone:
-                raise ConnectionError("the job's store is gone")
-            try:
-                return method(*args)
-            except dist.DistNetworkError:
-                self.gone = True
-                raise
-
-        return call
+class Unsealed(Exception):
+    """A value the verdict needs did not check out (another process wrote the store)."""
 
 
 def _as_desync(diag: Diagnosis, traces: list[Trace | None]) -> Diagnosis:

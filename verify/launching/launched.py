@@ -30,6 +30,7 @@ at the top) are not traced; `dist.all_reduce(...)` is.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 from dataclasses import replace
@@ -70,6 +71,11 @@ def init_process_group(original, args: tuple, kwargs: dict):
                 _adopt()
         except Exception as exc:  # the script runs on unwatched: say so where the tool looks
             _say(f"adopt.{os.getpid()}.error", exc)
+    elif "job" in _adopted:  # a new default group: the audit's roll call is in its store
+        with contextlib.suppress(Exception):
+            from verify.launching import roll_call
+
+            roll_call.answer(_adopted["job"].rank)
     return out
 
 
@@ -106,7 +112,7 @@ def _again() -> bool:
 def _adopt() -> None:
     import torch.distributed as dist
 
-    from verify.launching import node_ranks, private
+    from verify.launching import node_ranks, private, roll_call
     from verify.launching import rank as rank_side
     from verify.launching.rank_script import script_job
 
@@ -133,6 +139,7 @@ def _adopt() -> None:
         ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
         ledger.save()
     _adopted.update(job=job, running=running, failed=False)
+    roll_call.answer(rank)  # a rank of the tool's, audited: the audit's group may wait for it
     if not private.write(folder, _joined(rank), f"{world} {os.getpid()}\n".encode()):
         return  # the verdict came meanwhile: not the run's, and its end is not told
     node_ranks.rank_up(folder, rank)()

@@ -9,7 +9,8 @@ on a laptop that is a second of the run's wall time.
 What the command's processes inherit: `bootstrap/` first on PYTHONPATH (it arms, in every
 Python process of the command, a hook that does nothing until the process calls
 `init_process_group`; from then on the process is a rank of the tool's, `launched.py`), the
-run's report folder and the audit's, the sanitizer's and `--on-cpu`'s settings. Nothing else
+run's report folder and the audit's, the sanitizer's and `--on-cpu`'s settings, and the run's
+secret (`roll_call.py`: environments are private to their user). Nothing else
 is set: not torchrun's variables (Lightning starts its other ranks only when LOCAL_RANK is
 unset), not the ranks' threads.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from verify.launching.env import (
     LAUNCHED_ENV,
     LAUNCHED_ON_CPU_ENV,
     LAUNCHED_SANITIZE_ENV,
+    LAUNCHED_SECRET_ENV,
     STALL_ENV,
 )
 
@@ -110,6 +113,7 @@ def start(
         LAUNCHED_AUDIT_ENV: "" if audit_every is None else str(audit_every),
         LAUNCHED_SANITIZE_ENV: "1" if sanitize else "",
         LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
+        LAUNCHED_SECRET_ENV: secrets.token_hex(32),
         STALL_ENV: repr(stall_timeout_s),
     }
     if on_cpu:  # the GPUs hidden from the launcher too, as in each rank (verify/oncpu/)

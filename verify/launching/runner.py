@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 from dataclasses import replace
 from typing import TextIO
 
-from verify.launching import private
+from verify.launching import loopback, private
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
 from verify.launching.rank_job import RankJob
@@ -64,7 +63,7 @@ def run(
         # Gloo listens on whatever the hostname resolves to, NCCL's bootstrap on the first
         # interface that is not loopback: our ranks are all local, so nothing they open need
         # be reachable from the network (a variable the user set wins).
-        base.setdefault(name, _loopback_ifname())
+        base.setdefault(name, loopback.ifname())
     ranks = []
     for job in jobs:
         rank_env = {
@@ -166,7 +165,3 @@ def _tail(path: str) -> str | None:
     except OSError:
         return None
     return text or None
-
-
-def _loopback_ifname() -> str:
-    return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), "lo")

@@ -5,7 +5,7 @@ Two ways in:
 - `launch(fn, ...)` in a process torchrun started (RANK, WORLD_SIZE and MASTER_ADDR set):
   nothing is spawned; `join` runs fn here, and every rank receives the full result through the
   job's key-value store (not a collective, which a rank still inside fn's collectives could
-  mis-pair with). A rank that failed waits a short grace for the others, then closes its
+  mis-pair with), each report sealed with a secret the ranks agreed (`sealed.py`). A rank that failed waits a short grace for the others, then closes its
   process group so peers blocked on it fail and report too.
 - `python -m verify.hang_run train.py ARGS` under torchrun: `script_main` runs the user's
   script as a traced rank (the same set-up as a rank the tool spawns, `rank.py`), and the
@@ -23,7 +23,6 @@ import datetime
 import functools
 import itertools
 import os
-import pickle
 import re
 import socket
 import tempfile
@@ -34,12 +33,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from verify.launching import exchange, job_store
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, STALL_ENV, joining
-from verify.launching.outcome import LaunchResult, RankContext, RankReport
+from verify.launching.outcome import LaunchResult, RankContext
 from verify.launching.rank_job import group_kwargs
 from verify.launching.rank_script import script_job
-from verify.launching.supervisor import GRACE_S, root_cause_order
+from verify.launching.supervisor import root_cause_order
 from verify.launching.threads import apply, thread_budget
 
 _joins = 0
@@ -94,8 +94,9 @@ def join(
         )
     ctx = RankContext(rank, world_size, local_rank, device, backend, False, budget.per_rank)
     try:
+        seal = exchange.agree(prefix, rank, world_size, timeout_s)
         report = rank_side.call(fn, ctx, args)
-        reports = _exchange(prefix, rank, world_size, report, timeout_s, created)
+        reports = exchange.reports(prefix, rank, world_size, report, timeout_s, created, seal)
     finally:
         if created:
             with contextlib.suppress(Exception):
@@ -123,47 +124,18 @@ def _job_store(timeout: datetime.timedelta) -> dist.Store:
     its store across restarts (torch 2.13), so without it a restarted attempt's first launch
     met the last attempt's keys and hung. Across nodes the attempt is not in the prefix: a
     node restarted for another's membership change keeps its count (torchelastic counts only
-    its own failures), and nodes with different counts would never meet."""
+    its own failures), and nodes with different counts would never meet.
+
+    The store is the agent's (`job_store.py`): a process whose torchrun environment is stale
+    reaches none, and that is a ValueError (exit 2)."""
     global _store
-    if _store is None:  # one client for every launch of this process
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    if _store is None:  # one client for every launch of this process, never its server
+        store = job_store.connect(timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         one_node = os.environ.get("GROUP_WORLD_SIZE", "1") == "1"
         _store = dist.PrefixStore(f"attempt{attempt}/", store) if one_node else store
     _store.set_timeout(timeout)
     return _store
-
-
-def _exchange(prefix, rank, world_size, report, timeout_s, created) -> list:
-    """Every rank's report, through the job's key-value store rather than a collective: a
-    rank still inside fn's collectives cannot be mis-paired with the exchange, and a rank that
-    failed does not wait for the process-group timeout. It waits a grace for its peers, then
-    (if it created the group) destroys it, which makes peers blocked on it fail at once and
-    report, and waits for their reports for at most `timeout_s`."""
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"{prefix}{rank}", pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
-    keys = [f"{prefix}{r}" for r in range(world_size)]
-    waits = [timeout_s] if report.ok else [GRACE_S, timeout_s]
-    for i, wait_s in enumerate(waits):
-        try:
-            store.wait(keys, datetime.timedelta(seconds=wait_s))
-            break
-        except Exception:
-            if i == 0 and len(waits) > 1 and created:
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group()
-    reports = []
-    for r, key in enumerate(keys):
-        if r == rank:
-            reports.append(report)
-            continue
-        try:
-            # check() first: get() on a missing key would block for the store's own timeout.
-            reports.append(pickle.loads(store.get(key)) if store.check([key]) else None)
-        except Exception:
-            reports.append(None)
-    lost = RankReport.failure(f"did not report within {timeout_s:g}s", status="crashed")
-    return [rep if rep is not None else lost for rep in reports]
 
 
 # ------------------------------------------------------------ python -m verify.hang_run

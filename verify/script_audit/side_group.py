@@ -8,6 +8,11 @@ which would take a number in the script's own sequence of groups), and talks to 
 the group object, not `torch.distributed`'s functions, so the collective tracer and the race
 sanitizer never see it. With an NCCL script the values travel as small CPU tensors.
 
+Before it is made, the audited ranks agree that every rank is audited (`roll_call.py`: a
+launcher that cleans its workers' environment starts ranks that run nothing of the tool), so
+none waits for a peer that will never come; and it listens on loopback where every rank runs
+on this machine (`launching/loopback.py`), else on the device torch's own groups use.
+
 It is a `Group` of the replica audit's engine (`verify/replica_audit/group.py`): whether the
 ranks agree is decided there, by the one agreement reduction every audit uses.
 
@@ -23,8 +28,14 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from verify.launching import loopback, roll_call
+
 PREFIX = "ddp-verify/audit/"
 TIMEOUT = datetime.timedelta(minutes=30)  # a rank that never comes is the watchdog's to call
+
+
+class NotAudited(RuntimeError):
+    """A rank of the job is no rank of the tool's: the audit cannot compare with it."""
 
 
 class SideGroup:
@@ -34,6 +45,7 @@ class SideGroup:
         self._pg = None
         self._default = None  # the default group it was made for
         self.rank, self.size = 0, 1
+        self.interface: str | None = None  # what the group listens on (None: torch's default)
 
     def ready(self) -> bool:
         """True when there are ranks to compare with (a process group of 2 or more)."""
@@ -46,9 +58,15 @@ class SideGroup:
         return self.size > 1
 
     def _group(self):
+        """The group, made at the first collective: once every rank is known to be audited
+        (`roll_call.absent`; else NotAudited, which stops the audit on every audited rank
+        alike), on loopback where every rank runs on this machine (`loopback.py`)."""
         if self._pg is None:
+            missing = roll_call.absent(self.size)
+            if missing:
+                raise NotAudited(roll_call.said(missing))
             store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
-            self._pg = dist.ProcessGroupGloo(store, self.rank, self.size, TIMEOUT)
+            self._pg, self.interface = loopback.gloo_group(store, self.rank, self.size, TIMEOUT)
         return self._pg
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
