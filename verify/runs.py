@@ -15,6 +15,7 @@ names them are ever touched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -129,6 +130,13 @@ def write_metadata(run_dir: Path, options: dict, threads: str = "") -> dict:
 
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def save_report(report_dir: str, data: dict) -> None:
+    """`report.json` in the run folder, where it can be written: on a full disk the verdict
+    is still printed (and says the audit stopped), never lost to the save."""
+    with contextlib.suppress(OSError):
+        write_json(Path(report_dir) / "report.json", data)
 
 
 def default_device(world_size: int) -> str:

@@ -17,9 +17,7 @@ report's files.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from verify import runs
 from verify.checks.script import ScriptRun, run_watched_script
@@ -82,19 +80,12 @@ def check_audit(options: AuditOptions, started: Started | None = None) -> AuditR
         started=started,
     )  # fmt: skip
     result = AuditResult(options, run)
-    save_report(run.report_dir, result.to_dict())
+    runs.save_report(run.report_dir, result.to_dict())
     if options.recording:  # --record DIR / --against DIR (verify/recording/command.py)
         from verify.recording.command import with_recording
 
         return with_recording(result)
     return result
-
-
-def save_report(report_dir: str, data: dict) -> None:
-    """`report.json` in the run folder, where it can be written: on a full disk the verdict
-    is still printed (and says the audit stopped), never lost to the save."""
-    with contextlib.suppress(OSError):
-        runs.write_json(Path(report_dir) / "report.json", data)
 
 
 __all__ = ["AuditOptions", "AuditResult", "check_audit"]

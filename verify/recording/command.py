@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from verify import runs
 from verify.checks.verdict import FAULT, PASS, Verdicted
 from verify.options import Options, knob
 from verify.recording import store
@@ -91,9 +92,7 @@ def with_recording(result):
         return RecordedAudit(result, None, None)
     comparison = compare_recordings(store.read(o.against), ours, o.align_step)
     out = RecordedAudit(result, made, comparison)
-    from verify.checks.script_audit import save_report
-
-    save_report(result.report_dir, out.to_dict())
+    runs.save_report(result.report_dir, out.to_dict())
     return out
 
 
