@@ -25,7 +25,7 @@ from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.checks.script_start import console_of, run_env, run_folder, start_command
 from verify.launching import run_script
-from verify.launching.command import run_command
+from verify.launching.command import NothingJoined, run_command
 from verify.launching.launcher import Started, is_command
 from verify.launching.needs_cuda import NeedsCuda
 from verify.oncpu import report as on_cpu_report
@@ -112,6 +112,12 @@ def run_watched_script(
             run = run_command(
                 started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
             )
+        except NothingJoined as exc:  # said with what the rehearsal saw, under --on-cpu
+            started.abandon()
+            if not options.on_cpu:
+                raise
+            mapped, unmapped = on_cpu_report.read_unjoined(report_dir)
+            raise NothingJoined(f"{exc}; {on_cpu_report.left_early(mapped, unmapped)}") from None
         except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
             started.abandon()
             raise
@@ -156,7 +162,8 @@ def _rehearsed(run, report_dir: str, world: int) -> dict:
         raise ValueError(
             f"{first.message()}; what was mapped before it: {report_dir}/rank<r>.on_cpu.json"
         )
-    return {"ranks": world, "mapped": list(mapped)}
+    unmapped = on_cpu_report.read_unmapped(report_dir, range(world))
+    return {"ranks": world, "mapped": list(mapped), "unmapped": list(unmapped)}
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:

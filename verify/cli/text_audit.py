@@ -23,7 +23,12 @@ def audit(result: AuditResult) -> str:
         lines.append(d.text())
     lines += watched_tail(run)
     if not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
-        lines.append(verdict_line(result.audit, result.verdict))
+        line = verdict_line(result.audit, result.verdict)
+        if result.verdict == NOTHING_AUDITED and run.on_cpu is not None:  # left under --on-cpu
+            from verify.oncpu import report
+
+            line += f"; {report.left_early(run.on_cpu['mapped'], run.on_cpu['unmapped'])}"
+        lines.append(line)
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 
