@@ -235,8 +235,19 @@ def hang(n: dict, s) -> str | None:
     )
 
 
+ON_SOME_RANKS = (
+    "a collective issued on some ranks only (in code under `if rank == 0:`, an evaluate() or "
+    "a logging step only the main process runs) waits for peers that never issue it: issue "
+    "it on every rank (run the evaluation everywhere and reduce its metric there), or compute "
+    "what rank 0 needs without a collective"
+)
+
+
 def collective_mismatch(n: dict, s) -> str | None:
     """The collective trace's diagnosis (numbers: `trace_kind`, `op`)."""
+    kind = n.get("trace_kind")
+    if kind == "issued on some ranks only":
+        return ON_SOME_RANKS
     arrival = ("extra collective", "size mismatch", "shape mismatch")
     if n.get("op") != "all_reduce" or n.get("trace_kind") not in arrival:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
 from verify.checks.verdict import NOTHING_AUDITED
-from verify.cli.text_checks import watched_tail
+from verify.cli.text_checks import diagnosis_hint, watched_tail
 from verify.launching.launcher import is_command
 from verify.script_audit import AuditReport, Finding
 from verify.script_audit.report import SETTINGS, STATE_EVERY
@@ -21,6 +21,7 @@ def audit(result: AuditResult) -> str:
     d = run.diagnosis
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
+        lines += diagnosis_hint(d, o)
     lines += watched_tail(run)
     if not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
         line = verdict_line(result.audit, result.verdict)
