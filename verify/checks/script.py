@@ -24,7 +24,7 @@ from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.checks.script_start import console_of, run_env, run_folder, start_command
-from verify.launching import run_script
+from verify.launching import run_script, unjoined
 from verify.launching.command import NothingJoined, run_command
 from verify.launching.launcher import Started, is_command
 from verify.launching.needs_cuda import NeedsCuda
@@ -112,12 +112,9 @@ def run_watched_script(
             run = run_command(
                 started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
             )
-        except NothingJoined as exc:  # said with what the rehearsal saw, under --on-cpu
+        except NothingJoined as exc:  # said with what its processes left (`unjoined.py`)
             started.abandon()
-            if not options.on_cpu:
-                raise
-            mapped, unmapped = on_cpu_report.read_unjoined(report_dir)
-            raise NothingJoined(f"{exc}; {on_cpu_report.left_early(mapped, unmapped)}") from None
+            raise NothingJoined(_why_unjoined(options, report_dir, str(exc))) from None
         except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
             started.abandon()
             raise
@@ -150,6 +147,34 @@ def run_watched_script(
         audit=None if audit_every is None else audit_of(report_dir, world),
         on_cpu=mapped,
     )  # fmt: skip
+
+
+def _why_unjoined(options, report_dir: str, said: str) -> str:
+    """The one line of a launcher command nothing of which joined a process group, in the
+    `--nproc` form's words where its processes said why (`launching/unjoined.py`): the script
+    does not exist, or needs CUDA; else `said` (nothing joined), with what they raised and
+    where, and under --on-cpu what the rehearsal mapped."""
+    notes = unjoined.read(report_dir)
+    missing = next((n["missing"] for n in notes if n.get("missing")), None)
+    if missing is not None:
+        return (
+            f"script {missing} does not exist: the processes {' '.join(options.script)} "
+            "started could not open it"
+        )
+    needs = [NeedsCuda(**n["needs_cuda"]) for n in notes if n.get("needs_cuda")]
+    if needs:
+        first = min(needs, key=lambda n: n.where)
+        return (
+            f"the script cannot run on this machine: {first.message(options.backend)} "
+            f"(each process's traceback: {report_dir}/unjoined.<pid>.stderr)"
+        )
+    raised = [n for n in notes if n.get("error")]
+    if raised:
+        where = f" at {raised[0]['where']}" if raised[0].get("where") else ""
+        said += f"; its processes raised {raised[0]['error']}{where} before joining (see above)"
+    if options.on_cpu:
+        said += f"; {on_cpu_report.left_early(*on_cpu_report.read_unjoined(report_dir))}"
+    return said
 
 
 def _rehearsed(run, report_dir: str, world: int) -> dict:

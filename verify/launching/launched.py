@@ -61,6 +61,12 @@ def rehearse() -> None:
                 f.write(f"{type(exc).__name__}: {exc}\n")
 
 
+def joined() -> bool:
+    """Whether this process joined a process group (and is a rank of the run, or a later
+    attempt's process left unwatched)."""
+    return bool(_adopted)
+
+
 def _save_unjoined() -> None:
     """At the exit of a process that never joined: what its rehearsal counted at the user's
     lines, for the line that says why the command left before any rank joined
