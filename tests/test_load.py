@@ -351,7 +351,9 @@ def _check_launchers(window: Window) -> None:
 def _check_on_cpu(window: Window) -> None:
     """`--on-cpu`: CUDA scripts rehearsed on CPU ranks (the nanoGPT-style loop clean and with
     its sync bug, the DDP-series one clipping on rank 0) give their CPU copies' verdicts, and
-    so does the launcher form (torchrun, mp.spawn): tests/test_on_cpu.py's idle verdicts."""
+    so does the launcher form (torchrun, mp.spawn), and a script on torch.accelerator (the
+    verdicts, the line of one that leaves before joining): tests/test_on_cpu.py's idle
+    verdicts."""
     problems = window["on-cpu"] + window["on-cpu-launcher"] + window["on-cpu-accelerator"]
     assert not problems, "\n\n".join(problems)
 
