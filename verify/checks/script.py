@@ -158,8 +158,8 @@ def _why_unjoined(options, report_dir: str, said: str) -> str:
     missing = next((n["missing"] for n in notes if n.get("missing")), None)
     if missing is not None:
         return (
-            f"script {missing} does not exist: the processes {' '.join(options.script)} "
-            "started could not open it"
+            f"script {missing} does not exist: `{' '.join(options.script)}` ran it, and Python "
+            "could not open it"
         )
     needs = [NeedsCuda(**n["needs_cuda"]) for n in notes if n.get("needs_cuda")]
     if needs:
