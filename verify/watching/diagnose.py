@@ -200,7 +200,7 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
         known = [r for r in colls if first[r] <= k]
         absent = [r for r in known if r not in present and k > last[r] and not behind(r, k)]
         if absent:
-            findings.append(_missing(k, present, absent, traces, ranks, colls))
+            findings.append(_missing(k, present, absent, traces, ranks, colls, stalled))
             break
         findings += _compare(k, present, colls, stalled, last_common=min(last.values()))
         if findings and findings[-1].hangs:
@@ -308,11 +308,11 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
+def _missing(k, present, absent, traces, ranks, colls, stalled=False) -> TraceFinding:
     moved_on = _moved_on(k, present, absent, ranks, colls)
     if moved_on is not None:
         return moved_on
-    only = _issued_by_some(k, present, absent, ranks, colls)
+    only = _issued_by_some(k, present, absent, ranks, colls, stalled)
     if only is not None:
         return only
     culprit = absent[0]
@@ -330,13 +330,16 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
 ISSUED_BY_SOME = "issued on some ranks only"
 
 
-def _issued_by_some(k, present, absent, ranks, colls) -> TraceFinding | None:
+def _issued_by_some(k, present, absent, ranks, colls, stalled) -> TraceFinding | None:
     """Collective #k issued at a line where the ranks that never issued it never issued any
     collective, while they went on to finish (or failed only as their peer left: an echo),
     and they are no fewer than those that issued it: a collective on some ranks only (an
     all-reduce in an evaluate() under `if rank == 0:`). The ranks that issued it are the
-    culprits, not the ones that "never issued" it; None when that is not the shape of it."""
-    if len(present) > len(absent):
+    culprits, not the ones that "never issued" it; None when that is not the shape of it,
+    or when the run was only cut short at its deadline (no hang called, no failure: the
+    ranks still waiting are not known to wait in vain)."""
+    judged = stalled or any(ranks[r].status in ("error", "crashed") for r in present)
+    if not judged or len(present) > len(absent):
         return None  # the minority skipped it: a skip (`_missing`'s own words)
     if not all(ranks[r].status == "ok" or is_echo(ranks[r].error) for r in absent):
         return None
