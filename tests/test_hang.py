@@ -570,3 +570,42 @@ def test_torchrun_hang_where_the_trace_is_blind(tmp_path):
     and read DDP's ranks, which trace none, as still starting: nothing until the deadline.)"""
     problems = blind_problems(blind_jobs(tmp_path, one_node))
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "r1_tail, state1, kind, said",
+    [  # rank 0's evaluate() issues one more all-reduce (x.py:eval) after three steps of grads
+        ([], RankOutcome(1, "ok"), "issued on some ranks only",
+         "only rank 0 issued all_reduce #4 on world [float32 (1,) SUM] at x.py:eval: rank 1 "
+         "never issued a collective at that line, and finished"),
+        ([], RankOutcome(1, "error", error="RuntimeError: Connection reset by peer"),
+         "issued on some ranks only", "and lost its peers (a collective on some ranks only)"),
+        # rank 1 issued at that line before: it skipped this one (the words of a skip)
+        ([_rec(4, "x.py:eval", 1)], RankOutcome(1, "ok"), "missing", "rank 1 never issued"),
+        # rank 1 raised on its own: its raise is why #4 never came
+        ([], RankOutcome(1, "error", error="ValueError: bad batch"), "missing",
+         "rank 1 never issued all_reduce #4"),
+    ],
+)  # fmt: skip
+def test_a_collective_only_some_ranks_issue_is_named_so(r1_tail, state1, kind, said):
+    """A collective issued by rank 0 only (an evaluate() under `if rank == 0:`) is not
+    headlined as rank 1's skip, its peer's "Connection reset" is not in the headline, and it
+    gets its hint, in the text of a script's run (`diagnosis_hint`) as in the JSON."""
+    from verify.checks.failures import hinted_diagnosis
+    from verify.cli.text_checks import diagnosis_hint
+
+    grads = [_rec(i, "x.py:grad") for i in (1, 2, 3)]
+    common = [*grads, *r1_tail]
+    r0 = [*common[:3], _rec(4, "x.py:eval", 1, "issued")] if not r1_tail else [
+        *grads, _rec(4, "x.py:eval", 1), _rec(5, "x.py:eval", 1, "issued")]  # fmt: skip
+    if r1_tail:
+        said = "rank 1 never issued all_reduce #5"
+    d = diagnose([_trace(0, r0), _trace(1, common)], [RankOutcome(0, "timeout"), state1],
+                 stalled=True)  # fmt: skip
+    assert d.findings[0].kind == kind and said in d.headline, d.headline
+    assert "Connection reset" not in d.headline
+    hint = diagnosis_hint(d, HangOptions(script=(__file__,), nproc=2))
+    doc = hinted_diagnosis(d)
+    if kind == "issued on some ranks only":
+        assert d.culprit == 0 and hint and "some ranks only" in hint[0], hint
+        assert doc["findings"][0]["hint"] == hint[0].removeprefix("hint: ")

@@ -133,3 +133,75 @@ def test_clipping_on_one_rank_is_named_and_clipping_everywhere_is_no_finding():
 def test_a_script_that_clips_on_the_main_process_gets_the_clipping_hint(tmp_path):
     problems = script_problems(str(tmp_path))
     assert not problems, "\n".join(problems)
+
+
+# What a finding's hint says follows what the run measured beside it (verify/checks/hints.py,
+# hint_rules.py), built here as the checks build them: in-process, no launch.
+def _finding(kind: str, **numbers):
+    from verify.replica_audit.finding import Finding
+
+    return Finding("consistency", "gradients", 1, "step 1 gradients: fc1.weight differs",
+                   "fc1.weight", (1,), kind=kind, numbers=numbers)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "others, numbers, said",
+    [  # (findings before it in the run, the gradients finding's numbers, its hint starts with)
+        ((), {"scale": None, "frozen": 0}, "gradients still differ across ranks"),
+        (("read while a collective was in flight",), {"scale": None, "frozen": 0},
+         "the gradients differ because of the races above"),
+        (("collective never waited on",), {"scale": 0.0, "frozen": 3},
+         "the gradients differ because of the races above"),
+        ((), {"scale": None, "frozen": 2},
+         "a bucket never launched: a frozen or unused parameter's hook never fires"),
+        ((), {"scale": 0.5, "ranks": [1], "reference_rank": 0, "frozen": 2},
+         "the gradients on rank 1 are 0.5 x"),
+    ],
+)  # fmt: skip
+def test_gradients_that_differ_get_the_hint_of_what_else_was_measured(others, numbers, said):
+    """The after-effect of a race (handles waited only at the next batch) is said to be one,
+    not a bucket that never launched; parameters no hook fires for name the frozen bucket."""
+    from verify.checks import kinds
+    from verify.checks.hints import Situation, with_hints
+
+    found = [*(_finding(kind, op="add_", access="read", gradient=True) for kind in others),
+             _finding(kinds.GRADIENTS_DIFFER, **numbers)]  # fmt: skip
+    hinted = with_hints(found, Situation(world_size=2))
+    assert hinted[-1].hint.startswith(said), hinted[-1].hint
+    assert all(f.hint and "never launched" not in f.hint for f in hinted[:-1])
+
+
+def test_a_bucket_planned_over_a_frozen_parameter_gets_the_frozen_hint():
+    """A fresh class (tests/fixtures/frozen_buckets.py) on the frozen workload: the hint names
+    the frozen parameter's bucket; on a model with none it is right (PASS)."""
+    cls = f"{Path(__file__).resolve().parent / 'fixtures' / 'frozen_buckets.py'}:PlannedBucketsDDP"
+    frozen = check_consistency(ConsistencyOptions(impl=cls, workload="frozen", steps=1))
+    assert frozen.verdict == "fault", frozen.headline
+    assert _first_hint(frozen).startswith("a bucket never launched: a frozen or unused"), (
+        _first_hint(frozen)
+    )
+    assert _json_hints(frozen)[0] == _first_hint(frozen)
+    plain = check_consistency(ConsistencyOptions(impl=cls, workload="mlp", steps=1))
+    assert plain.verdict == "pass", plain.headline
+
+
+def test_every_check_puts_its_findings_at_the_top_of_its_json():
+    """`findings` at the top level of `equivalence --json` as of `consistency --json`
+    (docs/equivalence.md), the equivalence report's own `report.findings` kept beside it."""
+    from verify.checks import kinds
+    from verify.checks.consistency import ConsistencyResult
+    from verify.checks.equivalence import EquivalenceReport, EquivalenceResult
+
+    found = (_finding(kinds.GRADIENTS_DIVERGE, step=1, scale=2.0, ranks_agree=True),)
+    report = EquivalenceReport(findings=found)
+    docs = {
+        "equivalence": EquivalenceResult(EquivalenceOptions(impl="naive"), "fault", report),
+        "consistency": ConsistencyResult(ConsistencyOptions(impl="naive"), "fault", findings=found),
+        "equivalence, no report": EquivalenceResult(EquivalenceOptions(impl="naive"), "fault"),
+    }
+    for name, result in docs.items():
+        doc = json.loads(json.dumps(result.to_dict()))
+        want = [] if name.endswith("no report") else [found[0].kind]
+        assert [f["kind"] for f in doc["findings"]] == want, (name, doc.keys())
+    doc = json.loads(json.dumps(docs["equivalence"].to_dict()))
+    assert doc["report"]["findings"] == doc["findings"]

@@ -155,7 +155,6 @@ LONG_FUNCTIONS = {
     "verify/watching/ranks.py:stall_finding": 75,
     "verify/perf/comm.py:run_comm": 67,
     "verify/replica_audit/compare.py:compare": 66,
-    "verify/checks/script.py:run_watched_script": 66,
     "impls/registry.py:_build": 66,
     "verify/checks/cells.py:run_cell_on_rank": 65,
     "verify/training/checkpoint.py:round_trip": 64,

@@ -592,3 +592,91 @@ def test_sigkill_of_the_tool_ends_every_process_of_the_run(launcher, tmp_path):
         for pid in _run_processes(run) if run else []:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A launcher command whose processes never join says why in the --nproc form's one line
+# (verify/launching/unjoined.py, bootstrap/sitecustomize.py): what they died of, where, and
+# what to do; their tracebacks of a usage error and of a Ctrl-C go to the run folder.
+BOOTSTRAP = ROOT / "verify" / "launching" / "bootstrap"
+NEEDS_GPU = """
+import torch
+
+local_rank = 0
+torch.cuda.set_device(local_rank)
+"""
+
+
+def _bootstrapped(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`python ARGV` as a launcher command's process: the bootstrap first on its path."""
+    env = {**os.environ, "PYTHONPATH": f"{BOOTSTRAP}:{ROOT}", LAUNCHED_ENV: str(folder),
+           "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                          cwd=folder, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "source, argv, note, quiet",
+    [
+        (None, ["nothere.py"], {"missing": "nothere.py"}, True),  # python's own line only
+        ("x = 1\nraise ValueError('bad config')\n", ["train.py"],
+         {"error": "ValueError: bad config", "where": "train.py:2", "needs_cuda": None}, False),
+        (NEEDS_GPU, ["train.py"], {"where": "train.py:5", "call": "torch.cuda.set_device(local_rank)"},
+         True),
+        ("import time\nraise KeyboardInterrupt\n", ["train.py"], None, True),
+    ],
+)  # fmt: skip
+def test_a_process_that_never_joins_leaves_why(tmp_path, source, argv, note, quiet):
+    from verify.launching import unjoined
+
+    if source is not None:
+        (tmp_path / "train.py").write_text(source)
+    ran = _bootstrapped(tmp_path, *argv)
+    notes = unjoined.read(str(tmp_path))
+    if note is None:
+        assert notes == [] and list(tmp_path.glob("interrupted.*.stderr")), ran.stderr
+    elif "call" in note:  # needs CUDA: the --nproc form's NeedsCuda
+        assert notes[0]["where"] == note["where"] and notes[0]["needs_cuda"]["call"] == note["call"]
+    else:
+        assert notes == [note], (notes, ran.stderr)
+    assert ("Traceback" in ran.stderr) is not quiet, ran.stderr
+
+
+def launcher_says_why_problems(tmp: Path) -> list[str]:
+    """`audit -- torchrun ... SCRIPT` for a CUDA-only script and for a misspelled one: exit
+    2 and one line of the tool's, no traceback (the launcher's own log lines stay)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    cases = {
+        "needs-cuda": ("tests/fixtures/audit_needs_cuda.py", "the script cannot run on this machine: "
+                       "tests/fixtures/audit_needs_cuda.py:21: `torch.cuda.set_device(local_rank)` "
+                       "needs CUDA"),
+        "misspelled": ("tests/fixtures/audit_needs_cudaa.py", "script "
+                       "tests/fixtures/audit_needs_cudaa.py does not exist"),
+    }  # fmt: skip
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "verify", "audit", "--out", str(tmp / name), "--",
+                *torchrun("x")[:-1], cases[name][0]]  # fmt: skip
+        return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(cases, pool.map(run, cases), strict=True))
+    problems = []
+    for name, p in done.items():
+        said = [line for line in p.stderr.splitlines() if line.startswith("verify: error: ")]
+        others = [
+            line for line in p.stderr.splitlines() if not line.startswith(("W", "E", "verify"))
+        ]
+        if (
+            p.returncode != 2
+            or len(said) != 1
+            or not said[0].startswith(f"verify: error: {cases[name][1]}")
+        ):
+            problems.append(f"{name}: exit {p.returncode}: {said}\n{p.stderr[-2000:]}")
+        if "Traceback" in p.stderr or len(others) > 2:  # python's "can't open file", once a rank
+            problems.append(f"{name}: more than the tool's line:\n{p.stderr[-3000:]}")
+    return problems
+
+
+def test_the_launcher_form_says_what_the_ranks_died_of(tmp_path):
+    problems = launcher_says_why_problems(tmp_path)
+    assert not problems, "\n\n".join(problems)

@@ -204,6 +204,9 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
         "on cpu": {
             "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),
             "on-cpu-launcher": (test_on_cpu.launcher_loaded_problems, folder / "on-cpu-launcher"),
+            "on-cpu-accelerator": (
+                test_on_cpu.accelerator_loaded_problems, folder / "on-cpu-accelerator"
+            ),
         },
         # without the dev extra there is no job (tests/test_frameworks.py skips itself too)
         "frameworks": {} if test_frameworks is None else {
@@ -385,8 +388,10 @@ def _check_launchers(window: Window) -> None:
 def _check_on_cpu(window: Window) -> None:
     """`--on-cpu`: CUDA scripts rehearsed on CPU ranks (the nanoGPT-style loop clean and with
     its sync bug, the DDP-series one clipping on rank 0) give their CPU copies' verdicts, and
-    so does the launcher form (torchrun, mp.spawn): tests/test_on_cpu.py's idle verdicts."""
-    problems = window["on-cpu"] + window["on-cpu-launcher"]
+    so does the launcher form (torchrun, mp.spawn), and a script on torch.accelerator (the
+    verdicts, the line of one that leaves before joining): tests/test_on_cpu.py's idle
+    verdicts."""
+    problems = window["on-cpu"] + window["on-cpu-launcher"] + window["on-cpu-accelerator"]
     assert not problems, "\n\n".join(problems)
 
 

@@ -513,3 +513,118 @@ def test_accelerate_and_lightning_are_rehearsed_on_cpu(tmp_path, script, edit, l
     assert found["ranks"] == [1]
     calls = {m["call"] for m in doc["on_cpu"]["mapped"]}
     assert "init_process_group(backend='nccl')" in calls, calls
+
+
+# torch.accelerator, the device-generic API current scripts ask instead of torch.cuda
+# (verify/oncpu/accelerator_api.py): tests/fixtures/cuda_scripts/accelerator_train.py is
+# written the way pytorch/examples' distributed scripts now are. LEAVES is a script that asks
+# which device it has, and leaves, as those do, when it counts too few GPUs: before any rank
+# joins, so no verdict; the line says the rehearsal was on, what it mapped and what it did not.
+ACCELERATOR = CUDA / "accelerator_train.py"
+LEAVES = """
+import sys
+
+import torch
+
+if torch.backends.mps.is_available():
+    device = "mps"
+elif torch.accelerator.is_available():
+    device = torch.accelerator.current_accelerator().type
+else:
+    device = "cpu"
+wanted = int(sys.argv[1])
+if torch.accelerator.device_count() < wanted:
+    print(f"Unable to locate sufficient {wanted} gpus on {device} to run this example. Exiting.")
+    sys.exit(0)
+"""
+
+
+def test_the_left_early_clause_says_what_was_mapped_and_what_was_not():
+    """In-process, the clause of the line a rehearsed script that left before joining gets
+    (`oncpu/report.py`), fed sites as the ranks' files give them."""
+    from verify.oncpu.report import left_early
+
+    site = lambda call, what, line, key="to": {"call": call, key: what, "where": f"x.py:{line}"}  # noqa: E731
+    cases = [
+        ([], [], "--on-cpu was on, and mapped no CUDA call"),
+        ([site("torch.accelerator.device_count()", "2", 9)], [],
+         "--on-cpu was on: it mapped torch.accelerator.device_count() -> 2 at x.py:9"),
+        ([site("torch.accelerator.is_available()", "True", 5)],
+         [site("torch.backends.mps.is_available()", "False", 4, key="answer")],
+         "--on-cpu was on: it mapped torch.accelerator.is_available() -> True at x.py:5; the "
+         "script asked, unmapped (a CPU machine's answer): torch.backends.mps.is_available() "
+         "-> False at x.py:4"),
+        ([site(f"c{i}()", "0", i) for i in range(8)], [],
+         "--on-cpu was on: it mapped " + ", ".join(f"c{i}() -> 0 at x.py:{i}" for i in range(6))
+         + ", and 2 more"),
+    ]  # fmt: skip
+    for mapped, unmapped, said in cases:
+        assert left_early(mapped, unmapped) == said
+
+
+def accelerator_problems(tmp: Path, at_once: int = 3) -> list[str]:
+    """accelerator_train.py under `audit --on-cpu --nproc 2` clean and with its no_sync bug,
+    under `-- torchrun` clean; LEAVES under both forms. What is wrong (nothing: the verdicts,
+    the torch.accelerator calls mapped at their lines, the line of a script that left)."""
+    leaves = tmp / "leaves.py"
+    leaves.write_text(LEAVES)
+    torchrun = ("torchrun", "--standalone", "--nproc-per-node", "2")
+    text = lambda out, *tail: run_verify("audit", "--on-cpu", "--out", str(out), "--stall-timeout",  # noqa: E731
+                                         "5", *tail)  # fmt: skip
+    runs = {
+        "nproc-ok": lambda: audit(tmp / "n-ok", ACCELERATOR),
+        "nproc-bug": lambda: audit(tmp / "n-bug", ACCELERATOR, "--bug"),
+        "torchrun-ok": lambda: launched(tmp / "t-ok", *torchrun, str(ACCELERATOR)),
+        "nproc-leaves": lambda: text(tmp / "n-leaves", "--nproc", "2", "--", str(leaves), "4"),
+        "torchrun-leaves": lambda: text(tmp / "t-leaves", "--", *torchrun, str(leaves), "4"),
+    }
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        jobs = {name: pool.submit(run) for name, run in runs.items()}
+        done = {name: job.result() for name, job in jobs.items()}
+    problems = []
+    for name in ("nproc-ok", "nproc-bug", "torchrun-ok"):
+        got, want = verdict(done[name]), (1, "fault") if name == "nproc-bug" else (0, "pass")
+        if got[:2] != want or (name == "nproc-bug" and "before step 0" not in str(got[2])):
+            problems.append(f"{name}: {got}, want {want}\n{done[name].stderr[-2500:]}")
+            continue
+        mapped = {
+            (m["call"], m["where"]) for m in json.loads(done[name].stdout)["on_cpu"]["mapped"]
+        }
+        for call, text_at in (("current_accelerator()", "current_accelerator()"),
+                              ("set_device_index()", "set_device_index(local_rank)"),
+                              ("synchronize()", "accelerator.synchronize()"),
+                              ("max_memory_allocated()", "max_memory_allocated()")):  # fmt: skip
+            at = f"tests/fixtures/cuda_scripts/accelerator_train.py:{line_of('accelerator_train.py', text_at)}"
+            if (f"torch.accelerator.{call}", at) not in mapped:
+                problems.append(f"{name}: torch.accelerator.{call} at {at} not in {sorted(mapped)}")
+    asked = "torch.backends.mps.is_available() -> False at "
+    for name, head in (
+        ("nproc-leaves", "NOTHING AUDITED: "),
+        ("torchrun-leaves", "verify: error: nothing joined"),
+    ):
+        p = done[name]
+        said = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith(head)]
+        if p.returncode != 2 or len(said) != 1:
+            problems.append(f"{name}: exit {p.returncode}, lines {said}\n{p.stderr[-2500:]}")
+            continue
+        for part in ("--on-cpu was on: it mapped torch.accelerator.is_available() -> True at ",
+                     "torch.accelerator.device_count() -> 2 at ", asked):  # fmt: skip
+            if part not in said[0]:
+                problems.append(f"{name}: {part!r} not in {said[0]!r}")
+    return problems
+
+
+@pytest.mark.under_load
+def test_a_script_that_asks_torch_accelerator_is_rehearsed(tmp_path):
+    problems = accelerator_problems(tmp_path)
+    assert not problems, "\n\n".join(problems)
+    assert not still_running(tmp_path), "a rank left running"
+
+
+def accelerator_loaded_problems(tmp: Path) -> list[str]:
+    """`accelerator_problems` and any rank left running, for the hog window of
+    tests/test_load.py."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    problems = accelerator_problems(tmp, at_once=2)
+    left = still_running(tmp)
+    return problems + ([f"ranks left running: {left}"] if left else [])

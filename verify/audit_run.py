@@ -94,7 +94,8 @@ def on_cpu_lines(report_dir: str, rank: int) -> list[str]:
     mapped, refused = report.read(report_dir, [rank])
     if refused is not None:
         return [f"verify.audit_run: error: {refused.message()}"]
-    return report.lines({"ranks": 1, "rank": rank, "mapped": list(mapped)})
+    unmapped = list(report.read_unmapped(report_dir, [rank]))
+    return report.lines({"ranks": 1, "rank": rank, "mapped": list(mapped), "unmapped": unmapped})
 
 
 if __name__ == "__main__":

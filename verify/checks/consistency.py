@@ -182,6 +182,8 @@ class AuditHooks(Hooks):
         sharded = run.impl is not None and run.impl.sharded
         sharded = sharded or hasattr(run.wrapped, "full_parameters")
         self.auditor = ModelAudit(run.model, None if sharded else run.optimizer)
+        # parameters no hook fires for: a bucket planned over one never fills (hint_rules.py)
+        self.frozen = sum(not p.requires_grad for p in run.model.parameters())
         if sharded:
             self.notes.append(
                 "optimizer state is sharded: audited parameters, buffers and gradients"
@@ -292,6 +294,8 @@ class AuditHooks(Hooks):
             tensor = found[0].name.split(":", 1)[-1]
             message = found[0].line() + more
             kind, numbers = measured(found, phase, step)
+            if phase == "gradients":
+                numbers["frozen"] = self.frozen
             self.findings.append(Finding("consistency", phase, step, message, tensor,
                                          _ranks(found), kind=kind, numbers=numbers))  # fmt: skip
             _resync(dict(unique_names(named)), found, self.auditor.process_group)

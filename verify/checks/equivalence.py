@@ -164,7 +164,11 @@ class EquivalenceResult(Verdicted):
         return f"{word}: {(self.failure or '').splitlines()[0] if self.failure else ''}"
 
     def to_dict(self) -> dict:
+        """The `--json` document. Every distinct finding is at the top level, `findings`, as
+        in every check's; `report.findings` holds the same list (kept: it was the only place
+        before)."""
         doc = {"check": "equivalence", **asdict(self), "passed": self.passed}
+        doc["findings"] = doc["report"]["findings"] if doc["report"] is not None else []
         return _finite(doc | {"headline": self.headline})
 
 

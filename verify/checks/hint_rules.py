@@ -24,6 +24,16 @@ NOT_REDUCED = (
     "not all-reduced: a bucket never launched (the last, partly filled bucket must be flushed "
     "too), or a hook that reduced the parameter rather than its .grad"
 )
+AFTER_RACE = (
+    "the gradients differ because of the races above: an all-reduce was still running when "
+    "its gradient was read or stepped, so each rank used what it held then: wait() on every "
+    "handle before finish_gradient_synchronization() returns (not at the next batch)"
+)
+FROZEN_BUCKET = (
+    "a bucket never launched: a frozen or unused parameter's hook never fires, so its bucket "
+    "never fills: plan buckets over the parameters that require grad only (or launch what is "
+    "pending once backward ends); or the last, partly filled bucket was never flushed"
+)
 STATE_DICT = (
     "the optimizer's state_dict() / load_state_dict() failed: state_dict() must return the "
     "whole state (every parameter's, gathered from the shards) or only this rank's "
@@ -50,15 +60,22 @@ def scaled_on_some(scaled, others, factor: float) -> str:
 def gradients_differ(n: dict, s) -> str:
     """Consistency: gradients not bitwise equal across ranks after the synchronization.
     numbers: `scale` (the differing ranks' gradients as a multiple of the reference rank's,
-    one factor in every tensor, or None), `ranks`, `reference_rank`."""
+    one factor in every tensor, or None), `ranks`, `reference_rank`, `frozen` (the model's
+    parameters that require no grad)."""
     c = n.get("scale")
-    if c is None or c == 1:
-        return NOT_REDUCED
+    if c is None or c == 1 or c == 0:  # (zeros: not a scaling, nothing arrived there)
+        return _not_reduced(n, s)
     differ, ref = n.get("ranks", ()), [n.get("reference_rank", 0)]
-    if c == 0:  # zeros on the differing ranks: not a scaling, nothing arrived there
-        return NOT_REDUCED
     # Clipping only shrinks: name the ranks whose gradients are the smaller.
     return scaled_on_some(differ, ref, c) if c < 1 else scaled_on_some(ref, differ, 1 / c)
+
+
+def _not_reduced(n: dict, s) -> str:
+    """Gradients some ranks never reduced: after a race, its effect; with parameters that
+    require no grad (numbers: `frozen`), the bucket one of them is planned into."""
+    if s.raced:
+        return AFTER_RACE
+    return FROZEN_BUCKET if n.get("frozen") else NOT_REDUCED
 
 
 def _scale_causes(c: float, n: int) -> str | None:
@@ -114,7 +131,7 @@ def gradients_diverge(n: dict, s) -> str | None:
     if step != first:  # an echo of an earlier divergence (the ranks' replicas parted there)
         return None
     if step == 1 and not n.get("ranks_agree", True):
-        return NOT_REDUCED  # the ranks hold different gradients: some never met in a reduce
+        return _not_reduced(n, s)  # the ranks hold different gradients: some never met
     if s.several_buckets:
         return (
             "with several parameters per bucket, a bucket was launched before all of its "
@@ -230,8 +247,19 @@ def hang(n: dict, s) -> str | None:
     )
 
 
+ON_SOME_RANKS = (
+    "a collective issued on some ranks only (in code under `if rank == 0:`, an evaluate() or "
+    "a logging step only the main process runs) waits for peers that never issue it: issue "
+    "it on every rank (run the evaluation everywhere and reduce its metric there), or compute "
+    "what rank 0 needs without a collective"
+)
+
+
 def collective_mismatch(n: dict, s) -> str | None:
     """The collective trace's diagnosis (numbers: `trace_kind`, `op`)."""
+    kind = n.get("trace_kind")
+    if kind == "issued on some ranks only":
+        return ON_SOME_RANKS
     arrival = ("extra collective", "size mismatch", "shape mismatch")
     if n.get("op") != "all_reduce" or n.get("trace_kind") not in arrival:
         return None

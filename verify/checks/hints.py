@@ -37,6 +37,7 @@ class Situation:
     several_buckets: bool = False
     add_param_group: bool = False
     uneven_shards: bool = False  # parameters whose rows the world size does not divide
+    raced: bool = False  # the sanitizer found a race in this run (set by `with_hints`)
 
 
 def situation_of(options) -> Situation:
@@ -63,13 +64,21 @@ def hint_for(finding, situation: Situation) -> str | None:
 
 
 def with_hints(findings, situation: Situation) -> tuple:
-    """`findings`, each with its `hint` set (what the text reports and `--json` show)."""
+    """`findings`, each with its `hint` set (what the text reports and `--json` show). Where
+    some are races, the run raced (`Situation.raced`): replicas that part afterwards are its
+    after-effect, and their hint says so rather than guess a cause of their own."""
+    findings = tuple(findings)
+    if any(f.kind in RACES for f in findings):
+        situation = replace(situation, raced=True)
     return tuple(replace(f, hint=hint_for(f, situation)) for f in findings)
 
 
 def first_hint(findings) -> str | None:
     """The first hint among `findings` (in report order: a race before what it broke)."""
     return next((f.hint for f in findings if f.hint), None)
+
+
+RACES = (k.READ_IN_FLIGHT, k.WRITE_IN_FLIGHT, k.NEVER_WAITED)
 
 
 def _say(line: str):

@@ -25,8 +25,8 @@ from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
 from verify.checks.script_start import console_of, run_env, run_folder, start_command
-from verify.launching import run_script
-from verify.launching.command import run_command
+from verify.launching import run_script, unjoined
+from verify.launching.command import NothingJoined, run_command
 from verify.launching.launcher import Started, is_command
 from verify.launching.needs_cuda import NeedsCuda
 from verify.oncpu import report as on_cpu_report
@@ -108,14 +108,7 @@ def run_watched_script(
     if is_command(options.script):  # the command as given, its ranks its launcher's
         started = started or start_command(options, command, audit_every=audit_every, record=record)
         report_dir, start = started.report_dir, started.start
-        try:
-            _first_write(report_dir, options)
-            run = run_command(
-                started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
-            )
-        except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
-            started.abandon()
-            raise
+        run = _watch_command(options, started)
     else:
         report_dir = run_folder(options, command, record)
         _first_write(report_dir, options)
@@ -153,6 +146,22 @@ def run_watched_script(
     )  # fmt: skip
 
 
+def _watch_command(options, started: Started):
+    """The launcher command `started`, watched to its end (`run_command`); ended at once if
+    the watch cannot begin or nothing of it joined a process group."""
+    try:
+        _first_write(started.report_dir, options)
+        return run_command(
+            started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
+        )
+    except NothingJoined as exc:  # said with what its processes left (`unjoined.py`)
+        started.abandon()
+        raise NothingJoined(_why_unjoined(options, started.report_dir, str(exc))) from None
+    except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
+        started.abandon()
+        raise
+
+
 def _first_write(report_dir: str, options) -> None:
     """The run folder's metadata, its first file. A folder that cannot be written (a full
     disk) is a run that cannot be checked: ValueError (one line, exit 2), the folder
@@ -167,6 +176,34 @@ def _first_write(report_dir: str, options) -> None:
         ) from None
 
 
+def _why_unjoined(options, report_dir: str, said: str) -> str:
+    """The one line of a launcher command nothing of which joined a process group, in the
+    `--nproc` form's words where its processes said why (`launching/unjoined.py`): the script
+    does not exist, or needs CUDA; else `said` (nothing joined), with what they raised and
+    where, and under --on-cpu what the rehearsal mapped."""
+    notes = unjoined.read(report_dir)
+    missing = next((n["missing"] for n in notes if n.get("missing")), None)
+    if missing is not None:
+        return (
+            f"script {missing} does not exist: `{' '.join(options.script)}` ran it, and Python "
+            "could not open it"
+        )
+    needs = [NeedsCuda(**n["needs_cuda"]) for n in notes if n.get("needs_cuda")]
+    if needs:
+        first = min(needs, key=lambda n: n.where)
+        return (
+            f"the script cannot run on this machine: {first.message(options.backend)} "
+            f"(each process's traceback: {report_dir}/unjoined.<pid>.stderr)"
+        )
+    raised = [n for n in notes if n.get("error")]
+    if raised:
+        where = f" at {raised[0]['where']}" if raised[0].get("where") else ""
+        said += f"; its processes raised {raised[0]['error']}{where} before joining (see above)"
+    if options.on_cpu:
+        said += f"; {on_cpu_report.left_early(*on_cpu_report.read_unjoined(report_dir))}"
+    return said
+
+
 def _rehearsed(run, report_dir: str, world: int) -> dict:
     """What `--on-cpu` mapped on every rank; a ValueError (exit 2, no verdict) naming the
     first call it could not map, whether the rank died of it or the script caught it."""
@@ -177,7 +214,8 @@ def _rehearsed(run, report_dir: str, world: int) -> dict:
         raise ValueError(
             f"{first.message()}; what was mapped before it: {report_dir}/rank<r>.on_cpu.json"
         )
-    return {"ranks": world, "mapped": list(mapped)}
+    unmapped = on_cpu_report.read_unmapped(report_dir, range(world))
+    return {"ranks": world, "mapped": list(mapped), "unmapped": list(unmapped)}
 
 
 def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int, int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from verify.checks.script_audit import AuditResult
 from verify.checks.verdict import AUDIT_STOPPED, NOTHING_AUDITED
-from verify.cli.text_checks import watched_tail
+from verify.cli.text_checks import diagnosis_hint, watched_tail
 from verify.launching.launcher import is_command
 from verify.replica_audit.stillness import nothing_trained
 from verify.script_audit import AuditReport, Finding
@@ -25,11 +25,17 @@ def audit(result: AuditResult, recorded_alone: bool = False) -> str:
     d = run.diagnosis
     if d.faulty or d.verdict != "ok":
         lines.append(d.text())
+        lines += diagnosis_hint(d, o)
     lines += watched_tail(run)
     if recorded_alone and result.verdict == NOTHING_AUDITED:
         pass  # nothing to compare across ranks is no fault here: the recording's verdict follows
     elif not (d.faulty and not result.faults):  # the HANG or CRASH above is the verdict's line
-        lines.append(verdict_line(result.audit, result.verdict))
+        line = verdict_line(result.audit, result.verdict)
+        if result.verdict == NOTHING_AUDITED and run.on_cpu is not None:  # left under --on-cpu
+            from verify.oncpu import report
+
+            line += f"; {report.left_early(run.on_cpu['mapped'], run.on_cpu['unmapped'])}"
+        lines.append(line)
     return "\n".join(lines + [f"report: {result.report_dir}"])
 
 

@@ -140,9 +140,15 @@ def hang(result: HangResult | ScenariosResult) -> str:
     head = f"{header(o)} ({result.elapsed_s:.1f}s)"
     d = result.diagnosis
     lines = [head, d.text() if d.faulty or d.verdict != "ok" else _ok(d, o, result.notes)]
-    h = _line(first_hint(with_hints(trace_findings(d), situation_of(o))))
-    lines += [h] if h else []
+    lines += diagnosis_hint(d, o)
     return "\n".join(lines + watched_tail(result) + [f"report: {result.report_dir}"])
+
+
+def diagnosis_hint(d, o) -> list[str]:
+    """The hint line of a run's diagnosis (a script's crash or hang, as a check's): none
+    where its findings point at no cause the table knows (`hints.py`)."""
+    h = _line(first_hint(with_hints(trace_findings(d), situation_of(o))))
+    return [h] if h else []
 
 
 def watched_tail(run) -> list[str]:

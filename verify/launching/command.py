@@ -40,12 +40,16 @@ SAMPLE_S = 0.25  # as a node watchdog's status period
 END_WAIT_S = 10.0  # after the verdict, for the launcher to tear its workers down itself
 
 
+class NothingJoined(ValueError):
+    """No process of the command joined a process group: no verdict (a usage error)."""
+
+
 def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -> LaunchResult:
     """Watch the command `started` (`launcher.start`) to its end under the watchdog (module
     docstring), then end whatever is left of it; `timeout_s` from its start. Raises
-    ValueError when nothing of it joined a process group. (An exception that reaches the
-    caller any other way, Ctrl-C before the watch began, is the caller's to end the command
-    for: `Started.abandon`, as `checks/script.py` does.)"""
+    `NothingJoined` (a ValueError) when nothing of it joined a process group. (An exception
+    that reaches the caller any other way, Ctrl-C before the watch began, is the caller's to
+    end the command for: `Started.abandon`, as `checks/script.py` does.)"""
     launcher, report_dir = started.process, os.path.abspath(started.report_dir)
     with started.reaping:  # workers whose launcher died come to us, not to init
         watch = _Watch(report_dir, stall_timeout_s)
@@ -73,7 +77,7 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
             if watch.reason == "timeout"
             else f"exited with code {launcher.returncode}"
         )
-        raise ValueError(
+        raise NothingJoined(
             f"nothing joined a process group: {' '.join(started.argv)} {ended} before any "
             "of its processes returned from init_process_group (the audit and the watchdog "
             "follow processes that do)"

@@ -21,7 +21,9 @@ Under `--on-cpu` the rehearsal (`verify/oncpu/`) is installed at the import of t
 before the rank is known (`rehearse`): it counts in memory until the adoption names its file
 `rank<r>.on_cpu.json` after the rank `init_process_group` gave (torchrun's RANK or mp.spawn's
 `rank=` alike), and is saved again at the rank's end, with the call it could not map when that
-is what the rank died of. A process that never joins (the launcher) leaves no report.
+is what the rank died of. A process that never joins leaves what it counted at the user's
+lines in `on_cpu.<pid>.json` when it exits (a script that leaves before joining, as
+pytorch/examples' do when they count too few GPUs); the launcher itself leaves nothing.
 
 Collectives the script bound before joining (`from torch.distributed import all_reduce`
 at the top) are not traced; `dist.all_reduce(...)` is.
@@ -53,8 +55,30 @@ def rehearse() -> None:
         from verify import oncpu
 
         _rehearsal.append(oncpu.install(None, -1))
+        atexit.register(_save_unjoined)
     except Exception as exc:
         _say(f"on_cpu.{os.getpid()}.error", exc)
+
+
+def joined() -> bool:
+    """Whether this process joined a process group (and is a rank of the run, or a later
+    attempt's process left unwatched)."""
+    return bool(_adopted)
+
+
+def _save_unjoined() -> None:
+    """At the exit of a process that never joined: what its rehearsal counted at the user's
+    lines, for the line that says why the command left before any rank joined
+    (`oncpu/report.py`, `left_early`); the launcher's own process, which counts nothing of
+    the user's, leaves nothing."""
+    from verify.oncpu.report import UNJOINED
+
+    ledger = _rehearsal[0].ledger
+    if _adopted or not ledger.has_user_sites():
+        return
+    with contextlib.suppress(OSError, KeyError):
+        ledger.path = os.path.join(os.environ[LAUNCHED_ENV], UNJOINED.format(pid=os.getpid()))
+        ledger.save()
 
 
 def init_process_group(original, args: tuple, kwargs: dict):

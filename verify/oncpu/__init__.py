@@ -10,8 +10,10 @@ launcher's), in this order:
 
 1. devices (`devices.py`): a CUDA device named for a tensor, a module, a default device or a
    generator is the CPU;
-2. `torch.cuda` (`cuda_api.py`): questions answered as a GPU node would, ordering calls
-   (set_device, synchronize, streams, events) no-ops, the CUDA generator the CPU one;
+2. `torch.cuda` (`cuda_api.py`) and `torch.accelerator` (`accelerator_api.py`), over one
+   rehearsed node: questions answered as a GPU node would, ordering calls (set_device,
+   synchronize, streams, events) no-ops, the CUDA generator the CPU one; a device question
+   left unmapped is counted where the script asks it (`standins.py`);
 3. mixed precision and the process group (`amp_dist.py`): CPU autocast in the same dtype, a
    GradScaler for the CPU, gloo for nccl, DDP's `device_ids` dropped for a CPU module.
 
@@ -55,7 +57,7 @@ def install(report_path: str | None, rank: int) -> Rehearsal:
     into `report_path` (None: in memory only)."""
     import os
 
-    from verify.oncpu import amp_dist, cuda_api, devices
+    from verify.oncpu import accelerator_api, amp_dist, cuda_api, devices, standins
 
     # A rehearsal runs on the CPU on any machine: a GPU machine's devices are hidden from
     # torch (read at CUDA's first use, which comes later), so torch answers itself as a
@@ -64,8 +66,10 @@ def install(report_path: str | None, rank: int) -> Rehearsal:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     ledger, patches = Ledger(report_path, rank), Patches()
     devices.install(ledger, patches)
-    cuda_api.install(ledger, patches)
+    node = cuda_api.install(ledger, patches)
+    accelerator_api.install(ledger, patches, node)
     amp_dist.install(ledger, patches)
+    standins.count_every_unmapped(ledger, patches)
     ledger.save()
     return Rehearsal(ledger, patches)
 

@@ -27,136 +27,131 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
 from verify.launching.env import LAUNCHED_ON_CPU_ENV
+from verify.oncpu import standins
 from verify.oncpu.ledger import Ledger
 from verify.oncpu.patching import Patches
+from verify.oncpu.standins import Node
 
 NAME = "CPU (rehearsing CUDA: --on-cpu)"
 
 
-def install(ledger: Ledger, patches: Patches) -> None:
-    """Replace `torch.cuda`'s calls as the module docstring says."""
-    cuda = torch.cuda
-    state = {"device": 0}
+def install(ledger: Ledger, patches: Patches) -> Node:
+    """Replace `torch.cuda`'s calls as the module docstring says; returns the rehearsed node
+    (its GPUs, the one chosen), which `torch.accelerator` shares (`accelerator_api.py`)."""
+    node = Node(_local_gpus())
+    _questions(ledger, patches, node)
+    _ordering(ledger, patches, node)
+    _generators(ledger, patches, node)
+    _streams(ledger, patches)
+    _refusals(ledger, patches)
+    _extensions(ledger, patches)
+    return node
+
+
+def _local_gpus() -> int:
+    """The GPUs of the rehearsed node: one a rank on it (LOCAL_WORLD_SIZE); in a launcher
+    command's process that is no rank yet, the GPUs `--nproc` gives the node."""
     node = os.environ.get(LAUNCHED_ON_CPU_ENV) or "1"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", node)))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", node)))
 
-    def answer(name, value):
-        shown = repr(value) if len(repr(value)) <= 24 else "a GPU's figures"
+
+def properties() -> SimpleNamespace:
+    """What `get_device_properties()` answers: a GPU with the host's memory."""
+    return SimpleNamespace(
+        name=NAME, major=8, minor=0, total_memory=_memory(),
+        multi_processor_count=os.cpu_count() or 1, is_integrated=False,
+    )  # fmt: skip
+
+
+def _questions(ledger: Ledger, patches: Patches, node: Node) -> None:
+    """A GPU node's answers (bf16 supported; nothing held, so memory figures of 0)."""
+    cuda, props = torch.cuda, properties()
+    total = props.total_memory
+    for name, value in {
+        "is_available": True, "device_count": node.count, "is_initialized": True,
+        "is_bf16_supported": True, "get_device_name": NAME, "get_device_capability": (8, 0),
+        "get_device_properties": props, "get_arch_list": [], "memory_allocated": 0,
+        "max_memory_allocated": 0, "memory_reserved": 0, "max_memory_reserved": 0,
+        "memory_cached": 0, "max_memory_cached": 0, "memory_stats": {}, "memory_summary": "",
+        "mem_get_info": (total, total), "utilization": 0,
+    }.items():  # fmt: skip
         original = getattr(cuda, name)
+        patches.set(cuda, name, standins.answer(ledger, f"torch.cuda.{name}", original, value))
 
-        def call(*args, **kwargs):
-            if _torch_asks():  # torch runs as the CPU torch it is (module docstring)
-                return original(*args, **kwargs)
-            ledger.mapped(f"torch.cuda.{name}()", shown, direct=True)
-            return value
+    def current_device():
+        if standins.torch_asks():
+            return 0
+        ledger.mapped("torch.cuda.current_device()", "the device set", direct=True)
+        return node.device
 
-        return call
+    patches.set(cuda, "current_device", current_device)
 
-    def no_op(name):
-        def call(*args, **kwargs):
-            ledger.mapped(f"torch.cuda.{name}()", "no-op")
 
-        return call
+def _ordering(ledger: Ledger, patches: Patches, node: Node) -> None:
+    """Calls that order or free GPU work, and the choice of a device: no-ops."""
+    cuda = torch.cuda
+    for name in ("synchronize", "empty_cache", "ipc_collect", "init", "reset_peak_memory_stats",
+                 "reset_max_memory_allocated", "reset_max_memory_cached",
+                 "reset_accumulated_memory_stats"):  # fmt: skip
+        patches.set(cuda, name, standins.no_op(ledger, f"torch.cuda.{name}"))
 
     def set_device(device):
         ledger.mapped("torch.cuda.set_device()", "no-op")
-        if isinstance(device, torch.device | str):
-            device = torch.device(device).index or 0
-        state["device"] = int(device) if device is not None and device >= 0 else 0
+        node.choose(device)
 
-    def current_device():
-        if _torch_asks():
-            return 0
-        ledger.mapped("torch.cuda.current_device()", "the device set", direct=True)
-        return state["device"]
+    patches.set(cuda, "set_device", set_device)
+    patches.set(cuda, "device", _device_context(ledger))
+    for name in ("range_push", "range_pop", "mark"):
+        patches.set(cuda.nvtx, name, standins.no_op(ledger, f"torch.cuda.nvtx.{name}"))
+    patches.set(cuda.nvtx, "range", lambda *a, **k: _counted(ledger, "nvtx.range"))
+
+
+def _generators(ledger: Ledger, patches: Patches, node: Node) -> None:
+    """The CUDA generator is the CPU one."""
+    cuda, generator = torch.cuda, torch.default_generator
 
     def seed(name, how):
         original = getattr(cuda, name)
 
         def call(*args, **kwargs):
-            if _torch_asks():  # torch.manual_seed seeds CUDA's too: a no-op in a CPU torch
+            if standins.torch_asks():  # torch.manual_seed seeds CUDA's: a no-op in a CPU torch
                 return original(*args, **kwargs)
             ledger.mapped(f"torch.cuda.{name}()", "the CPU generator", direct=True)
             return how(*args, **kwargs)
 
-        return call
+        patches.set(cuda, name, call)
 
-    def refuse(name, why):
-        def call(*args, **kwargs):
-            ledger.refuse(f"torch.cuda.{name}", why)
+    seed("manual_seed", lambda s: generator.manual_seed(int(s)))
+    seed("manual_seed_all", lambda s: generator.manual_seed(int(s)))
+    seed("seed", generator.seed)
+    seed("seed_all", generator.seed)
+    seed("initial_seed", generator.initial_seed)
+    seed("get_rng_state", lambda device="cuda": torch.get_rng_state())
+    seed("set_rng_state", lambda s, device="cuda": torch.set_rng_state(s))
+    seed("get_rng_state_all", lambda: [torch.get_rng_state()] * node.count)
+    seed("set_rng_state_all", lambda s: torch.set_rng_state(s[0]))
 
-        return call
 
-    properties = SimpleNamespace(
-        name=NAME, major=8, minor=0, total_memory=_memory(),
-        multi_processor_count=os.cpu_count() or 1, is_integrated=False,
-    )  # fmt: skip
-    total = properties.total_memory
-    generator = torch.default_generator
-    for name, value in {
-        "is_available": True, "device_count": local, "is_initialized": True,
-        "is_bf16_supported": True, "get_device_name": NAME, "get_device_capability": (8, 0),
-        "get_device_properties": properties, "get_arch_list": [], "memory_allocated": 0,
-        "max_memory_allocated": 0, "memory_reserved": 0, "max_memory_reserved": 0,
-        "memory_cached": 0, "max_memory_cached": 0, "memory_stats": {}, "memory_summary": "",
-        "mem_get_info": (total, total), "utilization": 0,
-    }.items():  # fmt: skip
-        patches.set(cuda, name, answer(name, value))
-    for name in ("synchronize", "empty_cache", "ipc_collect", "init", "reset_peak_memory_stats",
-                 "reset_max_memory_allocated", "reset_max_memory_cached",
-                 "reset_accumulated_memory_stats"):  # fmt: skip
-        patches.set(cuda, name, no_op(name))
-    patches.set(cuda, "set_device", set_device)
-    patches.set(cuda, "current_device", current_device)
-    patches.set(cuda, "device", _device_context(ledger))
-    patches.set(cuda, "manual_seed", seed("manual_seed", lambda s: generator.manual_seed(int(s))))
-    patches.set(cuda, "manual_seed_all", seed("manual_seed_all", lambda s: generator.manual_seed(int(s))))  # fmt: skip
-    patches.set(cuda, "seed", seed("seed", generator.seed))
-    patches.set(cuda, "seed_all", seed("seed_all", generator.seed))
-    patches.set(cuda, "initial_seed", seed("initial_seed", generator.initial_seed))
-    patches.set(cuda, "get_rng_state", seed("get_rng_state", lambda device="cuda": torch.get_rng_state()))  # fmt: skip
-    patches.set(cuda, "set_rng_state", seed("set_rng_state", lambda s, device="cuda": torch.set_rng_state(s)))  # fmt: skip
-    patches.set(cuda, "get_rng_state_all", seed("get_rng_state_all", lambda: [torch.get_rng_state()] * local))  # fmt: skip
-    patches.set(cuda, "set_rng_state_all", seed("set_rng_state_all", lambda s: torch.set_rng_state(s[0])))  # fmt: skip
-    _streams(ledger, patches)
-    for name in ("range_push", "range_pop", "mark"):
-        patches.set(cuda.nvtx, name, no_op(f"nvtx.{name}"))
-    patches.set(cuda.nvtx, "range", lambda *a, **k: _counted(ledger, "nvtx.range"))
+def _refusals(ledger: Ledger, patches: Patches) -> None:
+    """What cannot run without a GPU: CUDA graphs, NCCL itself, the jiterator."""
+    cuda = torch.cuda
     graphs = "a CUDA graph replays captured GPU kernels, and a CPU rank has none to capture"
     for name in ("CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle"):
-        patches.set(cuda, name, refuse(name, graphs))
+        patches.set(cuda, name, standins.refuse(ledger, f"torch.cuda.{name}", graphs))
     nccl = "it calls NCCL itself, and the rehearsal's ranks talk over gloo"
     for name in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "version",
                  "unique_id", "init_rank"):  # fmt: skip
-        patches.set(cuda.nccl, name, refuse(f"nccl.{name}", nccl))
+        patches.set(cuda.nccl, name, standins.refuse(ledger, f"torch.cuda.nccl.{name}", nccl))
     jit = "the jiterator compiles a CUDA kernel, which has no CPU code to run"
-    patches.set(cuda.jiterator, "_create_jit_fn", refuse("jiterator._create_jit_fn", jit))
-    patches.set(cuda.jiterator, "_create_multi_output_jit_fn", refuse("jiterator", jit))
-    _extensions(ledger, patches)
-
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _torch_asks() -> bool:
-    """Whether torch itself (or this tool) asks, rather than the script or a library it
-    calls: torch keeps the answers of the CPU build it is, so that its own choices
-    (inductor's, the RNG's fork) stay CPU ones."""
-    from verify.launching.needs_cuda import TORCH_OR_TOOL, path_kind
-
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
-        frame = frame.f_back
-    if frame is None or frame.f_code.co_filename.startswith("<"):
-        return False
-    return path_kind(frame.f_code.co_filename) == TORCH_OR_TOOL
+    for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):
+        refused = standins.refuse(ledger, f"torch.cuda.jiterator.{name}", jit)
+        patches.set(cuda.jiterator, name, refused)
 
 
 def _streams(ledger: Ledger, patches: Patches) -> None:

@@ -35,6 +35,7 @@ class Ledger:
     def __init__(self, path: str | None, rank: int) -> None:
         self.path, self.rank = path, rank
         self.counts: dict[tuple[str, str, str], int] = {}  # (call, mapped to, where) -> n
+        self.asked_: dict[tuple[str, str, str], int] = {}  # unmapped questions, as `counts`
         self.refused: CannotMap | None = None  # the first call it could not map
         self._local = threading.local()  # a mapping in progress on this thread: `quiet`
 
@@ -51,6 +52,23 @@ class Ledger:
         self.counts[key] = n + 1
         if not n:
             self.save()
+
+    def asked(self, call: str, answer) -> None:
+        """Count a device question the rehearsal left to torch (`standins.count_unmapped`),
+        with the CPU build's `answer`, where the user's code asked it itself."""
+        where = None if getattr(self._local, "quiet", 0) else _site(True)
+        if where is None:
+            return
+        shown = repr(answer) if len(repr(answer)) <= 24 else type(answer).__name__
+        key = (call, shown, where)
+        n = self.asked_.get(key, 0)
+        self.asked_[key] = n + 1
+        if not n:
+            self.save()
+
+    def has_user_sites(self) -> bool:
+        """Whether anything was counted at a line of the user's code (or a library's)."""
+        return any(w != "?" for *_, w in (*self.counts, *self.asked_))
 
     @contextlib.contextmanager
     def quiet(self):
@@ -76,8 +94,11 @@ class Ledger:
         mapped = [
             {"call": c, "to": t, "where": w, "count": n} for (c, t, w), n in self.counts.items()
         ]
+        unmapped = [
+            {"call": c, "answer": a, "where": w, "count": n} for (c, a, w), n in self.asked_.items()
+        ]
         refused = None if self.refused is None else self.refused.to_dict()
-        return {"rank": self.rank, "mapped": mapped, "refused": refused}
+        return {"rank": self.rank, "mapped": mapped, "unmapped": unmapped, "refused": refused}
 
     def save(self) -> None:
         if self.path is None:

@@ -20,6 +20,10 @@ class Patches:
         setattr(owner, name, new)
         return None if old is _MISSING else old
 
+    def replaced(self, owner: Any, name: str) -> bool:
+        """Whether `owner.name` was replaced by this rehearsal."""
+        return any(o is owner and n == name for o, n, _ in self._done)
+
     def restore(self) -> None:
         while self._done:
             owner, name, old = self._done.pop()

@@ -6,7 +6,11 @@ or a backend abort:
 
 - *missing*: some ranks issued collective #k, others never did; what those others are doing
   instead comes from their state: dead (exit code or signal), finished, waiting in another
-  collective or a send/recv, or outside any collective (their stack says where);
+  collective or a send/recv, or outside any collective (their stack says where). Where those
+  others finished (or failed only as a peer left) and never issued any collective at #k's
+  line, while they are no fewer than the ranks that did, #k is a collective *issued on some
+  ranks only* (an all-reduce in an evaluate() run by rank 0): those that issued it are the
+  culprits;
 - *op*, *count* and *dtype mismatches*: the ranks are in different collectives, or the same
   one with different sizes (gloo aborts with "Received data size doesn't match", or hangs).
 
@@ -196,7 +200,7 @@ def _walk_group(group, members, traces, ranks, stalled) -> list[TraceFinding]:
         known = [r for r in colls if first[r] <= k]
         absent = [r for r in known if r not in present and k > last[r] and not behind(r, k)]
         if absent:
-            findings.append(_missing(k, present, absent, traces, ranks, colls))
+            findings.append(_missing(k, present, absent, traces, ranks, colls, stalled))
             break
         findings += _compare(k, present, colls, stalled, last_common=min(last.values()))
         if findings and findings[-1].hangs:
@@ -304,10 +308,13 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
+def _missing(k, present, absent, traces, ranks, colls, stalled=False) -> TraceFinding:
     moved_on = _moved_on(k, present, absent, ranks, colls)
     if moved_on is not None:
         return moved_on
+    only = _issued_by_some(k, present, absent, ranks, colls, stalled)
+    if only is not None:
+        return only
     culprit = absent[0]
     ref = present[min(present)]
     doing = instead(ranks[culprit], traces[culprit], colls[culprit])
@@ -318,6 +325,37 @@ def _missing(k, present, absent, traces, ranks, colls) -> TraceFinding:
         f"rank {culprit} {doing[0]}"
     )
     return TraceFinding("missing", culprit, message, ref.describe(), ref.site, doing[1], op=ref.op)
+
+
+ISSUED_BY_SOME = "issued on some ranks only"
+
+
+def _issued_by_some(k, present, absent, ranks, colls, stalled) -> TraceFinding | None:
+    """Collective #k issued at a line where the ranks that never issued it never issued any
+    collective, while they went on to finish (or failed only as their peer left: an echo),
+    and they are no fewer than those that issued it: a collective on some ranks only (an
+    all-reduce in an evaluate() under `if rank == 0:`). The ranks that issued it are the
+    culprits, not the ones that "never issued" it; None when that is not the shape of it,
+    or when the run was only cut short at its deadline (no hang called, no failure: the
+    ranks still waiting are not known to wait in vain)."""
+    judged = stalled or any(ranks[r].status in ("error", "crashed") for r in present)
+    if not judged or len(present) > len(absent):
+        return None  # the minority skipped it: a skip (`_missing`'s own words)
+    if not all(ranks[r].status == "ok" or is_echo(ranks[r].error) for r in absent):
+        return None
+    ref = present[min(present)]
+    if any(c.site == ref.site for r in absent for c in colls[r].values()):
+        return None  # the others issued collectives there before: they skipped this one
+    them = f"rank{'s' if len(absent) > 1 else ''} {_ranks(absent)}"
+    went = "finished" if all(ranks[r].status == "ok" for r in absent) else "lost its peers"
+    message = (
+        f"only rank{'s' if len(present) > 1 else ''} {_ranks(present)} issued {ref.describe()} "
+        f"{at(ref.site)}: {them} never issued a collective at that line, and {went} (a "
+        "collective on some ranks only)"
+    )
+    culprit = min(present)
+    return TraceFinding(ISSUED_BY_SOME, culprit, message, ref.describe(), ref.site, ref.site,
+                        op=ref.op)  # fmt: skip
 
 
 def _moved_on(k, present, absent, ranks, colls) -> TraceFinding | None:

@@ -8,6 +8,10 @@ compiler subprocess. It only arms a hook on the import of `torch.distributed` th
 set-up of a rank of the tool (`verify/launching/launched.py`). Nothing of `verify` (nor
 torch) is imported here: start-up must stay as cheap for every other process as it was.
 
+A process that ends without joining says why, for the tool's one line
+(`verify/launching/unjoined.py`): a script file that is not there (checked here, a `stat`),
+an exception that reaches its top (`sys.excepthook`, which imports `verify` only then).
+
 Under `--on-cpu` a second hook waits for the import of `torch` itself: once torch is loaded,
 and before the importing line gets it back, the rehearsal is installed (`launched.rehearse`,
 `verify/oncpu/`), so a CUDA script's first `torch.cuda...` or `"cuda:0"` is already mapped,
@@ -77,6 +81,22 @@ def _rehearse(torch) -> None:
     launched.rehearse()
 
 
+def _uncaught(kind, exc, tb, _previous=sys.excepthook):
+    """An exception at the top of a process that never joined: noted for the tool's line
+    (`verify/launching/unjoined.py`), its traceback printed unless that says otherwise; a
+    Ctrl-C's in any process: the tool's to say."""
+    try:
+        from verify.launching import launched, unjoined
+
+        if unjoined.interrupted(exc):
+            return
+        if not launched.joined() and unjoined.failed(exc):
+            return
+    except Exception:
+        pass
+    _previous(kind, exc, tb)
+
+
 def _chain() -> None:
     """Import the `sitecustomize` this one hides, if there is one."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -97,4 +117,11 @@ if os.environ.get(_ENV) and "torch.distributed" not in sys.modules:
     sys.meta_path.insert(0, _Hook("torch.distributed", _wrap))
     if os.environ.get(_ON_CPU_ENV) and "torch" not in sys.modules:
         sys.meta_path.insert(0, _Hook("torch", _rehearse))
+    # A script file that is not there: Python says "can't open file" after this module.
+    _script = sys.argv[0] if sys.argv else ""
+    if _script.endswith(".py") and not os.path.exists(_script):
+        from verify.launching import unjoined
+
+        unjoined.no_script(os.environ[_ENV], sys.argv)
+    sys.excepthook = _uncaught
 _chain()
