@@ -12,7 +12,7 @@ answers a roll call in the job's store as soon as its `init_process_group` retur
 The bound on waiting for an answer: when `init_process_group` returns on a rank over gloo,
 its full mesh is connected, so every peer is inside its own `init_process_group` and
 returns within moments; a rank of the tool answers on its return, before the script gets the
-call back. A peer that has not answered `ROLL_CALL_S` after this rank's own return is no rank
+call back. A peer that has not answered `ROLL_CALL_S` after this rank's own answer is no rank
 of the tool. The first rank to know (every rank answered, or one did not in time) decides
 for all, atomically (`compare_set`), and every audited rank follows the decision: none waits
 in the group for a rank that will never come, and none audits alone.
@@ -32,7 +32,11 @@ import time
 
 from verify.launching.env import LAUNCHED_SECRET_ENV
 
-ROLL_CALL_S = 10.0
+# Measured from this rank's own answer, so only the skew between two ranks' adoptions counts
+# (the same imports and set-up on each, after the same return): a fraction of a second idle,
+# seconds on a machine whose cores are all busy. Generous, since a healthy rank is never
+# waited for this long (its answer ends the wait) and a cleaned one costs this once a run.
+ROLL_CALL_S = 30.0
 _PREFIX = "ddp-verify/audit/roll/"
 _returned: list[float] = []  # when this process's init_process_group returned
 
