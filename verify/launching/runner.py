@@ -110,7 +110,8 @@ def run(
         )
         # Read before the ranks are ended: a rank that sees its peer die would record its
         # pending collective as failed, and the diagnosis is of the run as it stood.
-        private.check_dir(folder)
+        if os.path.lexists(folder):  # removed mid-run, it holds nothing: the caller says so
+            private.check_dir(folder)
         traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
     finally:
         end_all(ranks, grace_s=0.0 if interrupted() else 0.5)  # interrupted: now, not politely
