@@ -148,7 +148,7 @@ MAX_FUNCTION_LINES = 60  # a function a reader holds at once (../shared/STYLE.md
 LONG_FUNCTIONS = {
     "verify/launching/supervisor.py:supervise": 131,
     "verify/launching/spawn.py:launch": 111,
-    "verify/launching/runner.py:run": 110,
+    "verify/launching/runner.py:run": 111,
     "verify/oncpu/cuda_api.py:install": 100,
     "verify/watching/diagnose.py:diagnose": 82,
     "verify/launching/script.py:run_script": 80,

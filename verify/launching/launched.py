@@ -203,6 +203,27 @@ def _hook_exits() -> None:
 
     sys.excepthook, sys.exit = on_uncaught, on_exit
     atexit.register(_at_exit)
+    _say_when_terminated()
+
+
+def _say_when_terminated() -> None:
+    """Where the script leaves SIGTERM at its default (the process ends), the rank says it
+    was ended from outside before it ends, as it would have: a launcher ends the other ranks
+    so once one died, and this is how the tool tells the first death from the ones it caused
+    (`node_ranks.rank_terminated`). A script's own handler, set before or after, is left be."""
+    import signal
+
+    def on_term(signum, frame):
+        from verify.launching import node_ranks
+
+        with contextlib.suppress(Exception):
+            node_ranks.rank_terminated(_adopted["job"].helper_dir, _adopted["job"].rank, signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    with contextlib.suppress(ValueError):  # (not the main thread: signals are the main's)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 def _fail(exc: BaseException) -> None:

@@ -29,7 +29,7 @@ import select
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from verify.launching import private
 from verify.launching.env import DIAGNOSED
@@ -272,8 +272,15 @@ class NodeRanks:
                 why = "exited without a report (a signal, or os._exit)"
                 outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
                 failed_at[r] = said or self.died_at.get(r, time.time())
+        _after_what_ended_them(failed_at, self._terminated(), outcomes)
         traces = {r: trace_file.read_trace(self._path(r, "trace"), TAIL) for r in self.ranks}
         return NodeReport(node, host, traces, outcomes, failed_at)
+
+    def _terminated(self) -> dict[int, int]:
+        """rank -> the signal that ended it, of the ranks that said so (`rank_terminated`)."""
+        found = {r: _load(self.report_dir, f"rank{r}.terminated") for r in self.ranks}
+        return {r: d["signal"] for r, d in found.items() if isinstance(d, dict)
+                and type(d.get("signal")) is int}  # fmt: skip
 
     def write(self, diag: Diagnosis, text: str) -> None:
         """The report folder: each rank's records as JSON lines, and the job's diagnosis."""
@@ -329,6 +336,13 @@ def await_diagnosis(report_dir: str) -> None:
         time.sleep(POLL_S)
 
 
+def rank_terminated(report_dir: str, rank: int, signum: int) -> None:
+    """In a rank a signal is ending (`launched.py`: SIGTERM, where the script left it at its
+    default): the evidence that something else ended it, as a launcher ends the other ranks
+    once one died, so it is not the root cause (`NodeRanks.report`)."""
+    _leave(os.path.join(report_dir, f"rank{rank}.terminated"), {"signal": signum})
+
+
 def rank_failing(report_dir: str, rank: int):
     """The hook a rank calls as soon as its script raised (`RankJob.on_failing`): its
     failure follows once its set-ups saved what they found, and the watchdog waits for it."""
@@ -373,6 +387,22 @@ def mark_ended(report_dir: str, rank: int) -> None:
     """`rank_ended`'s mark where its message cannot be written (a full disk): the empty
     file, whose existence is all `ended` reads."""
     private.mark(report_dir, os.path.basename(_ok(report_dir, rank)))
+
+
+def _after_what_ended_them(failed_at: dict, terminated: dict, outcomes: dict) -> None:
+    """Ranks a signal ended from outside, that left no report, are dated after every rank
+    that died on its own: a launcher ends the others because one died, and when the watcher
+    found them dead together (a loaded machine) their stamps alone do not say who was first."""
+    ended = [r for r, o in outcomes.items() if r in terminated and o.status == "crashed"]
+    own = [t for r, t in failed_at.items() if r not in ended]
+    if not ended or not own:
+        return
+    for i, r in enumerate(sorted(ended, key=lambda r: failed_at.get(r, 0.0))):
+        failed_at[r] = max(failed_at.get(r, 0.0), max(own) + 0.001 * (i + 1))
+        why = (
+            f"ended by signal {terminated[r]} from outside (its launcher ending the job), no report"
+        )
+        outcomes[r] = replace(outcomes[r], error=why)
 
 
 def _leave(path: str, value) -> None:

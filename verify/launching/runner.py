@@ -109,8 +109,8 @@ def run(
             report_dir=report_dir,
         )
         # Read before the ranks are ended: a rank that sees its peer die would record its
-        # pending collective as failed, and the diagnosis is of the run as it stood.
-        if os.path.lexists(folder):  # removed mid-run, it holds nothing: the caller says so
+        # pending collective as failed. (A folder removed mid-run: the caller says so.)
+        if os.path.lexists(folder):
             private.check_dir(folder)
         traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
     finally:
