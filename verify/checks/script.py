@@ -150,7 +150,7 @@ def _watch_command(options, started: Started):
     """The launcher command `started`, watched to its end (`run_command`); ended at once if
     the watch cannot begin or nothing of it joined a process group."""
     try:
-        _first_write(started.report_dir, options)
+        _metadata_beside(started.report_dir, options)
         return run_command(
             started, timeout_s=options.timeout_s, stall_timeout_s=options.stall_timeout_s
         )
@@ -174,6 +174,15 @@ def _first_write(report_dir: str, options) -> None:
             f"cannot write the run folder {report_dir}: {exc.strerror or exc} (free space "
             "there, or choose another folder with --out DIR)"
         ) from None
+
+
+def _metadata_beside(report_dir: str, options) -> None:
+    """The run folder's metadata, written while a launcher command already runs (the CLI
+    started it before it imported torch): a disk the command filled meanwhile costs the
+    metadata, not the run, whose watch and verdict go on (the audit says where it stopped).
+    A disk full before the command started was refused then (`script_start.run_folder`)."""
+    with contextlib.suppress(OSError):
+        runs.write_metadata(Path(report_dir), options.to_dict())
 
 
 def _why_unjoined(options, report_dir: str, said: str) -> str:

@@ -10,6 +10,7 @@ runs beside the tool's import (`launching/launcher.py`).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import TextIO
 
@@ -30,7 +31,28 @@ def run_folder(options, command: str, record: bool = False) -> str:
     device = "gpu" if options.backend == "nccl" else "cpu"
     ranks = "N" if is_command(options.script) else options.nproc
     name = f"{command}_{_named(options.script)}"
-    return str(runs.new_run_dir(options.out, name, ranks, device))
+    folder = runs.new_run_dir(options.out, name, ranks, device)
+    if is_command(options.script):  # started before its metadata is written (`script.py`)
+        _writable(folder)
+    return str(folder)
+
+
+def _writable(folder) -> None:
+    """A run folder a file can be written in, before a launcher command starts: else the
+    folder removed and ValueError (one line, exit 2: the run could not be checked)."""
+    probe = os.path.join(folder, ".writable")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)  # a block: a disk with none left refuses it
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ValueError(
+            f"cannot write the run folder {folder}: {exc.strerror or exc} (free space "
+            "there, or choose another folder with --out DIR)"
+        ) from None
 
 
 def run_env(options, report_dir: str, record: bool) -> dict[str, str]:
