@@ -149,7 +149,6 @@ LONG_FUNCTIONS = {
     "verify/launching/supervisor.py:supervise": 131,
     "verify/launching/spawn.py:launch": 111,
     "verify/launching/runner.py:run": 111,
-    "verify/oncpu/cuda_api.py:install": 100,
     "verify/watching/diagnose.py:diagnose": 82,
     "verify/launching/script.py:run_script": 80,
     "verify/watching/ranks.py:stall_finding": 75,

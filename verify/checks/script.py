@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -24,7 +23,13 @@ from pathlib import Path
 from verify import runs
 from verify.checks.failures import hinted_diagnosis
 from verify.checks.sanitizing import race_hint
-from verify.checks.script_start import console_of, run_env, run_folder, start_command
+from verify.checks.script_start import (
+    console_of,
+    run_env,
+    run_folder,
+    start_command,
+    unwritable,
+)
 from verify.launching import run_script, unjoined
 from verify.launching.command import NothingJoined, run_command
 from verify.launching.launcher import Started, is_command
@@ -169,11 +174,7 @@ def _first_write(report_dir: str, options) -> None:
     try:
         runs.write_metadata(Path(report_dir), options.to_dict())
     except OSError as exc:
-        shutil.rmtree(report_dir, ignore_errors=True)
-        raise ValueError(
-            f"cannot write the run folder {report_dir}: {exc.strerror or exc} (free space "
-            "there, or choose another folder with --out DIR)"
-        ) from None
+        raise unwritable(report_dir, exc) from None
 
 
 def _metadata_beside(report_dir: str, options) -> None:

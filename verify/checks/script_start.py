@@ -48,11 +48,17 @@ def _writable(folder) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as exc:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise ValueError(
-            f"cannot write the run folder {folder}: {exc.strerror or exc} (free space "
-            "there, or choose another folder with --out DIR)"
-        ) from None
+        raise unwritable(folder, exc) from None
+
+
+def unwritable(folder, exc: OSError) -> ValueError:
+    """The one line of a run folder that cannot be written (a full disk): the run cannot be
+    checked (exit 2). The folder is removed first: nothing of the run is left."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return ValueError(
+        f"cannot write the run folder {folder}: {exc.strerror or exc} (free space there, or "
+        "choose another folder with --out DIR)"
+    )
 
 
 def run_env(options, report_dir: str, record: bool) -> dict[str, str]:
