@@ -478,13 +478,17 @@ def test_the_launcher_form_is_rehearsed_on_cpu(tmp_path):
     assert not still_running(tmp_path), "a rank left running"
 
 
-def launcher_loaded_problems(tmp: Path) -> list[str]:
-    """`launcher_on_cpu_problems` and any rank left running, for the hog window of
-    tests/test_load.py."""
+def _loaded(problems_of, tmp: Path) -> list[str]:
+    """`problems_of(tmp)`, two cases at a time, and any rank left running: a job of the hog
+    window of tests/test_load.py."""
     tmp.mkdir(parents=True, exist_ok=True)
-    problems = launcher_on_cpu_problems(tmp, at_once=2)
+    problems = problems_of(tmp, at_once=2)
     left = still_running(tmp)
     return problems + ([f"ranks left running: {left}"] if left else [])
+
+
+def launcher_loaded_problems(tmp: Path) -> list[str]:
+    return _loaded(launcher_on_cpu_problems, tmp)
 
 
 @pytest.mark.parametrize(
@@ -622,9 +626,4 @@ def test_a_script_that_asks_torch_accelerator_is_rehearsed(tmp_path):
 
 
 def accelerator_loaded_problems(tmp: Path) -> list[str]:
-    """`accelerator_problems` and any rank left running, for the hog window of
-    tests/test_load.py."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    problems = accelerator_problems(tmp, at_once=2)
-    left = still_running(tmp)
-    return problems + ([f"ranks left running: {left}"] if left else [])
+    return _loaded(accelerator_problems, tmp)
