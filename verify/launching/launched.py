@@ -208,8 +208,8 @@ def _hook_exits() -> None:
 
 def _say_when_terminated() -> None:
     """Where the script leaves SIGTERM at its default (the process ends), the rank says it
-    was ended from outside before it ends, as it would have: a launcher ends the other ranks
-    so once one died, and this is how the tool tells the first death from the ones it caused
+    was ended from outside, then ends as it would have: a launcher ends the other ranks as
+    soon as one died, and this is how the tool tells the first death from the ones it caused
     (`node_ranks.rank_terminated`). A script's own handler, set before or after, is left be."""
     import signal
 
