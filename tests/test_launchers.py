@@ -382,6 +382,59 @@ def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
     assert [p for p in below if alive(p)] == []
 
 
+SPAWN_FOREVER = """
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, world_size):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = os.environ["SPAWN_PORT"]
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = DDP(nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    while True:  # until Ctrl-C
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    mp.spawn(train, args=(2,), nprocs=2)
+"""
+
+
+def test_ctrl_c_at_a_terminal_of_an_mp_spawn_script(tmp_path):
+    """A terminal's Ctrl-C reaches every process of its foreground group: the tool, the
+    script and its mp.spawn workers. The console then has the tool's line alone, exit 130,
+    and nothing of the command is left."""
+    (tmp_path / "train.py").write_text(SPAWN_FOREVER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPAWN_PORT": str(free_port())}
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "verify", "hang", "--out", str(tmp_path), "--", sys.executable,
+         str(tmp_path / "train.py")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a group of its own, as a shell's foreground job
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tmp_path.glob("hang_*/rank*.joined"))) < 2:
+            assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
+            time.sleep(0.2)
+        below = descendants(tool.pid)
+        os.killpg(tool.pid, signal.SIGINT)
+        _, err = tool.communicate(timeout=60)
+    finally:
+        tool.kill()
+    assert (tool.returncode, err.splitlines()) == (130, ["verify: interrupted"]), err
+    time.sleep(0.5)
+    assert [p for p in below if alive(p)] == []
+
+
 def test_a_command_that_is_not_there(run_cli, tmp_path):
     ran = run_cli("audit", "--out", str(tmp_path), "--", "torchrunn", "train.py")
     assert ran.returncode == 2
@@ -623,6 +676,10 @@ def _bootstrapped(folder: Path, *argv: str) -> subprocess.CompletedProcess:
         (NEEDS_GPU, ["train.py"], {"where": "train.py:5", "call": "torch.cuda.set_device(local_rank)"},
          True),
         ("import time\nraise KeyboardInterrupt\n", ["train.py"], None, True),
+        # mp.spawn's worker wrapper: the exception caught, exit 1 inside the `except`
+        ("import sys\ntry:\n    raise ValueError('bad shard')\nexcept Exception:\n    sys.exit(1)\n",
+         ["train.py"], {"error": "ValueError: bad shard", "where": "train.py:3", "needs_cuda": None},
+         True),
     ],
 )  # fmt: skip
 def test_a_process_that_never_joins_leaves_why(tmp_path, source, argv, note, quiet):
@@ -641,24 +698,66 @@ def test_a_process_that_never_joins_leaves_why(tmp_path, source, argv, note, qui
     assert ("Traceback" in ran.stderr) is not quiet, ran.stderr
 
 
+SLOW_EXIT = """
+import atexit
+import time
+
+atexit.register(time.sleep, 3)  # an exit handler that takes a moment, as torch's own do
+print("ready", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:  # as mp.spawn's worker wrapper: its parent says it was interrupted
+    pass
+print("stopping", flush=True)
+"""
+
+
+def test_a_ctrl_c_leaves_the_console_to_the_tool(tmp_path):
+    """A process of the command interrupted twice, the second time in its exit handlers (an
+    mp.spawn worker: the terminal's SIGINT, then its parent's death signal): what it prints
+    after the first goes to `interrupted.<pid>.stderr`, the console keeps the tool's line."""
+    (tmp_path / "train.py").write_text(SLOW_EXIT)
+    env = {**os.environ, "PYTHONPATH": f"{BOOTSTRAP}:{ROOT}", LAUNCHED_ENV: str(tmp_path)}
+    worker = subprocess.Popen([sys.executable, "train.py"], env=env, cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert worker.stdout.readline() == "ready\n"
+        worker.send_signal(signal.SIGINT)
+        assert worker.stdout.readline() == "stopping\n"
+        time.sleep(0.5)  # in the exit handler now
+        worker.send_signal(signal.SIGINT)
+        _, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert err == ""
+    kept = (tmp_path / f"interrupted.{worker.pid}.stderr").read_text()
+    assert "atexit" in kept and "KeyboardInterrupt" in kept, kept
+
+
 def launcher_says_why_problems(tmp: Path) -> list[str]:
-    """`audit -- torchrun ... SCRIPT` for a CUDA-only script and for a misspelled one: exit
-    2 and one line of the tool's, no traceback (the launcher's own log lines stay)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    """`audit -- torchrun ... SCRIPT` for a CUDA-only script and for a misspelled one, and
+    `audit -- python SCRIPT` of a CUDA-only one that starts its ranks with mp.spawn (whose
+    wrapper catches a worker's exception: no excepthook sees it): exit 2 and one line of the
+    tool's, no traceback (the launchers' own log lines stay)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
+           "SPAWN_PORT": str(free_port())}  # fmt: skip
+    spawned = "tests/fixtures/launchers/spawn_needs_cuda.py"
     cases = {
-        "needs-cuda": ("tests/fixtures/audit_needs_cuda.py", "the script cannot run on this machine: "
-                       "tests/fixtures/audit_needs_cuda.py:21: `torch.cuda.set_device(local_rank)` "
-                       "needs CUDA"),
-        "misspelled": ("tests/fixtures/audit_needs_cudaa.py", "script "
+        "needs-cuda": ([*torchrun("x")[:-1], "tests/fixtures/audit_needs_cuda.py"],
+                       "the script cannot run on this machine: tests/fixtures/audit_needs_cuda.py:"
+                       "21: `torch.cuda.set_device(local_rank)` needs CUDA"),
+        "misspelled": ([*torchrun("x")[:-1], "tests/fixtures/audit_needs_cudaa.py"], "script "
                        "tests/fixtures/audit_needs_cudaa.py does not exist"),
+        "spawn-needs-cuda": ([sys.executable, spawned], "the script cannot run on this machine: "
+                             f"{spawned}:17: `torch.cuda.set_device(rank)` needs CUDA"),
     }  # fmt: skip
 
     def run(name: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "verify", "audit", "--out", str(tmp / name), "--",
-                *torchrun("x")[:-1], cases[name][0]]  # fmt: skip
+                *cases[name][0]]  # fmt: skip
         return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
         done = dict(zip(cases, pool.map(run, cases), strict=True))
     problems = []
     for name, p in done.items():
@@ -677,6 +776,7 @@ def launcher_says_why_problems(tmp: Path) -> list[str]:
     return problems
 
 
+@pytest.mark.under_load
 def test_the_launcher_form_says_what_the_ranks_died_of(tmp_path):
     problems = launcher_says_why_problems(tmp_path)
     assert not problems, "\n\n".join(problems)

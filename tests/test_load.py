@@ -200,6 +200,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
             "killed": (test_launchers.killed_problems, str(folder / "killed")),
             "unaudited": (test_launchers.unaudited_problems, str(folder / "unaudited")),
+            "says-why": (test_launchers.launcher_says_why_problems, folder / "says-why"),
         },
         "on cpu": {
             "on-cpu": (test_on_cpu.loaded_problems, folder / "on-cpu"),
@@ -380,8 +381,9 @@ def _check_launchers(window: Window) -> None:
     it and its line), and a script that retries mp.spawn after a rank raised (the CRASH with
     the failed attempt's audit, not the retry's), and a wrapper that starts a rank with a
     clean environment (that rank named as not audited, no TIMEOUT; kept, a pass and a
-    divergence found): the verdicts of an idle machine (tests/test_launchers.py)."""
-    problems = window["launchers"] + window["retry"] + window["unaudited"]
+    divergence found), and a CUDA-only script under torchrun and mp.spawn and a misspelled
+    one (the tool's one line): the verdicts of an idle machine (tests/test_launchers.py)."""
+    problems = window["launchers"] + window["retry"] + window["unaudited"] + window["says-why"]
     assert not problems, "\n".join(problems)
 
 

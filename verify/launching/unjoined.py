@@ -18,7 +18,13 @@ A launcher's own failure that only echoes its workers' (torchrun's ChildFailedEr
 mp.spawn's ProcessRaisedException) leaves nothing, and its traceback goes to its file too
 once a worker left a usage error: the console keeps the tool's line. So does every process's
 KeyboardInterrupt (a Ctrl-C, which torchrun passes on to its workers), joined or not
-(`interrupted`): the tool says "verify: interrupted".
+(`interrupted`): the tool says "verify: interrupted". From a Ctrl-C on, whatever else a
+process prints on stderr goes to that file too (the bootstrap's SIGINT handler): an mp.spawn
+worker, interrupted again by its parent's death signal while its exit handlers run.
+
+mp.spawn's worker wrapper catches a worker's exception and exits 1 inside its `except`, so
+no excepthook sees it: the bootstrap's `sys.exit` notes what was being handled, as `failed`
+does an uncaught one.
 """
 
 from __future__ import annotations
@@ -68,9 +74,9 @@ def failed(exc: BaseException) -> bool:
 
 
 def _keep(path: str, exc: BaseException) -> bool:
-    """Write `exc`'s traceback to `path` (True), or leave it to the console (False)."""
+    """Add `exc`'s traceback to `path` (True), or leave it to the console (False)."""
     with contextlib.suppress(OSError):
-        with open(path, "w") as f:
+        with open(path, "a") as f:
             f.write("".join(traceback.format_exception(exc)))
         return True
     return False

@@ -10,7 +10,9 @@ torch) is imported here: start-up must stay as cheap for every other process as 
 
 A process that ends without joining says why, for the tool's one line
 (`verify/launching/unjoined.py`): a script file that is not there (checked here, a `stat`),
-an exception that reaches its top (`sys.excepthook`, which imports `verify` only then).
+an exception that reaches its top (`sys.excepthook`, which imports `verify` only then), or
+the one it was handling when it called `sys.exit` with an error code (mp.spawn's worker
+wrapper). A Ctrl-C sends its stderr to the run folder from then on (`_on_ctrl_c`).
 
 Under `--on-cpu` a second hook waits for the import of `torch` itself: once torch is loaded,
 and before the importing line gets it back, the rehearsal is installed (`launched.rehearse`,
@@ -25,6 +27,7 @@ imported after this one, as it would have been without it.
 """
 
 import os
+import signal
 import sys
 
 _ENV = "DDP_VERIFY_LAUNCHED"  # the run's report folder (verify/launching/env.py: LAUNCHED_ENV)
@@ -97,6 +100,40 @@ def _uncaught(kind, exc, tb, _previous=sys.excepthook):
     _previous(kind, exc, tb)
 
 
+def _exiting(code=None, _previous=sys.exit):
+    """`sys.exit` with a non-zero code inside an `except` of a process that never joined:
+    what it was handling is why it ended, noted as an uncaught one is (mp.spawn's worker
+    wrapper catches a worker's exception, hands its traceback to the parent and exits 1:
+    the worker's excepthook never sees it)."""
+    exc = sys.exc_info()[1]
+    if code not in (None, 0) and exc is not None and not isinstance(exc, SystemExit):
+        try:
+            from verify.launching import launched, unjoined
+
+            if not launched.joined():
+                unjoined.failed(exc)
+        except Exception:
+            pass
+    _previous(code)
+
+
+def _on_ctrl_c(signum, frame):
+    """A Ctrl-C, which the tool answers by ending every process of the command: from now
+    on this process's stderr goes to `interrupted.<pid>.stderr` in the run folder, so that
+    what the end of it prints (mp.spawn's workers, interrupted again by their parent's death
+    in their exit handlers) does not bury "verify: interrupted"; then KeyboardInterrupt, as
+    Python's own handler raises it."""
+    try:
+        path = os.path.join(os.environ[_ENV], f"interrupted.{os.getpid()}.stderr")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        os.close(fd)
+    except Exception:
+        pass
+    signal.default_int_handler(signum, frame)
+
+
 def _chain() -> None:
     """Import the `sitecustomize` this one hides, if there is one."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -124,4 +161,7 @@ if os.environ.get(_ENV) and "torch.distributed" not in sys.modules:
 
         unjoined.no_script(os.environ[_ENV], sys.argv)
     sys.excepthook = _uncaught
+    sys.exit = _exiting
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_ctrl_c)
 _chain()
