@@ -12,7 +12,10 @@ A process that ends without joining says why, for the tool's one line
 (`verify/launching/unjoined.py`): a script file that is not there (checked here, a `stat`),
 an exception that reaches its top (`sys.excepthook`, which imports `verify` only then), or
 the one it was handling when it called `sys.exit` with an error code (mp.spawn's worker
-wrapper). A Ctrl-C sends its stderr to the run folder from then on (`_on_ctrl_c`).
+wrapper). A Ctrl-C sends its stderr to the run folder from then on (`_on_ctrl_c`, installed
+where SIGINT has Python's own handler; a script's or launcher's own handler replaces it, and
+`signal.getsignal` shows it, so `asyncio.run` leaves SIGINT as it finds it, raising
+KeyboardInterrupt, as before Python 3.11).
 
 Under `--on-cpu` a second hook waits for the import of `torch` itself: once torch is loaded,
 and before the importing line gets it back, the rehearsal is installed (`launched.rehearse`,
