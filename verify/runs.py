@@ -72,6 +72,8 @@ def describe_machine(info: dict, threads: str = "") -> str:
 
 
 def _cpu_model() -> str | None:
+    """The CPU's model name, from the kernel on Linux: no library call gives it (psutil has
+    none; platform.processor() is empty or the architecture there), elsewhere platform's."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

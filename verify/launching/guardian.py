@@ -7,9 +7,9 @@ stop) gives it no chance to: the launcher goes on under init, and a death signal
 not be enough, since torchrun's workers lead sessions of their own and would outlive torchrun
 killed in turn. So `launcher.start` starts a guardian before the command (`Guard`):
 
-- a fresh interpreter that imports the standard library and `tree.py` alone (no torch: tens
-  of milliseconds, beside the launcher's own start), in a session of its own, so that a
-  terminal's signals and a kill of the tool's process group do not reach it;
+- a fresh interpreter that imports the standard library, psutil and `tree.py` alone (no
+  torch: tens of milliseconds, beside the launcher's own start), in a session of its own, so
+  that a terminal's signals and a kill of the tool's process group do not reach it;
 - its stdin is a pipe only the tool holds the other end of (the end is not inheritable: no
   process the tool starts keeps it open); the tool writes the launcher's pid there;
 - when the pipe reaches its end (the tool closed it at the end of the launch, or the kernel
@@ -31,6 +31,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import psutil
 
 from verify.launching import tree
 
@@ -60,9 +62,12 @@ class Guard:
             os.close(read)
 
     def watch(self, pid: int) -> None:
-        """The launcher's pid (its start time with it: a pid used again is never killed)."""
+        """The launcher's pid (its start time with it: a pid used again is never killed); none
+        for a launcher already gone, which nothing could tell from a process that got its pid."""
+        if (started := tree.start_time(pid)) is None:
+            return
         try:
-            os.write(self._write, f"{pid} {tree.start_time(pid)}\n".encode())
+            os.write(self._write, f"{pid} {started!r}\n".encode())
         except OSError:  # the guardian is gone (killed on its own): the tool still ends the run
             pass
 
@@ -82,23 +87,23 @@ def main(marker: str) -> None:
     then end every process of the run."""
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    launchers: list[tuple[int, int]] = []
+    launchers: list[tuple[int, float]] = []
     for line in sys.stdin.buffer:  # until the end: the tool ended or closed the guard
         pid, started = line.split()
-        launchers.append((int(pid), int(started)))
+        launchers.append((int(pid), float(started)))
     sweep(marker.encode(), launchers)
 
 
-def sweep(marker: bytes, launchers: list[tuple[int, int]], bound_s: float = SWEEP_S) -> None:
+def sweep(marker: bytes, launchers: list[tuple[int, float]], bound_s: float = SWEEP_S) -> None:
     """SIGKILL every process of the run (module docstring) until none is left, or `bound_s`."""
     me, end = os.getpid(), time.monotonic() + bound_s
-    known: dict[int, int] = {}  # pid -> start time, of those found below a launcher
+    known: dict[int, float | None] = {}  # pid -> start time, of those found below a launcher
     while True:
         for pid, started in launchers:
             if tree.start_time(pid) == started:  # the tree first: once killed, it scatters
                 known[pid] = started
                 known.update((p, tree.start_time(p)) for p in tree.descendants(pid))
-        carriers = [p for p in _all_pids() if p != me and tree.carries(p, marker)]
+        carriers = [p for p in psutil.pids() if p != me and tree.carries(p, marker)]
         left = {p for p, t in known.items() if tree.start_time(p) == t} | set(carriers)
         left = {p for p in left if tree.live(p)}
         if not left or time.monotonic() > end:
@@ -109,10 +114,3 @@ def sweep(marker: bytes, launchers: list[tuple[int, int]], bound_s: float = SWEE
             except OSError:
                 pass
         time.sleep(0.05)
-
-
-def _all_pids() -> list[int]:
-    try:
-        return [int(n) for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
-        return []

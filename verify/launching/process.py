@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+import psutil
+
 from verify.launching import tree
 
 _LEN = struct.Struct("<I")
@@ -354,15 +356,11 @@ def _echo(console: TextIO, rank: int, lines: list[bytes]) -> None:
 
 
 def alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie nobody reaped yet is dead too."""
+    """True while `pid` runs; a zombie nobody reaped yet is dead too (a process this user may
+    not look at runs)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.AccessDenied:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+    except psutil.Error:  # gone (ZombieProcess, NoSuchProcess)
         return False

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from verify.launching import exchange, job_store
+from verify.launching import exchange, job_store, tree
 from verify.launching import rank as rank_side
 from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, STALL_ENV, joining
 from verify.launching.outcome import LaunchResult, RankContext
@@ -176,12 +176,9 @@ def _attempt() -> str:
     if error_file:  # <attempt folder>/<local rank>/error.json
         return os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
     agent = os.getppid()
-    try:
-        with open(f"/proc/{agent}/stat") as f:  # field 22: start time, in clock ticks
-            started = f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "?"
-    return f"{agent}.{started}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    started = tree.start_time(agent)  # seconds after boot: the same in every rank
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{agent}.{'?' if started is None else started}.{restart}"
 
 
 def _claim(base: str, attempt: str) -> str:

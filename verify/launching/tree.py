@@ -5,8 +5,9 @@ A launcher owns its processes, and some leave its process group: torchrun's agen
 (`start_new_session=True`), so a signal to the launcher's group, or a Ctrl-C at the terminal,
 never reaches them. They stay the tool's descendants, though: while a launch lasts the tool
 is the subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`, `subreaper()`), so a worker
-whose launcher died is re-parented to the tool, not to init, and a walk of /proc from the tool finds them all;
-the run's folder in their environment tells them from the processes of another run.
+whose launcher died is re-parented to the tool, not to init, and a walk of the process table
+(psutil) from the tool finds them all; the run's folder in their environment tells them from
+the processes of another run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+
+import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
 GONE_S = 10.0  # how long a SIGKILLed process may take to be gone
@@ -55,52 +58,34 @@ def _set_subreaper(on: int) -> None:
 
 
 def descendants(root: int) -> list[int]:
-    """Every live process below `root` (children first), read from /proc (Linux)."""
-    parent_of = _parents()
-    below, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        kids = [p for p, pp in parent_of.items() if pp == pid and p not in below]
-        below += kids
-        todo += kids
-    return below
+    """Every live process below `root` (none once it is gone)."""
+    try:
+        below = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in below if live(p.pid)]
 
 
 def group_members(pgid: int) -> list[int]:
-    """Every live process (not zombies) of process group `pgid`, from /proc."""
-    return [pid for pid, (_, group) in _live_stats().items() if group == pgid]
+    """Every live process (not zombies) of process group `pgid`."""
+    return [pid for pid in psutil.pids() if _group(pid) == pgid and live(pid)]
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live process (not zombies), from /proc."""
-    return {pid: parent for pid, (parent, _) in _live_stats().items()}
-
-
-def _live_stats() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, process group) of every live process (not zombies), from /proc."""
-    stats: dict[int, tuple[int, int]] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[0] != b"Z":
-                stats[int(name)] = (int(fields[1]), int(fields[2]))
-    return stats
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def carries(pid: int, marker: bytes) -> bool:
     """Whether process `pid` started with `marker` (`NAME=value`) in its environment: every
     process of one launch inherits the run's folder, so runs side by side in one process (a
     test's threads) never end each other's processes."""
+    name, _, value = os.fsdecode(marker).partition("=")
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return marker in f.read().split(b"\0")
-    except OSError:
+        return psutil.Process(pid).environ().get(name) == value
+    except psutil.Error:
         return False
 
 
@@ -147,19 +132,19 @@ def end_all(pids: list[int], launcher, grace_s: float, marker: bytes) -> None:
 def live(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
-def start_time(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot, /proc/PID/stat): with the pid, what names
-    one process, never another that got the same pid later; None when it is gone."""
+def start_time(pid: int) -> float | None:
+    """When `pid` started, in seconds after boot: with the pid, what names one process, never
+    another that got the same pid later; None when it is gone. (psutil's create_time is wall
+    clock, moved by an NTP step between two readings; less the boot time, moved with it, it is
+    the kernel's record, to its 10 ms ticks: rounded, every reading gives the same number.)"""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return round(psutil.Process(pid).create_time() - psutil.boot_time(), 3)
+    except psutil.Error:
         return None
 
 

@@ -19,6 +19,8 @@ import socket
 import sys
 import time
 
+import psutil
+
 MAX_MSG = 1 << 20  # the longest message either side sends
 _MAX_FDS = 4  # a request's descriptors: the report pipe, the job's file, stdout's and stderr's
 
@@ -129,7 +131,9 @@ def _reap(sock, children: set[int]) -> None:
 
 
 def _one_thread() -> bool:
-    return len(os.listdir("/proc/self/task")) == 1 if os.path.isdir("/proc/self/task") else False
+    """Whether this process has a single thread, which a fork needs (Linux alone: elsewhere the
+    zygote has never forked, and each rank starts a fresh interpreter)."""
+    return psutil.LINUX and psutil.Process().num_threads() == 1
 
 
 def _send(sock, message: tuple) -> None:

@@ -9,8 +9,10 @@ thread stays runnable (state R) all the time. So the watchdog asks, before it ca
 hung: did its CPU time advance, or was one of its threads runnable at most samples?
 
 The evidence covers the rank's process (every thread) and its live descendants (DataLoader
-workers compute for it), read from /proc. Off Linux there is no /proc: `sample_tree` returns
-None and the watchdog falls back to silence alone.
+workers compute for it), read with psutil. A thread's own state is Linux's alone (psutil has
+none, but Linux names a thread like a process): elsewhere the evidence is CPU time only, and
+for a process that measures itself (below) there is none, so the watchdog falls back to
+silence alone.
 
 A process that measures itself (a torchrun job's node watchdog is a thread of its LOCAL_RANK 0
 rank) leaves out the thread doing the measuring: it is running whenever it reads its own
@@ -21,74 +23,80 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
+import time
+from collections import defaultdict, deque
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+import psutil
+
 _MAX_DESCENDANTS = 256
+# One walk of the process table serves every meter that long (psutil reads every process for
+# the children of any one: ~10 ms for 130): a new descendant counts from the next walk.
+_TREE_S = 1.0
+_walked: tuple[float, dict[int, list[int]]] = (-_TREE_S, {})  # (when, parent -> children)
 
 
 def sample_tree(pid: int) -> tuple[float, bool] | None:
     """(user + system CPU seconds, whether a thread is runnable now) of `pid` and its live
-    descendants; None if it is gone or /proc is not there."""
-    own = _sample_process(pid, threading.get_native_id() if pid == os.getpid() else None)
+    descendants; None if it is gone, or measures itself off Linux (its measuring thread
+    cannot be told from the others there)."""
+    skip = threading.get_native_id() if pid == os.getpid() else None
+    if skip is not None and not psutil.LINUX:
+        return None
+    own = _sample_process(pid, skip)
     if own is None:
         return None
-    total, runnable, children = own
-    seen, todo = {pid}, children
-    while todo and len(seen) < _MAX_DESCENDANTS:
+    total, runnable = own
+    children = _children()
+    below, todo = 0, list(children.get(pid, ()))
+    while todo and below < _MAX_DESCENDANTS:
         child = todo.pop()
-        if child in seen:
-            continue
-        seen.add(child)
+        below += 1
         if (theirs := _sample_process(child)) is not None:
             total += theirs[0]
             runnable = runnable or theirs[1]
-            todo.extend(theirs[2])
+            todo.extend(children.get(child, ()))
     return total, runnable
 
 
-def _sample_process(pid: int, skip: int | None = None) -> tuple[float, bool, list[int]] | None:
-    """CPU seconds of `pid` (all its threads but `skip`), whether one of those threads is
-    runnable, and its children."""
-    fields = _stat_fields(f"/proc/{pid}/stat")
-    if fields is None:
-        return None
-    if fields[0] == b"Z":  # a zombie computes nothing
-        return 0.0, False, []
-    cpu = _cpu(fields)
-    runnable = False
-    children: list[int] = []
+def _children() -> dict[int, list[int]]:
+    """parent pid -> its children's pids, of every process, as walked at most `_TREE_S` ago."""
+    global _walked
+    now = time.monotonic()
+    if now - _walked[0] > _TREE_S:
+        children = defaultdict(list)
+        for p in psutil.process_iter(["ppid"]):
+            children[p.info["ppid"]].append(p.pid)
+        _walked = (now, children)
+    return _walked[1]
+
+
+def _sample_process(pid: int, skip: int | None = None) -> tuple[float, bool] | None:
+    """CPU seconds of `pid` (all its threads but `skip`) and whether one of those threads is
+    runnable (Linux; elsewhere never said)."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        tasks = []
-    for tid in tasks:
-        thread = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        if thread is not None and skip is not None and int(tid) == skip:
-            cpu -= _cpu(thread)  # the measuring thread: neither its state nor its CPU
-        elif thread is not None and thread[0] == b"R":
-            runnable = True
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return cpu, runnable, children
-
-
-def _cpu(fields: list[bytes]) -> float:
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-
-
-def _stat_fields(path: str) -> list[bytes] | None:
-    """The fields of a /proc stat file after the command name (which may itself hold spaces
-    and parentheses): [state, ppid, ...]."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            if process.status() == psutil.STATUS_ZOMBIE:  # a zombie computes nothing
+                return 0.0, False
+            cpu = process.cpu_times()
+            threads = process.threads() if psutil.LINUX else []
+    except psutil.Error:
         return None
-    return raw[raw.rfind(b")") + 2 :].split()
+    total, runnable = cpu.user + cpu.system, False
+    for thread in threads:
+        if thread.id == skip:  # the measuring thread: neither its state nor its CPU
+            total -= thread.user_time + thread.system_time
+        elif not runnable:
+            runnable = _status(thread.id) == psutil.STATUS_RUNNING
+    return total, runnable
+
+
+def _status(tid: int) -> str | None:
+    """A thread's own state (Linux: a thread id names the thread as a pid does a process)."""
+    try:
+        return psutil.Process(tid).status()
+    except psutil.Error:
+        return None
 
 
 class CpuMeter:

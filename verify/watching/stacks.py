@@ -29,7 +29,7 @@ _DUMP_FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
 
 def is_plumbing(path: str) -> bool:
     """True for frames of torch, the standard library and this tool."""
-    # "<string>": the `python -c` line that starts every rank (launching/process.py).
+    # "<string>": the `python -c` line that starts every rank (`process.py` in launching/).
     return path.startswith(_PLUMBING) or path.startswith("<frozen") or path == "<string>"
 
 

@@ -34,7 +34,7 @@ from verify.watching import trace_file
 from verify.watching.blind import Stillness
 from verify.watching.procstat import CpuMeter
 
-SAMPLE_S = 0.25  # CPU sampling period: 4 reads of /proc per rank and second
+SAMPLE_S = 0.25  # CPU sampling period: 4 samples of each rank's process tree a second
 
 
 @dataclass
