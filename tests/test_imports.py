@@ -152,7 +152,6 @@ LONG_FUNCTIONS = {
     "verify/watching/diagnose.py:diagnose": 82,
     "verify/launching/script.py:run_script": 80,
     "verify/watching/ranks.py:stall_finding": 75,
-    "verify/cli/text_perf.py:comm": 61,
 }
 
 
