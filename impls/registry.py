@@ -67,7 +67,17 @@ REGISTERED_KINDS = tuple(k for k in KINDS if k != "user")
 
 
 def _build() -> Mapping[str, Implementation]:
-    impls = [
+    """The registry, kind after kind (module docstring); a name listed twice is a bug here."""
+    table: dict[str, Implementation] = {}
+    for impl in [*_builtin(), *_references(), *_catalogues()]:
+        assert impl.name not in table, f"{impl.name} is listed twice"
+        table[impl.name] = impl
+    return MappingProxyType(table)
+
+
+def _builtin() -> list[Implementation]:
+    """Our ladder, each rung adding one idea to the one before."""
+    return [
         Implementation(
             "naive", "one all-reduce per gradient after backward", wrapper_recipe(NaiveDDP)
         ),
@@ -105,6 +115,12 @@ def _build() -> Mapping[str, Implementation]:
             plain_over_shards,
             shards_parameters=True,
         ),
+    ]
+
+
+def _references() -> list[Implementation]:
+    """PyTorch's own, what the ladder is measured against."""
+    return [
         Implementation("torch-ddp", "PyTorch DistributedDataParallel", torch_ddp, kind="reference"),
         Implementation(
             "torch-zero",
@@ -121,17 +137,18 @@ def _build() -> Mapping[str, Implementation]:
             kind="reference",
             shards_parameters=True,
         ),
+    ]
+
+
+def _catalogues() -> list[Implementation]:
+    """The broken ones, built to fail: the faults, then the hangs, in catalogue order."""
+    return [
         *(_faulty(f.cls, f.name) for f in FAULTS.values()),
         *(
             Implementation(name, summary, wrapper_recipe(cls), kind="hang")
             for name, (cls, summary, _verdict) in SCENARIOS.items()
         ),
     ]
-    table: dict[str, Implementation] = {}
-    for impl in impls:
-        assert impl.name not in table, f"{impl.name} is listed twice"
-        table[impl.name] = impl
-    return MappingProxyType(table)
 
 
 def _faulty(cls: type, name: str) -> Implementation:

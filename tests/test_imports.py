@@ -152,14 +152,6 @@ LONG_FUNCTIONS = {
     "verify/watching/diagnose.py:diagnose": 82,
     "verify/launching/script.py:run_script": 80,
     "verify/watching/ranks.py:stall_finding": 75,
-    "verify/perf/comm.py:run_comm": 67,
-    "verify/replica_audit/compare.py:compare": 66,
-    "impls/registry.py:_build": 66,
-    "verify/checks/cells.py:run_cell_on_rank": 65,
-    "verify/training/checkpoint.py:round_trip": 64,
-    "verify/cli/text_matrix.py:matrix": 64,
-    "verify/checks/detection.py:run_detection": 62,
-    "verify/cli/text_perf.py:comm": 61,
 }
 
 

@@ -27,7 +27,7 @@ from impls.registry import Implementation, resolve, takes_bucket_size
 from verify.checks import kinds
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
-from verify.checks.equivalence import _local, _merge
+from verify.checks.equivalence import merged
 from verify.checks.hints import Situation, situation_of, with_hints
 from verify.checks.memory import MemoryHooks
 from verify.checks.reference import PLAYED, Reference
@@ -139,9 +139,7 @@ def run_cell_on_rank(
         return CellResult("n/a", why)
     spec = behaviour.spec(impl_name, same_init=same_init)
     devices = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
-    judge = (
-        AuditHooks() if check == "consistency" else Reference() if check == "equivalence" else None
-    )
+    judge = _JUDGES[check]() if check in _JUDGES else None
     hooks = [ClaimHooks(behaviour)] + ([judge] if judge is not None else [])
     guard = None
     with torch.random.fork_rng(devices=devices):
@@ -154,38 +152,53 @@ def run_cell_on_rank(
             return Refusal.of(exc, ctx.rank)
         situation = situation_of(behaviour)
         if check == "consistency":
-            report = judge.report(guard)
-            if report.findings:
-                found = with_hints(collapse(list(report.findings)), situation)
-                return CellResult("fail", _findings_text(report.findings), findings=found)
-            n = len(report.checkpoints)
-            empty = f"; {report.untrained}" if report.untrained else ""
-            return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints{empty}")
+            return _consistency(judge, guard, situation)
         if check == "equivalence":
-            local = _local(judge, guard, spec)
-            gathered: list = [local]
-            if ctx.world_size > 1:
-                gathered = [None] * ctx.world_size
-                dist.all_gather_object(gathered, local)
-            report = _merge(gathered)
-            # How the round trip played the class's checkpoint: why it passed or failed.
-            played = [n for n in report.notes if n.startswith(PLAYED)]
-            if report.findings:
-                more = [f.describe() for f in report.findings[1:]]
-                found = with_hints(report.findings, situation)
-                detail = "\n".join([report.describe(), *more, *played])
-                return CellResult("fail", detail, findings=found)
-            return CellResult("pass", "\n".join([report.describe(), *played]))
-        races = guard.findings if guard is not None else []
-        if races:
-            return CellResult("fail", _findings_text(races), findings=with_hints(races, situation))
-        if hasattr(trainer.wrapped, "full_parameters"):  # parameters sharded too: per rung
-            memory = MemoryHooks().snapshot(trainer)
-            # A failure names the kinds that are not sharded, the rest only when all pass.
-            detail = "; ".join(memory.failures or [k.describe() for k in memory.kinds])
-            found = with_hints(_not_sharded(memory), situation)
-            return CellResult("fail" if memory.failures else "pass", detail, findings=found)
-        return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
+            return _equivalence(merged(ctx, judge, guard, spec), situation)
+        return _shard(ctx, trainer, guard, situation)
+
+
+# the hooks that judge a check as the trainer runs (the shard check judges after it, alone)
+_JUDGES = {"consistency": AuditHooks, "equivalence": Reference}
+
+
+def _consistency(judge: AuditHooks, guard, situation: Situation) -> CellResult:
+    """The consistency cell from its audit (and the race sanitizer's `guard`, if it ran)."""
+    report = judge.report(guard)
+    if report.findings:
+        found = with_hints(collapse(list(report.findings)), situation)
+        return CellResult("fail", _findings_text(report.findings), findings=found)
+    n = len(report.checkpoints)
+    empty = f"; {report.untrained}" if report.untrained else ""
+    return CellResult("pass", f"replicas bitwise identical at all {n} checkpoints{empty}")
+
+
+def _equivalence(report, situation: Situation) -> CellResult:
+    """The equivalence cell from every rank's comparisons, merged (`equivalence.merged`)."""
+    # How the round trip played the class's checkpoint: why it passed or failed.
+    played = [n for n in report.notes if n.startswith(PLAYED)]
+    if report.findings:
+        more = [f.describe() for f in report.findings[1:]]
+        found = with_hints(report.findings, situation)
+        detail = "\n".join([report.describe(), *more, *played])
+        return CellResult("fail", detail, findings=found)
+    return CellResult("pass", "\n".join([report.describe(), *played]))
+
+
+def _shard(ctx: RankContext, trainer: Trainer, guard, situation: Situation) -> CellResult:
+    """The shard cell, a collective once training has ended: the race sanitizer's findings
+    first; then for parameters sharded too, each kind of memory per rung (`MemoryHooks`);
+    else the optimizer state's bytes on each rank (`check_shard_sizes`)."""
+    races = guard.findings if guard is not None else []
+    if races:
+        return CellResult("fail", _findings_text(races), findings=with_hints(races, situation))
+    if hasattr(trainer.wrapped, "full_parameters"):  # parameters sharded too: per rung
+        memory = MemoryHooks().snapshot(trainer)
+        # A failure names the kinds that are not sharded, the rest only when all pass.
+        detail = "; ".join(memory.failures or [k.describe() for k in memory.kinds])
+        found = with_hints(_not_sharded(memory), situation)
+        return CellResult("fail" if memory.failures else "pass", detail, findings=found)
+    return check_shard_sizes(trainer.model, trainer.optimizer, ctx.world_size)
 
 
 def _not_sharded(memory) -> tuple[Finding, ...]:

@@ -11,12 +11,16 @@ a tool that flags them raises false alarms, the worst defect it can have.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS, CellResult
 from verify.checks.matrix import CERTIFIED, Cell, MatrixOptions, MatrixResult, run_plan
 from verify.checks.verdict import Verdicted
 from verify.options import PlacementOptions, ThreadOptions, knob
+
+if TYPE_CHECKING:
+    from impls.faulty import Fault
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,18 +176,22 @@ def run_detection(
     if sanitized:
         sanitized |= set(controls)
     matrix = run_plan(options, plan, frozenset(sanitized))
-    detections = []
-    for f in faults:
-        checks, where = {}, {}
-        for check in CHECKS:
-            found = [
-                (k, matrix.results[(f.name, k, check)])
-                for k in f.shows_on
-                if (f.name, k, check) in matrix.results
-            ]
-            if found:
-                where[check], checks[check] = next((kr for kr in found if kr[1].failed), found[0])
-        detections.append(
-            Detection(f.name, f.bug, f.symptom, f.caught_by, f.shows_on, checks, where)
-        )
-    return DetectionResult(tuple(detections), matrix, tuple(controls))
+    detections = tuple(_detection(f, matrix) for f in faults)
+    return DetectionResult(detections, matrix, tuple(controls))
+
+
+def _detection(fault: Fault, matrix: MatrixResult) -> Detection:
+    """What each check that ran on `fault` (a catalogue entry) said: its result on the first
+    of the fault's behaviours where it failed, else on the first where it ran."""
+    checks, where = {}, {}
+    for check in CHECKS:
+        found = [
+            (k, matrix.results[(fault.name, k, check)])
+            for k in fault.shows_on
+            if (fault.name, k, check) in matrix.results
+        ]
+        if found:
+            where[check], checks[check] = next((kr for kr in found if kr[1].failed), found[0])
+    return Detection(
+        fault.name, fault.bug, fault.symptom, fault.caught_by, fault.shows_on, checks, where
+    )

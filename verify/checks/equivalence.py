@@ -228,7 +228,13 @@ def equivalence_on_rank(
             return Refusal.of(exc, ctx.rank)
         except Exception as exc:  # the launcher reports it, with what was found before it
             return Raised(exc, _merge([_local(reference, guard, spec)]))
-    local = _local(reference, guard, spec)
+    return merged(ctx, reference, guard, spec)
+
+
+def merged(ctx: RankContext, reference: Reference, sanitize, spec: TrainSpec) -> EquivalenceReport:
+    """Every rank's report (`_local`) in one (`_merge`), the same on every rank: a collective
+    once training has ended, on every rank."""
+    local = _local(reference, sanitize, spec)
     if ctx.world_size == 1:
         return _merge([local])
     gathered: list = [None] * ctx.world_size

@@ -18,69 +18,68 @@ COMPACT = {"pass": "✓", "fail": "✗", "not claimed": "–", "n/a": "·", "tim
 
 
 def matrix(result: MatrixResult) -> str:
+    """The matrix's report: the table, the failures with their hints, why cells were not
+    claimed (and, when nothing could be judged, why each was n/a), and the verdict line."""
     o = result.options
-    behaviours = o.behaviours
-    if len(o.impl_names) == 1:
-        (impl,) = o.impl_names
-        checks = result.checks_for(impl)
-        rows = [
-            [b.title, *(SYMBOL[result.result(impl, b.key, c).status] for c in checks)]
-            for b in behaviours
-        ]
-        table = tabulate(rows, headers=["behaviour", *checks])
-        lines = [f"certification matrix: {impl}", "", table]
-    else:
-        header = "cell: " + ", ".join(c for c in o.checks)
-        rows = [
-            [
-                b.title,
-                *(
-                    "".join(
-                        COMPACT[result.result(i, b.key, c).status] for c in result.checks_for(i)
-                    )
-                    for i in o.impl_names
-                ),
-            ]
-            for b in behaviours
-        ]
-        legend = (
-            "✓ pass  ✗ fail  – not claimed  · n/a  ? timed out   (the shard check for sharded "
-            "optimizers only)"
-        )
-        table = tabulate(rows, headers=["behaviour", *o.impl_names])
-        lines = [f"certification matrix ({header})", "", table, "", legend]
+    single = len(o.impl_names) == 1
+    lines = _single_table(result) if single else _compact_table(result)
     failures = [(k, r) for k, r in result.results.items() if r.failed]
     if failures:
         lines += ["", "failures:"]
         said: set[tuple[str, str]] = set()  # a cause is said once per implementation
         for (impl, key, check), r in failures:
             where = f"{BEHAVIOUR[key].title} / {check}"
-            where = where if len(o.impl_names) == 1 else f"{impl} / {where}"
+            where = where if single else f"{impl} / {where}"
             lines.append(f"  {where}: {r.headline}")
             hint_lines = _hint_lines(r)
             lines += [h for h in hint_lines if (impl, h) not in said]
             said.update((impl, h) for h in hint_lines)
-    claims = sorted(
-        {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
-    )
-    if claims:
-        lines += ["", "not claimed:"]
-        lines += [f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in claims]
+    claims = {(i, r.detail) for (i, _, _), r in result.results.items() if r.status == "not claimed"}
+    lines += _reasons("not claimed:", claims, single)
     if result.verdict == NOTHING:  # every cell says why it could not be judged
-        skipped = sorted(
-            {(i, r.detail) for (i, _, c), r in result.results.items()
-             if r.status == "n/a" and c in result.checks_for(i)}
-        )  # fmt: skip
-        if skipped:
-            lines += ["", "n/a:"]
-            lines += [
-                f"  {why}" if len(o.impl_names) == 1 else f"  {i}: {why}" for i, why in skipped
-            ]
+        skipped = {(i, r.detail) for (i, _, c), r in result.results.items()
+                   if r.status == "n/a" and c in result.checks_for(i)}  # fmt: skip
+        lines += _reasons("n/a:", skipped, single)
     counts = _counts(result)
     lines += ["", _SANITIZED if o.sanitize else _UNSANITIZED]
     verdict = result.verdict.upper()
     lines += ["", f"{verdict}: {counts}  ({result.elapsed_s:.0f}s, {_launches(result.launches)})"]
     return "\n".join(lines)
+
+
+def _single_table(result: MatrixResult) -> list[str]:
+    """One implementation: a column per check, a word per cell."""
+    (impl,) = result.options.impl_names
+    checks = result.checks_for(impl)
+    rows = [
+        [b.title, *(SYMBOL[result.result(impl, b.key, c).status] for c in checks)]
+        for b in result.options.behaviours
+    ]
+    return [f"certification matrix: {impl}", "", tabulate(rows, headers=["behaviour", *checks])]
+
+
+def _compact_table(result: MatrixResult) -> list[str]:
+    """Several implementations: a column each, a symbol per check in its cell, and the legend."""
+    o = result.options
+    rows = [
+        [b.title, *("".join(COMPACT[result.result(i, b.key, c).status]
+                            for c in result.checks_for(i)) for i in o.impl_names)]
+        for b in o.behaviours
+    ]  # fmt: skip
+    legend = (
+        "✓ pass  ✗ fail  – not claimed  · n/a  ? timed out   (the shard check for sharded "
+        "optimizers only)"
+    )
+    table = tabulate(rows, headers=["behaviour", *o.impl_names])
+    return [f"certification matrix (cell: {', '.join(o.checks)})", "", table, "", legend]
+
+
+def _reasons(title: str, reasons: set[tuple[str, str]], single: bool) -> list[str]:
+    """A section of (implementation, why) pairs, sorted, each said once; the implementation
+    named only when the matrix has several; nothing when there are none."""
+    if not reasons:
+        return []
+    return ["", title, *(f"  {why}" if single else f"  {i}: {why}" for i, why in sorted(reasons))]
 
 
 _SANITIZED = (

@@ -120,54 +120,57 @@ def comm(result: CommResult) -> str:
         f"cache): {result.memcpy_Bps / 1e9:.2f} GB/s",
         "",
     ]
-    by_key = {(p.op, p.world_size, p.nbytes): p for p in result.points}
     for ws in o.world_sizes:
-        rows = []
-        for nbytes in sorted({p.nbytes for p in result.points if p.world_size == ws}):
-            row = [size(nbytes)]
-            for op in o.ops:
-                p = by_key.get((op, ws, nbytes))
-                row += (
-                    ["-", "-"] if p is None else [f"{p.seconds * 1e6:.0f}", f"{p.busbw / 1e9:.2f}"]
-                )
-            rows.append(row)
-        headers = ["size"] + [h for op in o.ops for h in (f"{op} us", "busbw GB/s")]
-        lines += [f"world size {ws}:", _table(rows, headers), ""]
+        lines += [f"world size {ws}:", _sweep_table(result, ws), ""]
     if result.fits:
-        rows = []
-        for ws, fit in result.fits.items():
-            bucket, exposed = result.predictions[ws]
-            rows.append(
-                [
-                    ws,
-                    f"{fit.alpha_s * 1e6:.0f}",
-                    f"{fit.beta_Bps / 1e9:.2f}",
-                    f"{fit.beta_Bps * bus_factor('all_reduce', ws) / 1e9:.2f}",
-                    f"{100 * fit.max_rel_error:.0f}%",
-                    size(bucket),
-                    f"{exposed * 1e3:.1f}",
-                ]
-            )
-        headers = [
-            "world",
-            "alpha us",
-            "beta (algbw) GB/s",
-            "busbw GB/s",
-            "worst fit error",
-            "best bucket",
-            "exposed ms",
-        ]
         lines += [
             f"all-reduce fit t(S) = alpha + S/beta, and the bucket size it predicts for a "
             f"{_model(o.model_size_m)} transformer ({size(result.grad_bytes)} of "
             f"gradients, backward {result.backward_s * 1e3:.0f} ms):",
-            _table(rows, headers),
+            _fits_table(result),
             "(the measured sweep: python -m verify bench; the model assumes communication does "
             "not slow compute, which a CPU cannot give)",
             "",
         ]
     lines.append(f"written to {result.run_dir}")
     return "\n".join(lines + _notes(result.notes))
+
+
+def _sweep_table(result: CommResult, ws: int) -> str:
+    """World size `ws`'s points: a row per message size, each op's time and bus bandwidth
+    ("-" where it was not measured)."""
+    ops = result.options.ops
+    by_key = {(p.op, p.world_size, p.nbytes): p for p in result.points}
+    rows = []
+    for nbytes in sorted({p.nbytes for p in result.points if p.world_size == ws}):
+        row = [size(nbytes)]
+        for op in ops:
+            p = by_key.get((op, ws, nbytes))
+            row += ["-", "-"] if p is None else [f"{p.seconds * 1e6:.0f}", f"{p.busbw / 1e9:.2f}"]
+        rows.append(row)
+    return _table(rows, ["size"] + [h for op in ops for h in (f"{op} us", "busbw GB/s")])
+
+
+def _fits_table(result: CommResult) -> str:
+    """A row per world size fitted: alpha, beta, its bus bandwidth, the fit's worst error,
+    and the best bucket size it predicts with the communication it leaves exposed."""
+    rows = []
+    for ws, fit in result.fits.items():
+        bucket, exposed = result.predictions[ws]
+        rows.append(
+            [
+                ws,
+                f"{fit.alpha_s * 1e6:.0f}",
+                f"{fit.beta_Bps / 1e9:.2f}",
+                f"{fit.beta_Bps * bus_factor('all_reduce', ws) / 1e9:.2f}",
+                f"{100 * fit.max_rel_error:.0f}%",
+                size(bucket),
+                f"{exposed * 1e3:.1f}",
+            ]
+        )
+    headers = ["world", "alpha us", "beta (algbw) GB/s", "busbw GB/s", "worst fit error",
+               "best bucket", "exposed ms"]  # fmt: skip
+    return _table(rows, headers)
 
 
 def best_bucket_line(fit, grad_bytes: int, backward_s: float) -> str:

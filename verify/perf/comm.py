@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from verify import progress
-from verify.launching import RankContext, launch
+from verify.launching import LaunchResult, RankContext, launch
 from verify.options import OutputOptions, knob, launch_knobs
 from verify.perf import charts
 from verify.perf.alphabeta import MiB, best_bucket, bus_factor, fit_alpha_beta
@@ -147,42 +147,15 @@ class CommResult(Measured):
 def run_comm(options: CommOptions) -> CommResult:
     """One launch per world size; then the fits and predictions, in this process."""
     folder = RunFolder.start(options, "comm", options.ranks)
-    points: list[CommPoint] = []
-    memcpy, grad_bytes, backward_s = 0.0, 0, 0.0
-    launches = []
-    for i, ws in enumerate(options.world_sizes, 1):
-        progress.say(f"comm: world size {ws} (", i, len(options.world_sizes), ")")
-        run = launch(
-            comm_on_rank,
-            world_size=ws,
-            args=(options,),
-            **launch_knobs(options),
-        )
-        launches.append(run)
-        if not run.ok:
-            break
-        got = run.values[0]
-        points += got["points"]
-        memcpy = max(memcpy, got["memcpy_Bps"])
-        if got["backward_s"]:
-            grad_bytes, backward_s = got["grad_bytes"], got["backward_s"]
-    machine = folder.machine(*launches)
-    if not launches[-1].ok:
+    launches, sweep = _launch_each(options)
+    machine, last, points = folder.machine(*launches), launches[-1], tuple(sweep.points)
+    if not last.ok:
         result = CommResult.from_launch(
-            options, launches[-1], points=tuple(points), run_dir=str(folder.path), machine=machine
+            options, last, points=points, run_dir=str(folder.path), machine=machine
         )
         folder.save("comm", result)
         return result
-    fits, predictions, notes = {}, {}, []
-    for ws in options.world_sizes:
-        ar = [p for p in points if p.op == "all_reduce" and p.world_size == ws]
-        if ws > 1 and len({p.nbytes for p in ar}) >= 2:
-            try:
-                fits[ws] = fit_alpha_beta([p.nbytes for p in ar], [p.seconds for p in ar])
-            except ValueError as e:  # all latency, or noise: widen the size range
-                notes.append(f"world size {ws}: no alpha-beta fit ({e})")
-                continue
-            predictions[ws] = best_bucket(fits[ws], grad_bytes, backward_s)
+    fits, predictions, notes = _fit_each(options, sweep)
     series = {
         f"{op} n={ws}": [p.busbw / 1e9 for p in points if p.op == op and p.world_size == ws]
         for op in options.ops
@@ -193,17 +166,17 @@ def run_comm(options: CommOptions) -> CommResult:
         folder.path / "busbw.png",
         options.sizes,
         series,
-        reference=(memcpy_name(options.device_type), memcpy / 1e9),
+        reference=(memcpy_name(options.device_type), sweep.memcpy_Bps / 1e9),
         title="bus bandwidth (nccl-tests definition)",
     )
     result = CommResult.from_launch(
         options,
-        launches[-1],
-        points=tuple(points),
-        memcpy_Bps=memcpy,
+        last,
+        points=points,
+        memcpy_Bps=sweep.memcpy_Bps,
         fits=fits,
-        grad_bytes=grad_bytes,
-        backward_s=backward_s,
+        grad_bytes=sweep.grad_bytes,
+        backward_s=sweep.backward_s,
         predictions=predictions,
         run_dir=str(folder.path),
         machine=machine,
@@ -211,6 +184,52 @@ def run_comm(options: CommOptions) -> CommResult:
     )
     folder.save("comm", result)
     return result
+
+
+@dataclass
+class _Sweep:
+    """What the launches that finished measured: their points, the fastest memcpy, and the
+    transformer's gradient bytes and backward time (from the smallest world size's launch)."""
+
+    points: list[CommPoint] = field(default_factory=list)
+    memcpy_Bps: float = 0.0
+    grad_bytes: int = 0
+    backward_s: float = 0.0
+
+
+def _launch_each(options: CommOptions) -> tuple[list[LaunchResult], _Sweep]:
+    """`comm_on_rank` launched at each world size in turn, stopping after the first launch
+    that fails (the last of the launches returned; its ranks' values are not in the sweep)."""
+    sweep, launches = _Sweep(), []
+    for i, ws in enumerate(options.world_sizes, 1):
+        progress.say(f"comm: world size {ws} (", i, len(options.world_sizes), ")")
+        run = launch(comm_on_rank, world_size=ws, args=(options,), **launch_knobs(options))
+        launches.append(run)
+        if not run.ok:
+            break
+        got = run.values[0]
+        sweep.points += got["points"]
+        sweep.memcpy_Bps = max(sweep.memcpy_Bps, got["memcpy_Bps"])
+        if got["backward_s"]:
+            sweep.grad_bytes, sweep.backward_s = got["grad_bytes"], got["backward_s"]
+    return launches, sweep
+
+
+def _fit_each(options: CommOptions, sweep: _Sweep) -> tuple[dict, dict, list[str]]:
+    """At each world size over 1 with all-reduce times at two sizes or more: the alpha-beta
+    fit and the bucket size it predicts (both keyed by world size), or a note saying why
+    there is no fit."""
+    fits, predictions, notes = {}, {}, []
+    for ws in options.world_sizes:
+        ar = [p for p in sweep.points if p.op == "all_reduce" and p.world_size == ws]
+        if ws > 1 and len({p.nbytes for p in ar}) >= 2:
+            try:
+                fits[ws] = fit_alpha_beta([p.nbytes for p in ar], [p.seconds for p in ar])
+            except ValueError as e:  # all latency, or noise: widen the size range
+                notes.append(f"world size {ws}: no alpha-beta fit ({e})")
+                continue
+            predictions[ws] = best_bucket(fits[ws], sweep.grad_bytes, sweep.backward_s)
+    return fits, predictions, notes
 
 
 def comm_on_rank(ctx: RankContext, options: CommOptions) -> dict:

@@ -190,14 +190,30 @@ def compare(
         same = agree(prints, group)
     mismatched = [i for i, ok in enumerate(same) if not ok]
     outcome = Outcome(mismatched=mismatched, prints=prints)
-    if not mismatched:
-        return outcome
-    told = [i for i in mismatched if not known(entries[i])]
+    if mismatched:
+        told = [i for i in mismatched if not known(entries[i])]
+        _detail(group, entries, told, outcome, max_detail=max_detail, per_phase=per_phase)
+    return outcome
+
+
+def _detail(
+    group: Group,
+    entries: list[Entry],
+    told: list[int],
+    outcome: Outcome,
+    *,
+    max_detail: int,
+    per_phase: int,
+) -> None:
+    """Step 3 of the module docstring, for the mismatched entries `told` (indices, the same
+    on every rank: a collective): each classified into `outcome.undescribed`, or, for the
+    first `max_detail` (`per_phase` of one phase), described into `outcome.diffs`."""
     shown, phases = set(), Counter()
     for i in told:  # the first few of each phase
         if len(shown) < max_detail and phases[entries[i].phase] < per_phase:
             shown.add(i)
             phases[entries[i].phase] += 1
+    prints = outcome.prints
     rows = torch.tensor([[prints[i], _meta(entries[i])] for i in told], dtype=torch.int64)
     for i, (ref, ranks, per_rank) in zip(told, who_differs(group, rows.view(-1, 2))):
         diff = _classify(entries[i], ref, ranks, [m for _, m in per_rank])
@@ -207,7 +223,6 @@ def compare(
             outcome.diffs[i] = diff
         else:
             outcome.diffs[i] = describe(group, entries[i], ref, ranks, [v for v, _ in per_rank])
-    return outcome
 
 
 def _fingerprints(entries: list[Entry]) -> list[int]:

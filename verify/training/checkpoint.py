@@ -112,16 +112,7 @@ def round_trip(
         what = "the consolidated state (rank 0's)"
     else:
         mine = _user("state_dict", "state_dict()", optimizer.state_dict)
-        # State of parameter shards (ZeRO-3's; a DTensor is one by type, FSDP2's) is per-rank:
-        # marked in the digest, so every rank sees it and all take the per-rank path together.
-        shards = "shards:" if sharded_params or _holds_dtensor(mine, 0) else ""
-        summary = (_params_listed(mine), shards + _digest(mine), _slice_of(mine, param_numels))
-        summaries: list = [summary] * world_size
-        if world_size > 1:
-            dist.all_gather_object(summaries, summary)
-        kind, note = _decide(summaries, len(param_numels))
-        if any(d.startswith("shards:") for _, d, _ in summaries):
-            kind, note = "per-rank", "the state is of parameter shards: each rank loaded its own"
+        kind, note = _kind(mine, world_size, param_numels, sharded_params)
         if kind == "per-rank":
             state, what = _copy(mine, to_cpu=False), "this rank's own state (a per-rank checkpoint)"
         else:
@@ -131,6 +122,24 @@ def round_trip(
     fresh = _user("rebuild", "rebuilding the optimizer", rebuild)
     _user("load_state_dict", f"load_state_dict() of {what}", fresh.load_state_dict, state)
     return RoundTrip(fresh, kind, note)
+
+
+def _kind(
+    mine: Any, world_size: int, param_numels: Sequence[int], sharded_params: bool
+) -> tuple[str, str]:
+    """ "full" or "per-rank", and why, from this rank's `state_dict()` and every other rank's:
+    one `all_gather_object` of a summary of each (`round_trip`), `_decide`d the same on every
+    rank."""
+    # State of parameter shards (ZeRO-3's; a DTensor is one by type, FSDP2's) is per-rank:
+    # marked in the digest, so every rank sees it and all take the per-rank path together.
+    shards = "shards:" if sharded_params or _holds_dtensor(mine, 0) else ""
+    summary = (_params_listed(mine), shards + _digest(mine), _slice_of(mine, param_numels))
+    summaries: list = [summary] * world_size
+    if world_size > 1:
+        dist.all_gather_object(summaries, summary)
+    if any(d.startswith("shards:") for _, d, _ in summaries):
+        return "per-rank", "the state is of parameter shards: each rank loaded its own"
+    return _decide(summaries, len(param_numels))
 
 
 def _decide(summaries: list[tuple], num_params: int) -> tuple[str, str]:
