@@ -108,7 +108,7 @@ def supervise(
     while None in watch.outcomes:
         check_interrupted()
         now = time.monotonic()
-        if now >= watch.grace_end or now >= watch.deadline:
+        if now >= watch.grace_end or now >= watch.deadline:  # time or grace is up
             if watch.extended(now):
                 continue
             break
@@ -139,7 +139,7 @@ class _Watch:
     sampled: float = 0.0
     stalled: bool = False
     failing: dict[int, float] = field(default_factory=dict)  # rank -> when it said it raised
-    dumps: dict[int, str | None] = field(default_factory=dict)
+    dumps: dict[int, str | None] = field(default_factory=dict)  # rank -> its last stack dump
     dumped: dict[int, int] = field(default_factory=dict)  # each stack file's size after a hang's
 
     def __post_init__(self) -> None:
