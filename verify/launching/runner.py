@@ -22,12 +22,14 @@ from verify.launching.process import RankProcess, end_all
 from verify.launching.rank_job import RankJob
 from verify.launching.supervisor import (
     STARTUP_CAP_S,
+    Supervision,
     check_interrupted,
     interrupted,
     supervise,
 )
 from verify.watching import capture, spawned, trace_file
 from verify.watching.diagnose import diagnose
+from verify.watching.findings import Diagnosis
 from verify.watching.watchdog import Watchdog
 
 __all__ = ["STARTUP_CAP_S", "run"]
@@ -51,13 +53,50 @@ def run(
     """Run `jobs` (one per rank) to the end; see the module docstring.
 
     `folder` holds the ranks' output, stacks and traces (the report folder when one is
-    kept), and must be this user's alone (`private.check_dir`; else `private.Untrusted`); `env` is added to this process's environment for every rank; `stream`
-    sends the ranks' output, prefixed, to that console as well as to their files (scripts);
-    `zygotes[r]` forks rank r from a process that has imported torch (`zygote.py`).
+    kept), and must be this user's alone (`private.check_dir`; else `private.Untrusted`);
+    `env` is added to this process's environment for every rank; `stream` sends the ranks'
+    output, prefixed, to that console as well as to their files (scripts); `zygotes[r]`
+    forks rank r from a process that has imported torch (`zygote.py`).
     """
     check_interrupted()
     private.check_dir(folder)  # what the ranks leave there is read: this user's alone
-    n = len(jobs)
+    ranks = _rank_processes(jobs, folder, env, stream, zygotes)
+    trace_paths = [job.trace_path for job in jobs]
+    watchdog = _watchdog(trace_paths, stall_timeout_s, folder)
+    sup, traces = _supervised(
+        ranks,
+        folder,
+        trace_paths,
+        timeout_s=timeout_s,
+        clock_from_up=clock_from_up,
+        stack_paths=[job.stack_path for job in jobs],
+        watchdog=watchdog,
+        report_dir=report_dir,
+    )
+    outcomes = []
+    for o, rank in zip(sup.outcomes, ranks, strict=True):
+        tail = None if o.status == "ok" else _tail(rank.err_path or rank.log_path)
+        outcomes.append(replace(o, exitcode=rank.exitcode, stderr=tail, pid=rank.pid))
+    diagnosis = None
+    if watchdog is not None:
+        diagnosis = _diagnosis(sup, traces, outcomes, watchdog, folder)
+    return LaunchResult(
+        world_size=len(jobs),
+        outcomes=tuple(outcomes),
+        elapsed_s=time.monotonic() - start,
+        timed_out=sup.timed_out,
+        failure_order=sup.failure_order,
+        stalled=sup.stalled,
+        diagnosis=diagnosis,
+        notes=sup.notes,
+        threads=threads,
+        report_dir=report_dir,
+    )
+
+
+def _rank_processes(jobs, folder, env, stream, zygotes) -> list[RankProcess]:
+    """One `RankProcess` a job, not started: its environment this process's with `env` and
+    the job's RANK, LOCAL_RANK and WORLD_SIZE, its output to files in `folder`."""
     base = {**os.environ, **env}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         # Gloo listens on whatever the hostname resolves to, NCCL's bootstrap on the first
@@ -84,66 +123,57 @@ def run(
                 zygote=zygotes[job.rank] if zygotes else None,
             )
         )
-    stack_paths = [job.stack_path for job in jobs]
-    trace_paths = [job.trace_path for job in jobs]
-    watchdog = None
-    if stall_timeout_s is not None:
-        watchdog = Watchdog(
-            trace_paths,
-            stall_timeout_s,
-            where=capture.asker(folder, capture.read_where),
-            in_torch=capture.asker(folder, capture.read_in_torch),
-            own_ranks=lambda r: spawned.read(folder, r) is not None,
-        )
-    traces = None
+    return ranks
+
+
+def _watchdog(trace_paths, stall_timeout_s: float | None, folder: str) -> Watchdog | None:
+    """The hang watchdog over the ranks' traces, which asks the ranks (their helpers, through
+    `folder`) where they are; None without a stall timeout (nothing traced)."""
+    if stall_timeout_s is None:
+        return None
+    return Watchdog(
+        trace_paths,
+        stall_timeout_s,
+        where=capture.asker(folder, capture.read_where),
+        in_torch=capture.asker(folder, capture.read_in_torch),
+        own_ranks=lambda r: spawned.read(folder, r) is not None,
+    )
+
+
+def _supervised(ranks, folder, trace_paths, **how) -> tuple[Supervision, list]:
+    """Start `ranks`, supervise them (`how`: `supervise`'s keywords) and read their
+    collective traces; then end and reap every rank, also when this raises (when
+    interrupted, at once rather than politely)."""
     try:
         for rank in ranks:
             check_interrupted()
             rank.start(cancelled=interrupted)
-        sup = supervise(
-            ranks,
-            timeout_s=timeout_s,
-            clock_from_up=clock_from_up,
-            stack_paths=stack_paths,
-            watchdog=watchdog,
-            report_dir=report_dir,
-        )
+        sup = supervise(ranks, **how)
         # Read before the ranks are ended: a rank that sees its peer die would record its
         # pending collective as failed. (A folder removed mid-run: the caller says so.)
         if os.path.lexists(folder):
             private.check_dir(folder)
-        traces = [trace_file.read_trace(p) if p else None for p in trace_paths]
+        return sup, [trace_file.read_trace(p) if p else None for p in trace_paths]
     finally:
-        end_all(ranks, grace_s=0.0 if interrupted() else 0.5)  # interrupted: now, not politely
+        end_all(ranks, grace_s=0.0 if interrupted() else 0.5)
         for rank in ranks:
             rank.job_file.close()
-    outcomes = []
-    for o, rank in zip(sup.outcomes, ranks, strict=True):
-        tail = None if o.status == "ok" else _tail(rank.err_path or rank.log_path)
-        outcomes.append(replace(o, exitcode=rank.exitcode, stderr=tail, pid=rank.pid))
-    diagnosis = None
-    if watchdog is not None:
-        diagnosis = diagnose(
-            traces,
-            outcomes,
-            stalled=sup.stalled,
-            stall_timeout_s=stall_timeout_s,
-            detection_s=watchdog.detection_s() if (sup.failure_order or sup.stalled) else None,
-            failure_order=sup.failure_order,
-            timed_out=sup.timed_out,
-            own_ranks=tuple(o for r in range(n) if (o := spawned.read(folder, r)) is not None),
-        )
-    return LaunchResult(
-        world_size=n,
-        outcomes=tuple(outcomes),
-        elapsed_s=time.monotonic() - start,
-        timed_out=sup.timed_out,
-        failure_order=sup.failure_order,
+
+
+def _diagnosis(sup: Supervision, traces, outcomes, watchdog: Watchdog, folder: str) -> Diagnosis:
+    """The collective traces' diagnosis of the run (`watching/diagnose.py`), with the ranks
+    that started ranks of their own (`spawned.py`)."""
+    return diagnose(
+        traces,
+        outcomes,
         stalled=sup.stalled,
-        diagnosis=diagnosis,
-        notes=sup.notes,
-        threads=threads,
-        report_dir=report_dir,
+        stall_timeout_s=watchdog.stall_timeout_s,
+        detection_s=watchdog.detection_s() if (sup.failure_order or sup.stalled) else None,
+        failure_order=sup.failure_order,
+        timed_out=sup.timed_out,
+        own_ranks=tuple(
+            o for r in range(len(outcomes)) if (o := spawned.read(folder, r)) is not None
+        ),
     )
 
 

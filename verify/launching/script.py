@@ -16,6 +16,7 @@ a `[rank r]` prefix, to `console` as the training runs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from verify.launching import gpus, runner
 from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
+from verify.launching.rank_job import RankJob
 from verify.launching.rank_script import script_job
 from verify.launching.threads import thread_budget
 from verify.launching.zygote import Zygote
@@ -71,37 +73,11 @@ def run_script(
         raise ValueError(f"script {argv[0]} does not exist")
     budget = thread_budget(nproc, threads_per_rank)
     start = time.monotonic()
-    # Held open for the whole run: the port can only be ours.
-    store = _loopback_store(nproc, timeout_s + 60)
-    try:
-        rank_env = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "LOCAL_WORLD_SIZE": str(nproc),
-            STALL_ENV: repr(stall_timeout_s),
-            **budget.env(),
-            **(env or {}),
-        }
-        jobs = [
-            script_job(
-                rank=r,
-                world_size=nproc,
-                local_rank=r,
-                ppid=os.getpid(),
-                threads=budget.per_rank,
-                report_dir=report_dir,
-                argv=tuple(argv),
-                sanitize=sanitize,
-                audit_every=audit_every,
-                on_cpu=on_cpu,
-            )
-            for r in range(nproc)
-        ]
+    with _rendezvous(nproc, timeout_s + 60) as meet:
         return runner.run(
-            jobs,
+            _jobs(argv, nproc, budget, report_dir, sanitize, audit_every, on_cpu),
             folder=report_dir,
-            env=rank_env,
+            env={**meet, STALL_ENV: repr(stall_timeout_s), **budget.env(), **(env or {})},
             timeout_s=timeout_s,
             clock_from_up=False,
             stall_timeout_s=stall_timeout_s,
@@ -111,8 +87,43 @@ def run_script(
             stream=console,
             zygotes=_zygotes(env, nproc),
         )
+
+
+@contextlib.contextmanager
+def _rendezvous(world_size: int, timeout_s: float):
+    """The environment that has a script's `init_process_group` (env://) meet the others at
+    this run's store (`_loopback_store`), as torchrun's agent store: the store is held open
+    until the block ends, so that its port can only be ours."""
+    store = _loopback_store(world_size, timeout_s)
+    try:
+        yield {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
     finally:
         del store
+
+
+def _jobs(argv, nproc, budget, report_dir, sanitize, audit_every, on_cpu) -> list[RankJob]:
+    """Each rank's job (`script_job`): `argv` on `nproc` ranks, with their share of the cores
+    (`budget`), their files in `report_dir`, under the set-ups asked for (`run_script`'s)."""
+    return [
+        script_job(
+            rank=r,
+            world_size=nproc,
+            local_rank=r,
+            ppid=os.getpid(),
+            threads=budget.per_rank,
+            report_dir=report_dir,
+            argv=tuple(argv),
+            sanitize=sanitize,
+            audit_every=audit_every,
+            on_cpu=on_cpu,
+        )
+        for r in range(nproc)
+    ]
 
 
 # How many script launches this process has made: its first starts fresh interpreters.

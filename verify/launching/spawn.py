@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from verify.launching import gpus, runner, torchrun
@@ -94,77 +95,126 @@ def launch(
             that a hang is seen as one (`rank.block_nccl_waits`); False for measurements,
             whose timings it would change (a hang there ends at the deadline instead).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    device = gpus.device_for(device, backend)
-    gpus.check(device, backend)
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if stall_timeout_s is not None and not stall_timeout_s > 0:
-        raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s}")
+    spec = _Launch(
+        fn=fn,
+        args=args,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        backend=backend,
+        device=gpus.device_for(device, backend),
+        env=env,
+        stall_timeout_s=stall_timeout_s,
+        report_dir=report_dir,
+        threads_per_rank=threads_per_rank,
+        ranks_at_once=ranks_at_once,
+        nccl_blocking_wait=nccl_blocking_wait,
+    )
     if joining():
         return torchrun.join(
-            fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank, device
+            fn, args, world_size, timeout_s, backend, env or {}, threads_per_rank, spec.device
         )
-    budget = thread_budget(ranks_at_once or world_size, threads_per_rank)
-    visible = gpus.visible() if device == "cuda" else 0
-    if backend == "nccl" and world_size > visible:
-        raise ValueError(f"backend 'nccl' needs a CUDA device per rank: {world_size} > {visible}")
-    try:
-        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise ValueError(f"fn must be module-level and args picklable: {exc}") from exc
-    main_file = None
-    if getattr(fn, "__module__", None) == "__main__":
-        main_file = getattr(sys.modules["__main__"], "__file__", None)
-    tmpdir = tempfile.mkdtemp(prefix="ddp-verify-")
-    keep = report_dir or tmpdir
-    pg_timeout = STARTUP_CAP_S + timeout_s + _PG_TIMEOUT_SLACK_S
-    devices = gpus.take(world_size, visible, shared=backend != "nccl") if device == "cuda" else []
-    jobs = [
-        RankJob(
-            kind="fn",
-            rank=r,
-            world_size=world_size,
-            local_rank=r,
-            ppid=os.getpid(),
-            threads=budget.per_rank,
-            stack_path=os.path.join(keep, f"rank{r}.stack"),
-            trace_path=os.path.join(keep, f"rank{r}.trace") if stall_timeout_s else None,
-            helper_dir=keep if stall_timeout_s or report_dir else None,
-            backend=backend,
-            device=device,
-            payload=payload,
-            sys_path=tuple(sys.path),
-            main_file=main_file,
-            init_method="file://" + os.path.join(tmpdir, "rendezvous"),
-            pg_timeout_s=pg_timeout,
-            nccl_blocking_wait=nccl_blocking_wait,
-            device_index=devices[r] if devices else None,
+    return spec.spawn()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Launch:
+    """`launch`'s arguments, checked: ValueError, one line, for one out of its range or a
+    placement no machine runs or this one cannot (`gpus.check`); `device` resolved."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    world_size: int
+    timeout_s: float
+    backend: str
+    device: str
+    env: dict[str, str] | None
+    stall_timeout_s: float | None
+    report_dir: str | None
+    threads_per_rank: int | None
+    ranks_at_once: int | None
+    nccl_blocking_wait: bool
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        gpus.check(self.device, self.backend)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
+
+    def spawn(self) -> LaunchResult:
+        """Start the ranks here and run them to the end: each with its share of the cores (and
+        on cuda its GPU, given back at the end), meeting in a fresh temporary folder (removed
+        at the end) that also holds their files unless `report_dir` does. ValueError: more
+        NCCL ranks than GPUs, or `fn` or `args` that do not pickle."""
+        n = self.world_size
+        budget = thread_budget(self.ranks_at_once or n, self.threads_per_rank)
+        visible = gpus.visible() if self.device == "cuda" else 0
+        if self.backend == "nccl" and n > visible:
+            raise ValueError(f"backend 'nccl' needs a CUDA device per rank: {n} > {visible}")
+        try:
+            payload = pickle.dumps((self.fn, self.args), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise ValueError(f"fn must be module-level and args picklable: {exc}") from exc
+        tmpdir = tempfile.mkdtemp(prefix="ddp-verify-")
+        keep = self.report_dir or tmpdir
+        devices = (
+            gpus.take(n, visible, shared=self.backend != "nccl") if self.device == "cuda" else []
         )
-        for r in range(world_size)
-    ]
-    child_env = {SPAWNED_ENV: "1", **budget.env(), **(env or {})}
-    # CUDA ranks start as fresh interpreters: a process forked from one is CUDA-safe only
-    # while nothing initialized CUDA before the fork, which the zygote cannot promise.
-    zygotes = Zygote.for_launch(env, world_size) if device == "cpu" else []
-    if stall_timeout_s is not None:
-        child_env[STALL_ENV] = repr(stall_timeout_s)
-    try:
-        return runner.run(
-            jobs,
-            folder=keep,
-            env=child_env,
-            timeout_s=timeout_s,
-            clock_from_up=True,
-            stall_timeout_s=stall_timeout_s,
-            report_dir=report_dir,
-            threads=budget.describe(),
-            start=time.monotonic(),
-            zygotes=zygotes,
-        )
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        gpus.give_back(devices)
+        jobs = self._jobs(payload, budget.per_rank, tmpdir, keep, devices)
+        child_env = {SPAWNED_ENV: "1", **budget.env(), **(self.env or {})}
+        # CUDA ranks start as fresh interpreters: a process forked from one is CUDA-safe only
+        # while nothing initialized CUDA before the fork, which the zygote cannot promise.
+        zygotes = Zygote.for_launch(self.env, n) if self.device == "cpu" else []
+        if self.stall_timeout_s is not None:
+            child_env[STALL_ENV] = repr(self.stall_timeout_s)
+        try:
+            return runner.run(
+                jobs,
+                folder=keep,
+                env=child_env,
+                timeout_s=self.timeout_s,
+                clock_from_up=True,
+                stall_timeout_s=self.stall_timeout_s,
+                report_dir=self.report_dir,
+                threads=budget.describe(),
+                start=time.monotonic(),
+                zygotes=zygotes,
+            )
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            gpus.give_back(devices)
+
+    def _jobs(self, payload: bytes, threads: int, tmpdir: str, keep: str, devices: list[int]):
+        """Each rank's job: `payload` (fn and args, pickled) run with `threads` threads, on
+        its GPU of `devices` (when any), meeting the others in `tmpdir`, its files in `keep`."""
+        main_file = None
+        if getattr(self.fn, "__module__", None) == "__main__":
+            main_file = getattr(sys.modules["__main__"], "__file__", None)
+        traced = self.stall_timeout_s is not None
+        return [
+            RankJob(
+                kind="fn",
+                rank=r,
+                world_size=self.world_size,
+                local_rank=r,
+                ppid=os.getpid(),
+                threads=threads,
+                stack_path=os.path.join(keep, f"rank{r}.stack"),
+                trace_path=os.path.join(keep, f"rank{r}.trace") if traced else None,
+                helper_dir=keep if traced or self.report_dir else None,
+                backend=self.backend,
+                device=self.device,
+                payload=payload,
+                sys_path=tuple(sys.path),
+                main_file=main_file,
+                init_method="file://" + os.path.join(tmpdir, "rendezvous"),
+                pg_timeout_s=STARTUP_CAP_S + self.timeout_s + _PG_TIMEOUT_SLACK_S,
+                nccl_blocking_wait=self.nccl_blocking_wait,
+                device_index=devices[r] if devices else None,
+            )
+            for r in range(self.world_size)
+        ]

@@ -32,7 +32,7 @@ import select
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verify import progress
 from verify.launching.outcome import Failing, RankOutcome, RankReport, Say, Up
@@ -104,49 +104,98 @@ def supervise(
 ) -> Supervision:
     """Watch `ranks` (already started) to the end; see the module docstring. Every rank is
     still to be ended by the caller (`RankProcess.end`), also when this raises."""
-    n = len(ranks)
-    outcomes: list[RankOutcome | None] = [None] * n
-    failures: list[tuple[float, int]] = []  # (wall time, rank)
-    up: set[int] = set()
-    start = time.monotonic()
-    deadline = start + (STARTUP_S if clock_from_up else timeout_s)
-    grace_end = float("inf")
-    meters = {r.rank: CpuMeter(r.pid) for r in ranks if r.pid is not None}
-    sampled = 0.0
-    stalled = False
-    failing: dict[int, float] = {}  # rank -> when it said it raised; it is writing its report
-    dumps: dict[int, str | None] = {}
-    dumped: dict[int, int] = {}  # what each stack file held after a hang's dumps
-    while None in outcomes:
+    watch = _Watch(ranks, timeout_s, clock_from_up, stack_paths, watchdog)
+    while None in watch.outcomes:
         check_interrupted()
         now = time.monotonic()
-        if now >= grace_end:
-            cap = time.time() - FAILING_CAP_S
-            writing = [r for r, t in failing.items() if outcomes[r] is None and t > cap]
-            if now < deadline and any(meters[r].busy() for r in writing if r in meters):
-                grace_end = now + 1.0
+        if now >= watch.grace_end or now >= watch.deadline:  # time or grace is up
+            if watch.extended(now):
                 continue
             break
-        if now >= deadline:
-            starting = [r for r in range(n) if r not in up and outcomes[r] is None]
-            if clock_from_up and starting and now - start < STARTUP_CAP_S:
-                if any(meters[r].busy() for r in starting if r in meters):
-                    deadline = now + 1.0  # still importing or meeting: give it time
-                    continue
+        watch.sample(now)
+        if watch.hung(now):
             break
-        if now - sampled >= 0.25:
-            sampled = now
-            for meter in meters.values():
+        watch.poll()
+    return watch.settle(report_dir)
+
+
+@dataclass
+class _Watch:
+    """The state of one `supervise` loop, whose steps are its methods: what each rank said,
+    the clocks, and the stacks dumped at a hang. Rank r is `ranks[r]`."""
+
+    ranks: list[RankProcess]
+    timeout_s: float
+    clock_from_up: bool
+    stack_paths: list[str]
+    watchdog: Watchdog | None
+    outcomes: list[RankOutcome | None] = field(init=False)
+    failures: list[tuple[float, int]] = field(default_factory=list)  # (wall time, rank)
+    up: set[int] = field(default_factory=set)
+    start: float = field(default_factory=time.monotonic)
+    deadline: float = field(init=False)
+    grace_end: float = float("inf")
+    meters: dict[int, CpuMeter] = field(init=False)
+    sampled: float = 0.0
+    stalled: bool = False
+    failing: dict[int, float] = field(default_factory=dict)  # rank -> when it said it raised
+    dumps: dict[int, str | None] = field(default_factory=dict)  # rank -> its last stack dump
+    dumped: dict[int, int] = field(default_factory=dict)  # each stack file's size after a hang's
+
+    def __post_init__(self) -> None:
+        self.outcomes = [None] * len(self.ranks)
+        self.deadline = self.start + (STARTUP_S if self.clock_from_up else self.timeout_s)
+        self.meters = {r.rank: CpuMeter(r.pid) for r in self.ranks if r.pid is not None}
+
+    def extended(self, now: float) -> bool:
+        """Past the grace or the deadline: whether a rank still at work earns one more second
+        (one that said it is failing, writing its report within `FAILING_CAP_S` and the
+        deadline; one not up yet, within `STARTUP_CAP_S`). False: the run ends."""
+        if now >= self.grace_end:
+            cap = time.time() - FAILING_CAP_S
+            writing = [r for r, t in self.failing.items() if self.outcomes[r] is None and t > cap]
+            if now < self.deadline and self._busy(writing):
+                self.grace_end = now + 1.0
+                return True
+            return False
+        starting = [r for r, o in enumerate(self.outcomes) if r not in self.up and o is None]
+        if self.clock_from_up and starting and now - self.start < STARTUP_CAP_S:
+            if self._busy(starting):
+                self.deadline = now + 1.0  # still importing or meeting: give it time
+                return True
+        return False
+
+    def _busy(self, ranks: list[int]) -> bool:
+        return any(self.meters[r].busy() for r in ranks if r in self.meters)
+
+    def sample(self, now: float) -> None:
+        """Sample the ranks' CPU time, every 0.25 s at most."""
+        if now - self.sampled >= 0.25:
+            self.sampled = now
+            for meter in self.meters.values():
                 meter.sample(now)
-        if watchdog is not None and not failures and not failing:
-            if stalled:  # the poll after the dumps brought no failure: hung
-                break
-            pids = [r.pid if outcomes[r.rank] is None and r.running() else None for r in ranks]
-            if watchdog.poll(pids, now, up):
-                stalled = True
-                dumps = _dump_stacks([r for r, pid in zip(ranks, pids) if pid], stack_paths)
-                dumped = {r: _size(path) for r, path in enumerate(stack_paths)}
-        pending = [r for r in ranks if outcomes[r.rank] is None]
+
+    def hung(self, now: float) -> bool:
+        """Whether the watchdog's hang verdict ends the run now. At its verdict the stacks are
+        dumped and this says False, so that one more poll may bring a failure (a rank whose
+        peer's exit closed its connection just then: a crash); True at the next call. Never
+        while a rank failed or said it is failing."""
+        if self.watchdog is None or self.failures or self.failing:
+            return False
+        if self.stalled:  # the poll after the dumps brought no failure: hung
+            return True
+        ranks = self.ranks
+        pids = [r.pid if self.outcomes[r.rank] is None and r.running() else None for r in ranks]
+        if self.watchdog.poll(pids, now, self.up):
+            self.stalled = True
+            self.dumps = _dump_stacks([r for r, pid in zip(ranks, pids) if pid], self.stack_paths)
+            self.dumped = {r: _size(path) for r, path in enumerate(self.stack_paths)}
+        return False
+
+    def poll(self) -> None:
+        """Wait up to `POLL_S` for the ranks' messages and take them; a rank that exited
+        without a report has crashed. After a failure, the others get `GRACE_S`."""
+        pending = [r for r in self.ranks if self.outcomes[r.rank] is None]
         fds = [r.fd for r in pending if r.fd is not None and not r.eof]
         if fds:
             select.select(fds, [], [], POLL_S)
@@ -160,70 +209,86 @@ def supervise(
             # pipe, so only one that really never reported is declared crashed below.
             exited = not r.running()
             for msg in r.messages():
-                if isinstance(msg, Say):
-                    progress.say(msg.task, msg.done, msg.total, msg.after)
-                    continue
-                if isinstance(msg, Failing):
-                    failing[r.rank] = time.time()
-                    stalled = False
-                    grace_end = min(grace_end, time.monotonic() + FAILING_S)
-                    continue
-                if isinstance(msg, Up):
-                    up.add(r.rank)
-                    if clock_from_up and len(up) == n:  # fn's clock starts now
-                        deadline = time.monotonic() + timeout_s
-                    continue
-                outcomes[r.rank], failed_at = _outcome(r, msg)
-                if failed_at is not None:  # a slow report is dated when the rank raised
-                    failures.append((min(failed_at, failing.get(r.rank, failed_at)), r.rank))
-                break
-            if outcomes[r.rank] is None and exited:
+                if self._take(r, msg):
+                    break
+            if self.outcomes[r.rank] is None and exited:
                 why = stacks.describe_exit(r.exitcode) + " before reporting"
                 # faulthandler wrote there on a fatal signal (after a withdrawn hang's dump)
-                stack = _read(stack_paths[r.rank], after=dumped.get(r.rank, 0))
-                outcomes[r.rank] = RankOutcome(r.rank, "crashed", error=why, stack=stack)
-                failures.append((alive_at, r.rank))
-        if failures:
-            stalled = False  # a rank failed as the stall was called: a crash
-            grace_end = min(grace_end, time.monotonic() + GRACE_S)
-    leftover = [r for r in range(n) if outcomes[r] is None]
-    reported = not leftover
-    live = [r for r in leftover if ranks[r].running()]
-    if report_dir is not None and live:
-        capture.request_flight_recorder(report_dir, live)
-    if not stalled:  # (a hang's were dumped when it was called)
-        dumps = _dump_stacks([ranks[r] for r in live], stack_paths)
-    for r, said_at in failing.items():
-        if outcomes[r] is None:  # raised, but its report never came: a crash all the same
-            why = f"raised, and sent no report within {time.time() - said_at:.0f}s"
-            stack = dumps.get(r) or _read(stack_paths[r])
-            outcomes[r] = RankOutcome(r, "crashed", error=why, stack=stack)
-            failures.append((said_at, r))
-            leftover.remove(r)
-    order = root_cause_order(failures, outcomes)
-    timed_out = bool(leftover) and not failures and not stalled
-    for r in leftover:
-        if stalled:
-            why = f"no rank progressed for {watchdog.stall_timeout_s:g}s (stall timeout)"
-        elif failures:
-            why = f"still running {GRACE_S:g}s after rank {order[0]} failed"
-        elif clock_from_up and len(up) < n:
-            why = f"the ranks were not all up after {time.monotonic() - start:.0f}s"
-        else:
-            why = f"still running {timeout_s:g}s after {'all ranks were up' if clock_from_up else 'the start'}"
-        status = "killed" if failures else "timeout"
-        stack = dumps.get(r) or _read(stack_paths[r])
-        outcomes[r] = RankOutcome(r, status, error=why, stack=stack)
-    if reported:  # every rank reported: let them tear down and exit on their own
-        until = time.monotonic() + EXIT_WAIT_S
-        for rank in ranks:
-            while rank.running() and time.monotonic() < until:
-                time.sleep(POLL_S)
-    notes = ()
-    if watchdog is not None:
-        watchdog.finish()
-        notes = tuple(watchdog.notes())
-    return Supervision(tuple(outcomes), order, timed_out, stalled, notes)
+                stack = _read(self.stack_paths[r.rank], after=self.dumped.get(r.rank, 0))
+                self.outcomes[r.rank] = RankOutcome(r.rank, "crashed", error=why, stack=stack)
+                self.failures.append((alive_at, r.rank))
+        if self.failures:
+            self.stalled = False  # a rank failed as the stall was called: a crash
+            self.grace_end = min(self.grace_end, time.monotonic() + GRACE_S)
+
+    def _take(self, r: RankProcess, msg) -> bool:
+        """Take one message of rank `r`; True when it was its report (its outcome is set)."""
+        if isinstance(msg, Say):
+            progress.say(msg.task, msg.done, msg.total, msg.after)
+            return False
+        if isinstance(msg, Failing):
+            self.failing[r.rank] = time.time()
+            self.stalled = False
+            self.grace_end = min(self.grace_end, time.monotonic() + FAILING_S)
+            return False
+        if isinstance(msg, Up):
+            self.up.add(r.rank)
+            if self.clock_from_up and len(self.up) == len(self.ranks):  # fn's clock starts now
+                self.deadline = time.monotonic() + self.timeout_s
+            return False
+        self.outcomes[r.rank], failed_at = _outcome(r, msg)
+        if failed_at is not None:  # a slow report is dated when the rank raised
+            self.failures.append((min(failed_at, self.failing.get(r.rank, failed_at)), r.rank))
+        return True
+
+    def settle(self, report_dir: str | None) -> Supervision:
+        """After the loop: dump the stacks of the ranks still running (and the flight
+        recorder's, into `report_dir`), give every rank left without an outcome one (a
+        failing rank that sent no report crashed; the rest were killed or timed out), and
+        let ranks that all reported exit on their own (up to `EXIT_WAIT_S`)."""
+        leftover = [r for r, o in enumerate(self.outcomes) if o is None]
+        reported = not leftover
+        live = [r for r in leftover if self.ranks[r].running()]
+        if report_dir is not None and live:
+            capture.request_flight_recorder(report_dir, live)
+        if not self.stalled:  # (a hang's were dumped when it was called)
+            self.dumps = _dump_stacks([self.ranks[r] for r in live], self.stack_paths)
+        for r, said_at in self.failing.items():
+            if self.outcomes[r] is None:  # raised, but its report never came: a crash all the same
+                why = f"raised, and sent no report within {time.time() - said_at:.0f}s"
+                self.outcomes[r] = RankOutcome(r, "crashed", error=why, stack=self._stack(r))
+                self.failures.append((said_at, r))
+                leftover.remove(r)
+        order = root_cause_order(self.failures, self.outcomes)
+        timed_out = bool(leftover) and not self.failures and not self.stalled
+        for r in leftover:
+            status = "killed" if self.failures else "timeout"
+            why = self._why_left(order)
+            self.outcomes[r] = RankOutcome(r, status, error=why, stack=self._stack(r))
+        if reported:  # every rank reported: let them tear down and exit on their own
+            until = time.monotonic() + EXIT_WAIT_S
+            for rank in self.ranks:
+                while rank.running() and time.monotonic() < until:
+                    time.sleep(POLL_S)
+        notes = ()
+        if self.watchdog is not None:
+            self.watchdog.finish()
+            notes = tuple(self.watchdog.notes())
+        return Supervision(tuple(self.outcomes), order, timed_out, self.stalled, notes)
+
+    def _stack(self, r: int) -> str | None:
+        return self.dumps.get(r) or _read(self.stack_paths[r])
+
+    def _why_left(self, order: tuple[int, ...]) -> str:
+        """Why a rank still running at the end was ended."""
+        if self.stalled:
+            return f"no rank progressed for {self.watchdog.stall_timeout_s:g}s (stall timeout)"
+        if self.failures:
+            return f"still running {GRACE_S:g}s after rank {order[0]} failed"
+        if self.clock_from_up and len(self.up) < len(self.ranks):
+            return f"the ranks were not all up after {time.monotonic() - self.start:.0f}s"
+        since = "all ranks were up" if self.clock_from_up else "the start"
+        return f"still running {self.timeout_s:g}s after {since}"
 
 
 def _outcome(rank: RankProcess, report: RankReport) -> tuple[RankOutcome, float | None]:

@@ -87,68 +87,69 @@ def diagnose(
     one watched: short of a fault among the ranks that were, the verdict is "unwatched" (no
     verdict, exit 2)."""
     now = time.time() if now is None else now
-    world = len(ranks)
     findings: list[TraceFinding] = []
     for group in _groups(traces):
-        members = _members(group, world)
-        findings += _walk_group(group, members, traces, ranks, stalled)
-    structural = [f for f in findings if f.hangs]
-    desyncs = [f for f in findings if not f.hangs]
+        findings += _walk_group(group, _members(group, len(ranks)), traces, ranks, stalled)
     failed = [r for r in ranks if r.status in ("crashed", "error")]
     failed.sort(
         key=lambda r: (r.rank not in failure_order, list(failure_order + (r.rank,)).index(r.rank))
     )
-    lines = [where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks]
-    if own_ranks and not structural and not failed:
+    lines = tuple(where(r, traces[r.rank] if r.rank < len(traces) else None, now) for r in ranks)
+    if own_ranks and not any(f.hangs for f in findings) and not failed:
         return Diagnosis("unwatched", spawned.headline(own_ranks[0], stalled=stalled),
-                         culprit=own_ranks[0].rank, site=own_ranks[0].site, ranks=tuple(lines),
+                         culprit=own_ranks[0].rank, site=own_ranks[0].site, ranks=lines,
                          stall_timeout_s=stall_timeout_s, detection_s=detection_s)  # fmt: skip
-    head: TraceFinding | None = None
-    if structural:
-        head = structural[0]
-    elif failed:
-        root = failed[0]
-        # A failure that echoes a peer leaving, with no rank crashed: the peers that finished
-        # left while it still needed them.
-        crashed = any(not is_echo(r.error) for r in failed)
-        finished = [r for r in ranks if r.status == "ok"]
-        head = None if crashed else left_early(root, finished)
-        head = head or failure_finding(root, traces, now)
-        findings.insert(0, head)
-    elif stalled:
-        head = stall_finding(ranks, traces)
-        findings.insert(0, head)
-    elif desyncs:
-        head = desyncs[0]
-    if stalled:
-        verdict = "hang"
-    elif failed:
-        verdict = "crash"
-    elif findings:
-        verdict = "desync"
-    elif timed_out:
-        return Diagnosis("timeout", _TIMED_OUT, ranks=tuple(lines), stall_timeout_s=stall_timeout_s)
-    elif not any(t is not None and t.records for t in traces):
-        # Events with no record: returns of calls into torch that issue collectives from C++
-        # (watching/untraced.py), such as a DDP backward.
-        untraced = any(t is not None and t.events for t in traces)
-        return Diagnosis("ok", ONLY_UNTRACED if untraced else _NONE_SEEN, ranks=tuple(lines),
-                         stall_timeout_s=stall_timeout_s)  # fmt: skip
-    else:
-        return Diagnosis("ok", "no hang, no desync: every collective matched on every rank",
-                         ranks=tuple(lines), stall_timeout_s=stall_timeout_s)  # fmt: skip
-    assert head is not None
+    if not (stalled or failed or findings):
+        return _no_fault(traces, lines, timed_out, stall_timeout_s)
+    head, findings = _lead(findings, failed, stalled, ranks, traces, now)
     return Diagnosis(
-        verdict,
+        "hang" if stalled else "crash" if failed else "desync",
         head.message,
         culprit=head.rank,
         collective=head.collective,
         site=head.site,
         findings=tuple(findings),
-        ranks=tuple(lines),
+        ranks=lines,
         stall_timeout_s=stall_timeout_s,
         detection_s=detection_s,
     )
+
+
+def _lead(findings, failed, stalled, ranks, traces, now) -> tuple[TraceFinding, list]:
+    """The finding a diagnosis leads with, and all its findings: the first structural one
+    (what hangs); else the root failure's (`failed[0]`) or the stall's, put first; else
+    the first desync. `findings` is not empty, or a rank failed, or the run stalled."""
+    structural = [f for f in findings if f.hangs]
+    if structural:
+        return structural[0], findings
+    if failed:
+        # A failure that echoes a peer leaving, with no rank crashed: the peers that finished
+        # left while it still needed them.
+        crashed = any(not is_echo(r.error) for r in failed)
+        finished = [r for r in ranks if r.status == "ok"]
+        head = None if crashed else left_early(failed[0], finished)
+        head = head or failure_finding(failed[0], traces, now)
+    elif stalled:
+        head = stall_finding(ranks, traces)
+    else:
+        return findings[0], findings
+    return head, [head, *findings]
+
+
+def _no_fault(traces, lines: tuple[str, ...], timed_out: bool, stall_timeout_s) -> Diagnosis:
+    """The diagnosis of a run with no hang, no failure and no finding: "timeout" when it ran
+    out of time (no verdict), else "ok", saying what was compared."""
+    if timed_out:
+        return Diagnosis("timeout", _TIMED_OUT, ranks=lines, stall_timeout_s=stall_timeout_s)
+    if any(t is not None and t.records for t in traces):
+        summary = "no hang, no desync: every collective matched on every rank"
+    elif any(t is not None and t.events for t in traces):
+        # Events with no record: returns of calls into torch that issue collectives from C++
+        # (watching/untraced.py), such as a DDP backward.
+        summary = ONLY_UNTRACED
+    else:
+        summary = _NONE_SEEN
+    return Diagnosis("ok", summary, ranks=lines, stall_timeout_s=stall_timeout_s)
 
 
 # ------------------------------------------------------------ the walk

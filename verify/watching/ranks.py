@@ -110,8 +110,15 @@ def stall_finding(ranks, traces) -> TraceFinding:
         pending = [r for r in t.records if r.pending] if t else []
         if pending:
             waiting[t.rank] = pending[-1]
+    return _stalled_waiting(ranks, traces, waiting) if waiting else _stalled_blind(ranks)
+
+
+def _stalled_waiting(ranks, traces, waiting: dict) -> TraceFinding:
+    """A stall in which ranks wait in traced collectives (`waiting`: rank -> its last pending
+    record): a rank that waits in none and did not finish is the culprit; else the rank that
+    issued the latest (a send or recv: one its peer never matched)."""
     idle = [r for r in ranks if r.rank not in waiting and r.status not in ("ok",)]
-    if idle and waiting:
+    if idle:
         culprit = idle[0]
         doing = instead(culprit, traces[culprit.rank], {})
         w = next(iter(waiting.values()))
@@ -121,42 +128,43 @@ def stall_finding(ranks, traces) -> TraceFinding:
         )
         return TraceFinding("stuck outside collectives", culprit.rank, message, w.describe(), w.site,
                        doing[1])  # fmt: skip
-    if waiting:
-        rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
-        if w.p2p:
-            message = f"rank {rank} waits in {w.describe()} {stacks.at(w.site)}, which its peer never matched"
-        else:
-            message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
-                f"{w.describe()} {stacks.at(w.site)}"
-            )
-        return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
-    # No traced collective is pending: the watchdog saw ranks blocked inside torch's C++ (a
-    # collective torch issues itself, such as PyTorch DDP's reducer's) while none worked. A
-    # rank parked elsewhere (a sleep, a lock) is the one they wait for.
+    rank, w = max(waiting.items(), key=lambda kv: kv[1].t_issue)
+    if w.p2p:
+        message = (
+            f"rank {rank} waits in {w.describe()} {stacks.at(w.site)}, which its peer never matched"
+        )
+    else:
+        message = f"every rank waits in a collective and none progresses; rank {rank}: " + (
+            f"{w.describe()} {stacks.at(w.site)}"
+        )
+    return TraceFinding("stalled", rank, message, w.describe(), w.site, w.site)
+
+
+def _stalled_blind(ranks) -> TraceFinding:
+    """A stall in which no traced collective is pending: the watchdog saw ranks blocked inside
+    torch's C++ (a collective torch issues itself, such as PyTorch DDP's reducer's) while
+    none worked. A rank parked elsewhere (a sleep, a lock) is the one they wait for; with
+    none, ranks that finished left early, or ranks all still in `init_process_group` never
+    met."""
     live = [r for r in ranks if r.status != "ok"]
     blocked = [r for r in live if stacks.dump_in_torch(r.stack)]
     parked = [r for r in live if r not in blocked]
     finished = [r for r in ranks if r.status == "ok"]
-
-    def at(state) -> str:
-        frames = stacks.innermost_frames(state.stack)
-        return f"rank {state.rank}" + (f" at {frames}" if frames else "")
-
     blind = f"blocked inside torch's C++, where the trace is blind ({BLIND})"
     if blocked and finished and not parked:
         # Nobody parked: the ranks blocked inside torch wait for ranks that have finished
         # (their processes not gone yet, or gone without closing the connection).
         message = (
             f"rank {_ranks(r.rank for r in finished)} left early: it finished while "
-            f"{'; '.join(at(r) for r in blocked)}: {blind}, still waits for it (the ranks ran "
+            f"{_each_at(blocked)}: {blind}, still waits for it (the ranks ran "
             "different numbers of steps: uneven data, one rank running out of batches first?)"
         )
         return TraceFinding("left early", finished[0].rank, message)
     if parked and blocked:
         culprit = parked[0].rank
         message = (
-            f"{'; '.join(at(r) for r in parked)}: parked outside any collective with no CPU "
-            f"progress, while {'; '.join(at(r) for r in blocked)}: {blind}"
+            f"{_each_at(parked)}: parked outside any collective with no CPU "
+            f"progress, while {_each_at(blocked)}: {blind}"
         )
     elif live and all(stacks.dump_in_rendezvous(r.stack) for r in live):
         # Every rank still inside init_process_group: they never met (a store at an address
@@ -166,7 +174,7 @@ def stall_finding(ranks, traces) -> TraceFinding:
         culprit = live[0].rank
         message = (
             "the ranks never met: every rank is still inside init_process_group, "
-            f"{'; '.join(at(r) for r in live)}. Are they given one address, port and world "
+            f"{_each_at(live)}. Are they given one address, port and world "
             "size? Under torchrun (and this tool) ranks meet at MASTER_ADDR:MASTER_PORT with "
             "init_method='env://', the default: a tcp:// or file:// address of the script's "
             "own is not where they meet"
@@ -175,9 +183,18 @@ def stall_finding(ranks, traces) -> TraceFinding:
         culprit = live[0].rank if live else 0
         message = (
             "no rank progressed or worked for the stall timeout, and none waits in a "
-            f"collective the trace saw: {blind}; {'; '.join(at(r) for r in live)}"
+            f"collective the trace saw: {blind}; {_each_at(live)}"
         )
     return TraceFinding("stalled", culprit, message)
+
+
+def _each_at(states: list[RankOutcome]) -> str:
+    """`rank R at FRAMES; ...`: each rank with the innermost frames of its stack dump."""
+    said = []
+    for state in states:
+        frames = stacks.innermost_frames(state.stack)
+        said.append(f"rank {state.rank}" + (f" at {frames}" if frames else ""))
+    return "; ".join(said)
 
 
 def where(state: RankOutcome, trace: Trace | None, now: float) -> str:
