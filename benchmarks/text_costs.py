@@ -194,7 +194,8 @@ def record_cost(result) -> str:
     o = result.options
     bars = [_goal_bar(what, r, goal, decided) for what, r, goal, decided in result.bars()]
     med = {k: statistics.median(v) * 1e3 for k, v in
-           (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
+           (("audited", result.audited_s), ("recorded", result.recorded_s),
+            ("unbatched", result.unbatched_s))}  # fmt: skip
     mb = result.projected_bytes / 1e6
     own = result.recorder_s_per_step - result.fingerprint_s_per_step  # sketches, collectives
     return "\n".join([
@@ -202,7 +203,7 @@ def record_cost(result) -> str:
         f"transformer, world size {o.world_size}, {o.repeats} interleaved rounds",
         f"machine: {result.machine}",
         f"audited step: median {med['audited']:.1f} ms; recorded step: median "
-        f"{med['recorded']:.1f} ms",
+        f"{med['recorded']:.1f} ms; recorded without the batch: median {med['unbatched']:.1f} ms",
         f"time inside the recorder: {result.recorder_s_per_step * 1e3:.1f} ms a recorded step "
         f"(rank 0), of which {result.fingerprint_s_per_step * 1e3:.1f} ms the fingerprints the "
         "audit then reuses",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,44 +244,9 @@ def test_a_recording_without_batches_says_nothing_about_them_and_its_json_has_th
 
 # ------------------------------------------------------------ real runs
 
-# A user's script, written fresh: a DataLoader over a DistributedSampler that shuffles (its
-# seed and epoch on the command line), DDP, cross-entropy, SGD.
-TRAIN = """
-import argparse
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--epoch", type=int, default=0)
-parser.add_argument("--steps", type=int, default=3)
-args = parser.parse_args()
-
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-X = torch.randn(64, 8)
-Y = (X.sum(dim=1) > 0).long()
-data = TensorDataset(X, Y)
-sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
-sampler.set_epoch(args.epoch)
-loader = DataLoader(data, batch_size=8, sampler=sampler)
-model = nn.parallel.DistributedDataParallel(
-    nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-loss_fn = nn.CrossEntropyLoss()
-
-for step, (x, y) in enumerate(loader):
-    if step == args.steps:
-        break
-    opt.zero_grad()
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    opt.step()
-"""
+# A user's script, written fresh as one writes it: a DataLoader over a DistributedSampler
+# that shuffles, DDP (docs/compare.md uses it too).
+TRAIN = str(Path(__file__).resolve().parent / "fixtures" / "compare" / "train_loader.py")
 
 RUNS_ON_ONE_WORKER = pytest.mark.xdist_group("compare-batches")
 
@@ -293,12 +259,11 @@ def _audit(script: str, *args: str, out: str, **flags):
 @pytest.fixture(scope="session")
 def loader_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("batches")
-    script, out, rec = base / "train.py", str(base / "runs"), str(base / "rec")
-    script.write_text(TRAIN)
-    recorded = _audit(str(script), out=out, record=rec)
+    out, rec = str(base / "runs"), str(base / "rec")
+    recorded = _audit(TRAIN, out=out, record=rec)
     with ThreadPoolExecutor(2) as pool:
-        same = pool.submit(_audit, str(script), out=out, against=rec)
-        epoch = pool.submit(_audit, str(script), "--epoch", "1", out=out, against=rec)
+        same = pool.submit(_audit, TRAIN, out=out, against=rec)
+        epoch = pool.submit(_audit, TRAIN, "--epoch", "1", out=out, against=rec)
         return {"recorded": recorded, "same": same.result(), "epoch": epoch.result()}
 
 

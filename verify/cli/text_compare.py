@@ -96,8 +96,9 @@ def _batches(c: Comparison) -> list[str]:
         return []
     departs = c.first is not None
     if departs:
-        same = (f"the same batches up to the departure (steps "
-                f"{_range((c.steps_a[0], c.first.step))} of the recording)")  # fmt: skip
+        upto = (c.steps_a[0], c.first.step)
+        steps = "step" + ("s" if upto[1] > upto[0] else "")
+        same = f"the same batches up to the departure ({steps} {_range(upto)} of the recording)"
     else:
         same = "the same batches at every compared step"
         if b.steps < c.compared_steps:

@@ -34,6 +34,7 @@ with the reason in the recording, and never reaches the script.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -89,6 +90,11 @@ class BatchTap:
         self._handles: list = []
 
     def install(self) -> None:
+        # torch.compile(module) warns when global module hooks exist (these): their second
+        # firing, inside the compiled forward, is skipped here (`is_compiling`), and a
+        # warning the script did not cause must not appear in its output
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there "
+                                r"are global hooks on modules")  # fmt: skip
         if not self._handles:
             self._handles = [
                 module_hooks.register_module_forward_pre_hook(self._enter),

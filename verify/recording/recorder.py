@@ -149,9 +149,10 @@ class Recorder:
         alike; True alone). The ranks are in step then, having just compared, so the one
         collective here waits little: agreed, one all-gather brings every rank's share of
         the sketches to the owner, and at the point before a step each rank's loss with it
-        (so the recording costs no collective of its own to check the layouts, nor one for
-        the loss). Otherwise (a layout the audit is about to report) the shares were planned
-        for different entries: the loss travels alone and the owner sketches its own
+        (and, before a step of the first optimizer, its batch: `batch.py`), so the recording
+        costs no collective of its own to check the layouts, nor one for the loss or the
+        batch. Otherwise (a layout the audit is about to report) the shares were planned for
+        different entries: the loss and the batch travel alone and the owner sketches its own
         tensors, alone; a sketch is never filed under another rank's tensor. (A tensor's
         sketch is then of the owner's replica, its fingerprint too: alike when the replicas
         are, which is what the audit checks at the same point.)"""
@@ -295,11 +296,9 @@ class Recorder:
                                batches=self._batch_table())  # fmt: skip
 
     def _batch_table(self) -> dict[str, np.ndarray]:
-        rows = self.batch_rows
-        columns = {c: np.array([r[i] for r in rows], dtype=np.float64 if c in ("sum", "norm")
-                               else np.int64)
-                   for i, c in enumerate(store.BATCH_COLUMNS)}  # fmt: skip
-        for c in ("step", "key"):
-            columns[c] = columns[c].astype(np.int32)
-        columns["micro"] = columns["micro"].astype(np.int32)
-        return columns
+        """The batch rows as `store.BATCH_COLUMNS`: the sketch's two numbers in float64,
+        the step, micro-step and key in int32, the rest in int64."""
+        narrow = {"step": np.int32, "micro": np.int32, "key": np.int32, "sum": np.float64,
+                  "norm": np.float64}  # fmt: skip
+        return {c: np.array([r[i] for r in self.batch_rows], dtype=narrow.get(c, np.int64))
+                for i, c in enumerate(store.BATCH_COLUMNS)}  # fmt: skip
