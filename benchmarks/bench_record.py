@@ -80,6 +80,10 @@ class RecordBenchResult(Measured):
     fingerprint_s_per_step: float = 0.0
     sketch_s_per_step: float = 0.0
     sketched_share: float = 0.0  # rank 0's share of the elements sketched
+    # rank 0's time inside the batch's hooks at the outermost module call and in its take,
+    # a recorded step (not the nesting count at every other module call, nor its words in
+    # the all-gather: those are in the step's ratio)
+    batch_s_per_step: float = 0.0
     # CPU time of rank 0's process a step, per arm (the load of other processes on the
     # machine stretches wall times; CPU time far less)
     audited_cpu_s: tuple[float, ...] = ()
@@ -146,6 +150,7 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
 
         arms = {arm: functools.partial(step, arm) for arm in cpu}
         warm = (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds)
+        warm_batch = recorder.batches.seconds
         samples = take_turns(ctx, arms, options.repeats, "bench-record")
         inside, prints, sketching = (
             (now - before) / (2 * options.repeats)  # two recorded arms a round
@@ -153,6 +158,7 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
                 (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds), warm
             )
         )
+        batch_s = (recorder.batches.seconds - warm_batch) / options.repeats  # (one arm)
         sketched = _share(auditor.group, recorder.sketched)
         rows = len(recorder.tensor_rows) + len(recorder.value_rows) + len(recorder.batch_rows)
         recorder.finish()  # rank 0 writes
@@ -177,6 +183,7 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         "fingerprint_s_per_step": prints,
         "sketch_s_per_step": sketching,
         "sketched_share": sketched,
+        "batch_s_per_step": batch_s,
         "audited_cpu_s": tuple(cpu["audited"]),
         "audited_hooks_s": statistics.median(hooks["audited"]),
         "recorded_hooks_s": statistics.median(hooks["recorded"]),

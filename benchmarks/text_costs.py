@@ -211,6 +211,9 @@ def record_cost(result) -> str:
         f"audited step's median: its sketching {result.sketch_s_per_step * 1e3:.1f} ms, rank 0 "
         f"sketching {result.sketched_share:.0%} of the elements; its all-gather an audit point, "
         "which brings the losses too; its rows)",
+        f"the batch's own: {result.batch_s_per_step * 1e3:.2f} ms a recorded step (rank 0: "
+        f"fingerprinting the inputs of the outermost module call, {result.batch_s_per_step * 1e3 / med['recorded']:.3%} "
+        "of the recorded step's median)",
         f"time inside the audit's hooks (rank 0, median a step): audited "
         f"{result.audited_hooks_s * 1e3:.1f} ms, recorded {result.recorded_hooks_s * 1e3:.1f} "
         f"ms; recorded - audited step median: {med['recorded'] - med['audited']:+.1f} ms",

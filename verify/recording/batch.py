@@ -34,6 +34,7 @@ with the reason in the recording, and never reaches the script.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class BatchTap:
         self.micro = 0  # micro-steps seen since the last `take`
         self.dropped = 0  # inputs seen beyond SLOTS a step, since the last `take`
         self.failed: str | None = None
+        self.seconds = 0.0  # inside `_saw` and `take`, in all (the benchmark's figure)
         self._pending: list[tuple] = []  # (micro, name, tensor's facts, its device tensors)
         self._handles: list = []
 
@@ -120,11 +122,14 @@ class BatchTap:
         self.depth = max(0, self.depth - 1)
         if self.depth or len(rest) != 2 or self.failed or not torch.is_grad_enabled():
             return
+        start = time.perf_counter()
         try:
             if any(p.requires_grad for p in module.parameters()):  # (stops at the first)
                 self._saw(args, rest[0])
         except Exception as exc:  # the tap's own failure never becomes the script's
             self.failed = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def _saw(self, args, kwargs) -> None:
         for name, t in named_tensors(args, kwargs):
@@ -146,9 +151,12 @@ class BatchTap:
     def take(self) -> tuple[list[Input], int]:
         """This rank's inputs since the last take (module docstring), and how many more were
         dropped; starts the next step's."""
+        start = time.perf_counter()
         pending, dropped = self._pending, self.dropped
         self._pending, self.micro, self.dropped = [], 0, 0
-        return [_input(*p) for p in pending], dropped
+        inputs = [_input(*p) for p in pending]
+        self.seconds += time.perf_counter() - start
+        return inputs, dropped
 
 
 def named_tensors(args, kwargs) -> Iterator[tuple[str, torch.Tensor]]:
