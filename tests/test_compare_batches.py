@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_compare import audit as audit_text
@@ -46,15 +47,28 @@ class Model(nn.Module):
         return self.inner(x if mask is None else x * mask)
 
 
+class Checkpointed(nn.Module):
+    """A block under activation checkpointing (the reentrant kind), as LLM scripts wrap one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return checkpoint(self.block, x.requires_grad_(), use_reentrant=True)
+
+
 # ------------------------------------------------------------ the tap
 
 
 def test_the_batch_is_what_the_outermost_module_with_parameters_is_given_with_grad():
     """The wrapper's call, not the model's inside it; not a loss module's (no parameters),
-    nor an evaluation under no_grad; keyword and nested inputs named as the call spells
+    nor an evaluation under no_grad, nor a checkpointed block's forward run again in the
+    backward; keyword and nested inputs named as the call spells
     them; a forward that raises leaves the nesting count where it was."""
     tap, model = batch.BatchTap(), Model()
     wrapper = nn.Sequential(model)  # (a wrapper whose forward calls the model's)
+    checkpointed = Checkpointed()
     tap.install()
     try:
         loss = nn.MSELoss()(wrapper(X[:4]), torch.zeros(4, 1))
@@ -65,6 +79,7 @@ def test_the_batch_is_what_the_outermost_module_with_parameters_is_given_with_gr
             model(torch.ones(3, 5))
         assert tap.depth == 0
         model(X[4:6])
+        checkpointed(X[6:9]).sum().backward()  # (its block's forward runs again in backward)
         inputs, dropped = tap.take()
     finally:
         tap.remove()
@@ -74,6 +89,7 @@ def test_the_batch_is_what_the_outermost_module_with_parameters_is_given_with_gr
         (1, "args[0]", 2, (2,)),
         (1, "kwargs['mask']['m']", 2, (2,)),
         (2, "args[0]", 2, (2,)),  # (the call that raised is not a micro-step)
+        (3, "args[0]", 3, (2,)),  # (nor the checkpointed block's forward in the backward)
     ]
     assert inputs[0].total == float(X[:4].sum()) and inputs[0].numel == 8
 
@@ -112,6 +128,40 @@ def test_the_ranks_batches_in_rank_order_are_the_global_batch():
     assert swapped[0].unordered == whole[0].unordered and swapped[0].ordered != whole[0].ordered
     assert (together[0].samples, together[0].numel) == (8, 16)
     assert _seen(X[1:9])[0].unordered != whole[0].unordered
+
+
+def _batch_on_rank(ctx, same: bool) -> list | None:
+    """Each rank's model given its 4 samples of X[:8], then the point before step 0 as the
+    script audit takes it (the recorder's halves around the audit's comparison), with the
+    same entries on both ranks (`same`: the batch rides in the shares' all-gather) or not
+    (a layout the audit reports: it travels with the loss). The owner's batch rows."""
+    from verify.replica_audit.compare import compare
+    from verify.script_audit.side_group import SideGroup
+
+    group, rec, model = SideGroup(), Recorder("unused"), Model()
+    rec.batches.install()
+    model(X[4 * ctx.rank : 4 * ctx.rank + 4])
+    rec.batches.remove()
+    name = "w" if same else f"w{ctx.rank}"
+    entries = [Entry(GRADS, name, torch.ones(3))]
+    rec.add(group, (), 0, "SGD", 0, 0, entries)
+    outcome = compare(group, entries, (0, 0, 0))
+    rec.settle(group, agreed=not outcome.layout)
+    return rec.batch_rows if rec.owner else None
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_two_ranks_batches_reach_the_owner_as_the_global_batch_in_rank_order(same):
+    from verify.launching import launch
+
+    run = launch(_batch_on_rank, world_size=2, args=(same,), timeout_s=120)
+    assert run.ok, run.summary()
+    rows, other = run.values
+    whole = _seen(X[:8])[0]
+    assert other is None and len(rows) == 1, rows
+    step, micro, _, samples, numel, ordered, unordered, total, _ = rows[0]
+    assert (step, micro, samples, numel, total) == (0, 0, 8, 16, whole.total)
+    assert (ordered, unordered) == (whole.ordered, whole.unordered)
 
 
 # ------------------------------------------------------------ comparing recordings

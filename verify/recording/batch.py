@@ -5,7 +5,8 @@ Which call is the batch's: the outermost module call (a forward that no other mo
 forward is running around: DDP's or FSDP's wrapper, torch.compile's `OptimizedModule`, or
 the model itself, whichever the script calls) of a module that holds a parameter requiring a
 gradient, with gradients enabled. A loss module (no parameters) and an evaluation under
-`no_grad` are not batches. Two global forward hooks count the nesting; the second, which
+`no_grad` are not batches, nor a forward run again inside the backward (activation
+checkpointing). Two global forward hooks count the nesting; the second, which
 receives the keyword arguments, reads the inputs: every tensor among the positional and
 keyword arguments, in lists, tuples and mappings, named as the call spells them (`args[0]`,
 `kwargs['labels']`, `args[0]['input_ids']`). The n-th such call since optimizer 0's last
@@ -122,6 +123,8 @@ class BatchTap:
         self.depth = max(0, self.depth - 1)
         if self.depth or len(rest) != 2 or self.failed or not torch.is_grad_enabled():
             return
+        if _in_backward():  # a checkpointed block's forward run again: not a micro-step
+            return
         start = time.perf_counter()
         try:
             if any(p.requires_grad for p in module.parameters()):  # (stops at the first)
@@ -157,6 +160,13 @@ class BatchTap:
         inputs = [_input(*p) for p in pending]
         self.seconds += time.perf_counter() - start
         return inputs, dropped
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward (where activation checkpointing
+    runs a module's forward again, outside any other module's)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def named_tensors(args, kwargs) -> Iterator[tuple[str, torch.Tensor]]:
