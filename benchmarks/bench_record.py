@@ -6,13 +6,18 @@ transformer, ~50M parameters by default, AdamW, the audit installed as in a scri
 two arms take turns every round, the order rotating (the skeleton of `costs.py`):
 
 - audited: one training step under `audit --nproc`'s step hooks;
-- recorded: the same step with the recorder on as well (`verify/recording/recorder.py`:
-  the ranks share the sketching of the gradients, the parameters and, at the audit's state
-  points, the optimizer state, `shares.py`; rank 0 gathers the sketches and keeps the rows;
-  every rank adds its loss to one all-gather).
+- recorded, without the batch: the same step with the recorder on as well
+  (`verify/recording/recorder.py`: the ranks share the sketching of the gradients, the
+  parameters and, at the audit's state points, the optimizer state, `shares.py`; rank 0
+  gathers the sketches and keeps the rows; every rank adds its loss to one all-gather), but
+  not the batch's forward hooks;
+- recorded: the same, the batch too (`batch.py`: global forward hooks around every module
+  call, and at the outermost one the fingerprints of its inputs' samples, which ride in the
+  same all-gather).
 
-The ratio recorded / audited is paired per round (goal at most 1.02), in wall time and in
-rank 0's CPU time (which the load of other processes on a shared machine distorts far less). The recording of the
+The ratios recorded / audited (goal at most 1.02) and recorded / recorded without the batch
+(goal at most 1.005) are paired per round, in wall time and in rank 0's CPU time (which the
+load of other processes on a shared machine distorts far less). The recording of the
 recorded rounds is then written and measured on disk: bytes per row, rows per step, and the
 size projected for a 100M-parameter model of the same family over 1,000 steps (its tensors
 counted on the meta device; goal at most 100 MB).
@@ -20,6 +25,7 @@ counted on the meta device; goal at most 100 MB).
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -41,6 +47,7 @@ from verify.script_audit.report import STATE_EVERY
 from verify.training.trainer import Trainer
 
 GOAL = 1.02
+BATCH_GOAL = 1.005  # what recording the batch may add to a recorded step
 GOAL_MB = 100.0
 PROJECTED_PARAMS_M, PROJECTED_STEPS = 100.0, 1000
 
@@ -59,6 +66,8 @@ class RecordBenchResult(Measured):
     parameters: int = 0
     audited_s: tuple[float, ...] = ()
     recorded_s: tuple[float, ...] = ()
+    unbatched_s: tuple[float, ...] = ()  # recorded, without the batch
+    unbatched_cpu_s: tuple[float, ...] = ()
     rows: int = 0
     recorded_steps: int = 0
     bytes_on_disk: int = 0
@@ -71,6 +80,10 @@ class RecordBenchResult(Measured):
     fingerprint_s_per_step: float = 0.0
     sketch_s_per_step: float = 0.0
     sketched_share: float = 0.0  # rank 0's share of the elements sketched
+    # rank 0's time inside the batch's hooks at the outermost module call and in its take,
+    # a recorded step (not the nesting count at every other module call, nor its words in
+    # the all-gather: those are in the step's ratio)
+    batch_s_per_step: float = 0.0
     # CPU time of rank 0's process a step, per arm (the load of other processes on the
     # machine stretches wall times; CPU time far less)
     audited_cpu_s: tuple[float, ...] = ()
@@ -87,7 +100,11 @@ class RecordBenchResult(Measured):
         return [
             goal_bar("recorded / audited step", self.recorded_s, self.audited_s, GOAL),
             goal_bar("the same, CPU time of rank 0", self.recorded_cpu_s, self.audited_cpu_s, GOAL),
-        ]
+            goal_bar("recorded / recorded without the batch", self.recorded_s, self.unbatched_s,
+                     BATCH_GOAL),
+            goal_bar("the same, CPU time of rank 0", self.recorded_cpu_s, self.unbatched_cpu_s,
+                     BATCH_GOAL),
+        ]  # fmt: skip
 
     @property
     def bytes_per_row(self) -> float:
@@ -119,28 +136,31 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         auditor.recorder = None
         trainer.step(2)
 
-        cpu: dict[bool, list[float]] = {False: [], True: []}
-        hooks: dict[bool, list[float]] = {False: [], True: []}  # time inside the audit's hooks
+        cpu: dict[str, list[float]] = {"audited": [], "unbatched": [], "recorded": []}
+        hooks: dict[str, list[float]] = {k: [] for k in cpu}  # time inside the audit's hooks
 
-        def step(recorded: bool) -> float:
-            auditor.recorder = recorder if recorded else None
+        def step(arm: str) -> float:
+            auditor.recorder = recorder if arm != "audited" else None
+            (recorder.batches.install if arm == "recorded" else recorder.batches.remove)()
             start, inside = time.process_time(), auditor.seconds
             wall = timed(lambda: next_step(trainer), ctx.device)
-            cpu[recorded].append(time.process_time() - start)
-            hooks[recorded].append(auditor.seconds - inside)
+            cpu[arm].append(time.process_time() - start)
+            hooks[arm].append(auditor.seconds - inside)
             return wall
 
-        arms = {"audited": lambda: step(False), "recorded": lambda: step(True)}
+        arms = {arm: functools.partial(step, arm) for arm in cpu}
         warm = (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds)
+        warm_batch = recorder.batches.seconds
         samples = take_turns(ctx, arms, options.repeats, "bench-record")
         inside, prints, sketching = (
-            (now - before) / options.repeats
+            (now - before) / (2 * options.repeats)  # two recorded arms a round
             for now, before in zip(
                 (recorder.seconds, recorder.fingerprint_seconds, recorder.sketch_seconds), warm
             )
         )
+        batch_s = (recorder.batches.seconds - warm_batch) / options.repeats  # (one arm)
         sketched = _share(auditor.group, recorder.sketched)
-        rows = len(recorder.tensor_rows) + len(recorder.value_rows)
+        rows = len(recorder.tensor_rows) + len(recorder.value_rows) + len(recorder.batch_rows)
         recorder.finish()  # rank 0 writes
         on_disk = sum(os.path.getsize(os.path.join(recorder.folder, f))
                       for f in os.listdir(recorder.folder)) if ctx.rank == 0 else 0  # fmt: skip
@@ -153,6 +173,8 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         "parameters": parameters(trainer.model),
         "audited_s": tuple(samples["audited"]),
         "recorded_s": tuple(samples["recorded"]),
+        "unbatched_s": tuple(samples["unbatched"]),
+        "unbatched_cpu_s": tuple(cpu["unbatched"]),
         "rows": rows,
         "recorded_steps": steps,
         "bytes_on_disk": on_disk,
@@ -161,10 +183,11 @@ def record_bench_on_rank(ctx: RankContext, options: RecordBenchOptions) -> dict:
         "fingerprint_s_per_step": prints,
         "sketch_s_per_step": sketching,
         "sketched_share": sketched,
-        "audited_cpu_s": tuple(cpu[False]),
-        "audited_hooks_s": statistics.median(hooks[False]),
-        "recorded_hooks_s": statistics.median(hooks[True]),
-        "recorded_cpu_s": tuple(cpu[True]),
+        "batch_s_per_step": batch_s,
+        "audited_cpu_s": tuple(cpu["audited"]),
+        "audited_hooks_s": statistics.median(hooks["audited"]),
+        "recorded_hooks_s": statistics.median(hooks["recorded"]),
+        "recorded_cpu_s": tuple(cpu["recorded"]),
         "projected_bytes": per_step * PROJECTED_STEPS * on_disk / max(rows, 1),
     }
 

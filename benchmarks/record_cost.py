@@ -1,6 +1,7 @@
 """`python benchmarks/record_cost.py`: what `audit --record` adds to an audited training step
-(goal: at most 2%), and the size of a recording projected for a 100M-parameter model over
-1,000 steps (goal: at most 100 MB) (`benchmarks/bench_record.py`).
+(goal: at most 2%), what recording the batch adds to it (goal: at most 0.5%), and the size
+of a recording projected for a 100M-parameter model over 1,000 steps (goal: at most 100 MB)
+(`benchmarks/bench_record.py`).
 
 A maintainer's measurement of the tool itself (benchmarks/README.md): the flags of
 `bench-audit` (`--model-size`, `--local-batch`, `--repeats`, ...), `--help`, `--json`, the

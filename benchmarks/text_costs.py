@@ -194,7 +194,8 @@ def record_cost(result) -> str:
     o = result.options
     bars = [_goal_bar(what, r, goal, decided) for what, r, goal, decided in result.bars()]
     med = {k: statistics.median(v) * 1e3 for k, v in
-           (("audited", result.audited_s), ("recorded", result.recorded_s))}  # fmt: skip
+           (("audited", result.audited_s), ("recorded", result.recorded_s),
+            ("unbatched", result.unbatched_s))}  # fmt: skip
     mb = result.projected_bytes / 1e6
     own = result.recorder_s_per_step - result.fingerprint_s_per_step  # sketches, collectives
     return "\n".join([
@@ -202,7 +203,7 @@ def record_cost(result) -> str:
         f"transformer, world size {o.world_size}, {o.repeats} interleaved rounds",
         f"machine: {result.machine}",
         f"audited step: median {med['audited']:.1f} ms; recorded step: median "
-        f"{med['recorded']:.1f} ms",
+        f"{med['recorded']:.1f} ms; recorded without the batch: median {med['unbatched']:.1f} ms",
         f"time inside the recorder: {result.recorder_s_per_step * 1e3:.1f} ms a recorded step "
         f"(rank 0), of which {result.fingerprint_s_per_step * 1e3:.1f} ms the fingerprints the "
         "audit then reuses",
@@ -210,6 +211,9 @@ def record_cost(result) -> str:
         f"audited step's median: its sketching {result.sketch_s_per_step * 1e3:.1f} ms, rank 0 "
         f"sketching {result.sketched_share:.0%} of the elements; its all-gather an audit point, "
         "which brings the losses too; its rows)",
+        f"the batch's own: {result.batch_s_per_step * 1e3:.2f} ms a recorded step (rank 0: "
+        f"fingerprinting the inputs of the outermost module call, {result.batch_s_per_step * 1e3 / med['recorded']:.3%} "
+        "of the recorded step's median)",
         f"time inside the audit's hooks (rank 0, median a step): audited "
         f"{result.audited_hooks_s * 1e3:.1f} ms, recorded {result.recorded_hooks_s * 1e3:.1f} "
         f"ms; recorded - audited step median: {med['recorded'] - med['audited']:+.1f} ms",

@@ -133,25 +133,29 @@ def cli(*argv: str) -> tuple[int, str, str]:
 @RUNS_ON_ONE_WORKER
 def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
     folder = runs["dir"] / "full"
-    assert sorted(os.listdir(folder)) == ["manifest.json", "tensors.npz", "values.npz"]
+    assert sorted(os.listdir(folder)) == ["batches.npz", "manifest.json", "tensors.npz",
+                                          "values.npz"]  # fmt: skip
     manifest = json.loads((folder / "manifest.json").read_text())
     assert (manifest["format"], manifest["version"]) == (store.FORMAT, store.VERSION)
     assert manifest["world_size"] == 2 and manifest["micro_steps"] == [1] * 6
     rec = store.read(str(folder))
     assert rec.steps == 6 and rec.optimizers == ["AdamW"]
     assert rec.tensors["blocks"].shape[1:] == (BLOCKS, COLUMNS)
+    assert sorted(set(rec.batches["step"].tolist())) == list(range(6))  # a batch every step
     assert runs["full"].verdict == "pass" and runs["tokens"].verdict == "pass"  # 1 rank: exit 0
 
 
 @RUNS_ON_ONE_WORKER
 def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance(runs):
     """1 rank x 4 micro-steps against 2 ranks x 2: the gradients are summed in another order,
-    so not bitwise; within eps (tolerance.py) at every step, the loss too."""
+    so not bitwise; within eps (tolerance.py) at every step, the loss too. The two ranks'
+    micro-batches, put together, are the one rank's global batch at every step."""
     c = runs["split"].comparison
     assert runs["split"].verdict == "pass", c
     assert not c.bitwise and "world size 1 vs 2" in c.mode_reason
     assert "micro-steps per step 4 vs 2" in c.mode_reason
     assert c.compared_steps == 4 and c.offset == 0
+    assert c.batches.steps == 4 and c.batches.first is None, c.batches
 
 
 @RUNS_ON_ONE_WORKER
@@ -341,18 +345,21 @@ def verdict_problems(base: Path) -> list[str]:
 
 def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
     """`python benchmarks/record_cost.py` (not timed here: the numbers are the maintainer's,
-    docs/compare.md): on a tiny model it pairs the two arms, writes a recording and projects
-    its size for 100M parameters x 1,000 steps."""
+    docs/compare.md): on a tiny model it pairs the three arms (audited, recorded without the
+    batch, recorded), writes a recording and projects its size for 100M parameters x 1,000
+    steps."""
     from benchmarks import record_cost
 
     argv = ["--device", "cpu", "--model-size", "0.5", "--repeats", "2", "--json"]
     assert record_cost.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "pass" and len(doc["recorded_s"]) == len(doc["audited_s"]) == 2
-    wall, cpu = doc["bars"]
+    assert len(doc["unbatched_s"]) == len(doc["unbatched_cpu_s"]) == 2
+    wall, cpu, batch_wall, batch_cpu = doc["bars"]
     assert wall["what"] == "recorded / audited step" and "CPU time" in cpu["what"]
-    for bar in (wall, cpu):
-        assert bar["low"] <= bar["value"] <= bar["high"] and bar["goal"] == 1.02
+    assert batch_wall["what"] == "recorded / recorded without the batch"
+    for bar, goal in ((wall, 1.02), (cpu, 1.02), (batch_wall, 1.005), (batch_cpu, 1.005)):
+        assert bar["low"] <= bar["value"] <= bar["high"] and bar["goal"] == goal
     assert doc["rows"] > 0 and doc["bytes_on_disk"] > 0
     assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6
 

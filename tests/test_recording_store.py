@@ -41,11 +41,15 @@ class _Alone:
 
 
 def _record(folder: Path, steps: int = 3) -> None:
-    """What `audit --record` keeps of a tiny SGD loop, through the recorder's own calls."""
+    """What `audit --record` keeps of a tiny SGD loop, through the recorder's own calls (and
+    the batch its model's forward was given at each step)."""
     torch.manual_seed(0)
     w = torch.randn(4, 3)
     recorder, group = Recorder(str(folder)), _Alone()
+    model = torch.nn.Linear(3, 1)
+    recorder.batches.install()
     for step in range(steps):
+        model(torch.full((2, 3), float(step)))
         grad = torch.full_like(w, 0.5 + step)
         before = [Entry(SETTINGS, "param_groups[0].lr", setting=0.1), Entry(GRADS, "w", grad)]
         if step == 0:
@@ -55,6 +59,7 @@ def _record(folder: Path, steps: int = 3) -> None:
         w -= 0.1 * grad
         recorder.add(group, (), 0, "SGD", step, AFTER, [Entry(PARAMS_AFTER, "w", w.clone())])
         recorder.settle(group, agreed=True)
+    recorder.batches.remove()
     recorder.finish()
 
 
@@ -128,6 +133,14 @@ CASES = {
     "fifo": (_fifo, "values.npz", "is not a regular file"),
     "zero steps": (lambda f: _manifest(f, lambda m: m.update(steps=[0])), "manifest.json",
                    "holds no optimizer step"),
+    "batches said, no file": (lambda f: (f / "batches.npz").unlink(), "batches.npz",
+                              "cannot be opened"),
+    "batches not a dict": (lambda f: _manifest(f, lambda m: m.update(batches=[])),
+                           "manifest.json", "'batches' = []"),
+    "batch key out of range": (lambda f: _rows(f, "batches.npz", "key", 99), "batches.npz",
+                               "has key 99"),
+    "batch step past the count": (lambda f: _rows(f, "batches.npz", "step", 7), "batches.npz",
+                                  "of step 7"),
 }  # fmt: skip
 
 
@@ -186,3 +199,21 @@ def test_against_a_bad_recording_refuses_before_the_script_starts(good, tmp_path
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (code, out, err)
     assert str(bad) in err and "tensors.npz" in err and "Traceback" not in err, err
     assert not marker.exists() and not list((tmp_path / "runs").glob("*")), "the run started"
+
+
+def test_a_recording_of_an_earlier_version_without_batches_reads_and_compares_as_before(
+    good, tmp_path
+):
+    """No `batches` in its manifest and no batches.npz (as written before batches were
+    recorded): read whole, and compared with a new one without a word about batches."""
+    old = tmp_path / "old"
+    shutil.copytree(good, old)
+    (old / "batches.npz").unlink()
+    _manifest(old, lambda m: m.pop("batches"))
+    assert store.read(str(old)).batches is None
+    assert len(store.read(str(good)).batches["step"]) == 3
+    for pair in ((old, good), (good, old)):
+        code, out, err = _cli("compare", *map(str, pair))
+        assert code == 0 and "AGREE bitwise" in out and "batches" not in out, (code, out, err)
+    code, out, _ = _cli("compare", str(good), str(good))
+    assert code == 0 and "batches: the same batches at every compared step" in out, out

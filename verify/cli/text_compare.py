@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS
 from verify.cli import text_audit
+from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
 from verify.recording.command import CompareResult, RecordedAudit, verdict_of
 from verify.recording.departure import Comparison
 
@@ -60,6 +61,7 @@ def comparison_lines(c: Comparison, verdict: str) -> list[str]:
     steps = f"steps {_range(c.steps_a)} of the recording, {_range(c.steps_b)} of this run"
     if c.compared_steps == 0:
         return lines + ["NOTHING COMPARED: the runs share no optimizer step (exit 2)"]
+    lines += _batches(c)
     d = c.first
     if d is None or verdict == PASS:
         how = "bitwise" if c.bitwise else "within tolerance"
@@ -78,6 +80,44 @@ def comparison_lines(c: Comparison, verdict: str) -> list[str]:
                  f"{d.phase}, {d.name}")  # fmt: skip
     assert verdict == FAULT
     return lines
+
+
+# what a batch that differs means, by how it differs, and the verb its input takes
+_BATCH_SAYS = {ORDER: ("the data order is not the same", "holds"),
+               SAMPLES: ("the data order is not the same", "holds"),
+               INPUTS: ("the model is given other inputs", "is")}  # fmt: skip
+
+
+def _batches(c: Comparison) -> list[str]:
+    """Whether the runs were given the same batches, before the first departure: a batch
+    that differs there is a finding of its own (the data order), not the gradients'."""
+    b = c.batches
+    if b is None or b.steps == 0:  # a recording without batches: nothing said, as before
+        return []
+    departs = c.first is not None
+    if departs:
+        upto = (c.steps_a[0], c.first.step)
+        steps = "step" + ("s" if upto[1] > upto[0] else "")
+        same = f"the same batches up to the departure ({steps} {_range(upto)} of the recording)"
+    else:
+        same = "the same batches at every compared step"
+        if b.steps < c.compared_steps:
+            same += f" (the {b.steps} that both runs recorded batches at)"
+    x = b.first
+    if x is None:
+        return [f"batches: {same}"]
+    at = f"step {x.step}" + (f" (this run's step {x.step_b})" if x.step_b != x.step else "")
+    if x.micro is not None:
+        at += f", micro-step {x.micro}"
+    else:
+        n = x.numbers
+        at += (f" (its whole global batch: {n['micro_steps_recording']} micro-steps in the "
+               f"recording, {n['micro_steps']} in this run)")  # fmt: skip
+    why, verb = _BATCH_SAYS[x.how]
+    found = f"the batches differ from {at}: {why}: {x.name} {verb} {x.what}"
+    if departs and x.step > c.first.step:  # after the departure: not its cause
+        return [f"batches: {same}; {found}"]
+    return [f"batches: {found}"]
 
 
 def _following(c: Comparison, first: int) -> list[str]:

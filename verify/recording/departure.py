@@ -6,7 +6,9 @@ the first (A, "the recording"), and what follows (docs/compare.md).
    that differs is named). A dtype may differ (float32 against bfloat16): it is compared
    within the coarser dtype's tolerance.
 2. The alignment (`align.py`) and the mode (`tolerance.py`: bitwise, or within eps).
-3. Step by step over the steps both runs took, each optimizer in turn, each step's phases in
+3. Whether the runs were given the same batches (`batch_departure.py`), said before the
+   first departure.
+4. Step by step over the steps both runs took, each optimizer in turn, each step's phases in
    `table.ORDER` (its inputs before what it computes from them), and at the first compared
    step the parameters before it: every entry of A against B's of the same name. A departure
    is a value that differs (bitwise mode) or is beyond eps (tolerance mode), or an entry one
@@ -29,6 +31,7 @@ from verify.checks import hints
 from verify.checks import kinds as k
 from verify.recording import tolerance
 from verify.recording.align import Alignment, align
+from verify.recording.batch_departure import Batches, compare_batches
 from verify.recording.sketch import BLOCKS, block_size, gaps, totals
 from verify.recording.store import LOSS, Recording
 from verify.recording.table import ORDER, Row, Table
@@ -91,6 +94,9 @@ class Comparison:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # tolerance mode: the agreeing entry closest to its tolerance (gap / eps, gap, eps, what)
     closest: tuple[float, float, float, str] | None = None
+    # were the runs given the same batches (`batch_departure.py`)? None: a recording
+    # without batches (of an earlier version)
+    batches: Batches | None = None
 
     @property
     def departs(self) -> bool:
@@ -151,6 +157,7 @@ def compare_recordings(a: Recording, b: Recording, align_step: int | None = None
         first=first, following=tuple(following),
         departing_steps=departing, compared_steps=len(steps_b), notes=tuple(notes),
         closest=closest[0] if closest else None,
+        batches=compare_batches(a, b, steps_a, steps_b),
     )  # fmt: skip
 
 

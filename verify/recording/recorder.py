@@ -9,12 +9,15 @@ What is kept per optimizer step, and why (docs/compare.md, "What a recording hol
   parameters (what a resumed run is aligned by);
 - after the step: the parameters (fingerprint + sketch); the optimizer state at the points
   the audit reads it (the first step and every STATE_EVERY-th): AdamW's moments are twice the
-  parameters, and a state that differs shows in the next step's parameters.
+  parameters, and a state that differs shows in the next step's parameters;
+- per micro-step of the first optimizer's steps, what the model's forward was given
+  (`batch.py`): every rank's inputs, put together as the step's global batch.
 
 Every rank takes part (the sketches are shared out, `shares.py`; every rank fingerprints what
 it audits, as the audit does; the loss is averaged over the ranks); an audit point is `add`
 before the audit's comparison and `settle` after it, with one all-gather over the audit's own
-group, which brings the shares and the losses to the owner, rank 0. Only it keeps the rows
+group, which brings the shares, the losses and the batches to the owner, rank 0. Only it
+keeps the rows
 and writes the folder, at the end of the script (`finish`, also after a crash).
 Sharded tensors are skipped as the audit skips them (`Collector.replicated`): they are not
 replicated, and rank 0's shard is not the model's tensor.
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from verify.launching.env import RECORD_ENV
-from verify.recording import shares, store
+from verify.recording import batch, shares, store
 from verify.recording.loss import LossTap
 from verify.recording.precision import AutocastTap
 from verify.recording.sketch import BLOCKS, COLUMNS, sketch, sketched_numel
@@ -51,6 +54,9 @@ class _Point:
     plan: shares.Plan
     part: shares.Part
     loss: tuple[float, int] | None  # this rank's (loss sum, backward calls), before a step
+    # this rank's inputs of the model's forward since the last step, and how many more were
+    # dropped (`batch.py`), before a step of the first optimizer
+    batch: tuple[list[batch.Input], int] | None = None
 
 
 def recorder_for(settings) -> Recorder | None:
@@ -68,6 +74,9 @@ class Recorder:
         self.folder = folder
         self.autocast = AutocastTap()
         self.tap = LossTap(on_backward=self.autocast.seen_at_backward)
+        self.batches = batch.BatchTap()
+        self.batch_rows: list[tuple] = []
+        self.batches_dropped = 0
         self.keys: dict[tuple, int] = {}
         self.phases: dict[str, int] = {}
         self.optimizers: dict[int, str] = {}
@@ -94,10 +103,12 @@ class Recorder:
     def install(self) -> None:
         self.tap.install()
         self.autocast.install()
+        self.batches.install()
 
     def remove(self) -> None:
         self.tap.remove()
         self.autocast.remove()
+        self.batches.remove()
 
     def add(self, group, roots, index: int, label: str, step: int, point: int, entries) -> None:
         """The first half of one audit point of optimizer `index` (`label`) at `step`, before
@@ -110,9 +121,10 @@ class Recorder:
         self.world_size = 1 if alone else group.size
         self.owner = alone or group.rank == 0
         self.optimizers[index] = label
-        loss = None
+        loss = seen = None
         if point == BEFORE:
             loss = self.tap.take()
+            seen = self.batches.take() if index == 0 else None
             self.compiled = self.compiled or any(
                 type(m).__name__ == "OptimizedModule" for m in roots
             )
@@ -127,7 +139,7 @@ class Recorder:
             self.sketch_seconds += part.seconds
             self.fingerprint_seconds += part.fingerprint_seconds
             self.sketched += plan.elements[rank]
-            self._pending = _Point(index, step, entries, tensors, plan, part, loss)
+            self._pending = _Point(index, step, entries, tensors, plan, part, loss, seen)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -137,9 +149,10 @@ class Recorder:
         alike; True alone). The ranks are in step then, having just compared, so the one
         collective here waits little: agreed, one all-gather brings every rank's share of
         the sketches to the owner, and at the point before a step each rank's loss with it
-        (so the recording costs no collective of its own to check the layouts, nor one for
-        the loss). Otherwise (a layout the audit is about to report) the shares were planned
-        for different entries: the loss travels alone and the owner sketches its own
+        (and, before a step of the first optimizer, its batch: `batch.py`), so the recording
+        costs no collective of its own to check the layouts, nor one for the loss or the
+        batch. Otherwise (a layout the audit is about to report) the shares were planned for
+        different entries: the loss and the batch travel alone and the owner sketches its own
         tensors, alone; a sketch is never filed under another rank's tensor. (A tensor's
         sketch is then of the owner's replica, its fingerprint too: alike when the replicas
         are, which is what the audit checks at the same point.)"""
@@ -151,9 +164,11 @@ class Recorder:
             self.micro_steps.append(p.loss[1])
         start = time.perf_counter()
         try:
-            tables, losses = self._gather(group, agreed, p)
+            tables, losses, batches = self._gather(group, agreed, p)
             if not self.owner:
                 return
+            if p.batch is not None:
+                self._batch_rows(p, batches)
             if p.loss is not None and p.loss[1]:
                 total = sum(t for t, _ in losses) / len(losses)
                 self._value(p.index, p.step, store.LOSS, "loss", total)
@@ -165,27 +180,48 @@ class Recorder:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _gather(self, group, agreed: bool, p: _Point) -> tuple[list | None, list]:
+    def _gather(self, group, agreed: bool, p: _Point) -> tuple[list | None, list, list]:
         """(every rank's sketch table, or None where the shares cannot be put together;
-        every rank's (loss sum, backward calls) at the point before a step, else [])."""
+        every rank's (loss sum, backward calls) at the point before a step, else []; every
+        rank's packed batch (`batch.pack`) at the point before a step of the first
+        optimizer, else [])."""
         mine = [p.loss] if p.loss is not None else []
+        words = batch.pack(*p.batch) if p.batch is not None else None
         if not group.ready():
-            return [p.part.table], mine
+            return [p.part.table], mine, [words] if words is not None else []
         if not agreed:  # every rank gathers, at a point before a step or not (ranks that
-            # disagree may be at different points): a rank without a loss sends no calls
+            # disagree may be at different points): a rank without a loss sends no calls,
+            # one without a batch no inputs, so that every rank sends the same size
             loss = p.loss if p.loss is not None else (float("nan"), 0)
-            rows = group.gather_tensor(torch.tensor(loss, dtype=torch.float64))
-            return None, [(float(r[0]), int(r[1])) for r in rows]  # (read only with a loss)
-        table = p.part.table
-        if p.loss is not None:  # the loss's float64 bits ride in two more rows, unchanged
+            words = words if words is not None else batch.pack([], 0)
+            message = torch.cat([torch.tensor(loss, dtype=torch.float64).view(torch.int64), words])
+            rows = group.gather_tensor(message)
+            losses = [(float(f[0]), int(f[1])) for f in (r[:2].view(torch.float64) for r in rows)]
+            batches = [r[2:] for r in rows] if p.batch is not None else []
+            return None, losses, batches  # (losses read only with a loss)
+        table, n = p.part.table, len(p.part.table)
+        if p.loss is not None:  # the loss's float64 bits ride in two more rows, unchanged,
             bits = torch.tensor(p.loss, dtype=torch.float64).view(torch.float32)
             table = torch.cat([table, bits.view(-1, COLUMNS)])
+        if words is not None:  # and the batch's words in one row each
+            table = torch.cat([table, words.view(torch.float32).view(-1, COLUMNS)])
         got = group.gather_tensor(table)
         if p.loss is None:
-            return got, []
-        n = len(p.part.table)
-        losses = [g[n:].reshape(-1).view(torch.float64).tolist() for g in got]
-        return [g[:n] for g in got], [(t, int(c)) for t, c in losses]
+            return got, [], []
+        losses = [g[n : n + 2].reshape(-1).view(torch.float64).tolist() for g in got]
+        batches = (
+            [g[n + 2 :].reshape(-1).view(torch.int64) for g in got] if words is not None else []
+        )
+        return [g[:n] for g in got], [(t, int(c)) for t, c in losses], batches
+
+    def _batch_rows(self, p: _Point, packed: list) -> None:
+        """The owner's rows of the step's global batch (`batch.union` of every rank's)."""
+        inputs, dropped = batch.union(p.batch[0], packed)
+        self.batches_dropped += dropped
+        for x in inputs:
+            key = self._key(x.name, x.dtype, x.shape)
+            self.batch_rows.append((p.step, x.micro, key, x.samples, x.numel, x.ordered,
+                                    x.unordered, x.total, max(x.square, 0.0) ** 0.5))  # fmt: skip
 
     def _rows(self, p: _Point, sketches) -> None:
         """The owner's rows of audit point `p`: a tensor row per tensor (`sketches` in the
@@ -237,6 +273,7 @@ class Recorder:
             ],
             "argv": list(sys.argv),
             "stopped": self.stopped,
+            "batches": {"dropped": self.batches_dropped, "stopped": self.batches.failed},
         }
         tensors = {
             "optimizer": t[:, 0].astype(np.int16), "step": t[:, 1].astype(np.int32),
@@ -255,4 +292,13 @@ class Recorder:
         keys = sorted(self.keys, key=self.keys.get)
         phases = sorted(self.phases, key=self.phases.get)
         optimizers = [self.optimizers[i] for i in sorted(self.optimizers)]
-        return store.Recording(meta, keys, phases, optimizers, tensors, values)
+        return store.Recording(meta, keys, phases, optimizers, tensors, values,
+                               batches=self._batch_table())  # fmt: skip
+
+    def _batch_table(self) -> dict[str, np.ndarray]:
+        """The batch rows as `store.BATCH_COLUMNS`: the sketch's two numbers in float64,
+        the step, micro-step and key in int32, the rest in int64."""
+        narrow = {"step": np.int32, "micro": np.int32, "key": np.int32, "sum": np.float64,
+                  "norm": np.float64}  # fmt: skip
+        return {c: np.array([r[i] for r in self.batch_rows], dtype=narrow.get(c, np.int64))
+                for i, c in enumerate(store.BATCH_COLUMNS)}  # fmt: skip

@@ -10,6 +10,12 @@
     DIR/values.npz      one row per setting (param_groups[g].lr, ...), scalar state entry
                         and loss, per step: optimizer, step, phase, key, the value (float64;
                         NaN for a text setting) and its exact bits
+    DIR/batches.npz     one row per input of the model's forward, per micro-step of each step
+                        of the first optimizer (`batch.py`): step, micro-step, key (name,
+                        dtype, a sample's shape), samples, element count, the two numbers of
+                        its samples' fingerprints (in order, in any order), sum and norm; the
+                        manifest's `batches` says it was recorded (a recording of an earlier
+                        version has neither, and compares as before, without its batches)
 
 Numbers are little-endian numpy arrays (no pickle: `np.load(allow_pickle=False)`). A row is
 about 160 bytes whatever the tensor's size; what is recorded per step is in
@@ -48,6 +54,8 @@ TENSOR_COLUMNS = {"optimizer": "iu", "step": "iu", "phase": "iu", "key": "iu", "
                   "hash": "iu", "blocks": "f"}  # fmt: skip
 VALUE_COLUMNS = {"optimizer": "iu", "step": "iu", "phase": "iu", "key": "iu", "value": "f",
                  "hash": "iu"}  # fmt: skip
+BATCH_COLUMNS = {"step": "iu", "micro": "iu", "key": "iu", "samples": "iu", "numel": "iu",
+                 "hash": "iu", "unordered": "iu", "sum": "f", "norm": "f"}  # fmt: skip
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Recording:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     values: dict[str, np.ndarray] = field(default_factory=dict)
     path: str = ""
+    batches: dict[str, np.ndarray] | None = None  # None: not recorded (an earlier version)
 
     @property
     def steps(self) -> int:
@@ -73,6 +82,8 @@ class Recording:
         os.makedirs(folder, exist_ok=True)
         np.savez_compressed(os.path.join(folder, "tensors.npz"), **self.tensors)
         np.savez_compressed(os.path.join(folder, "values.npz"), **self.values)
+        if self.batches is not None:
+            np.savez_compressed(os.path.join(folder, "batches.npz"), **self.batches)
         manifest = {
             "format": FORMAT, "version": VERSION, **self.meta,
             "optimizers": self.optimizers, "phases": self.phases,
@@ -147,6 +158,9 @@ def read(folder: str) -> Recording:
     rec = Recording(manifest, keys, phases, optimizers, tensors, values, folder)
     for name, table in (("tensors.npz", tensors), ("values.npz", values)):
         _rows_in_range(folder, name, table, rec)
+    if isinstance(manifest.get("batches"), dict):  # (recorded since the format's batches)
+        rec.batches = _table(folder, "batches.npz", BATCH_COLUMNS)
+        _rows_in_range(folder, "batches.npz", rec.batches, rec)
     return rec
 
 
@@ -196,8 +210,12 @@ def _fields(folder: str, m: dict) -> None:
         "phases": (texts, "a list of phase names"),
         "keys": (lambda x: isinstance(x, list) and all(map(key, x)),
                  "a list of [name, dtype, shape]"),
+        "batches": (lambda x: isinstance(x, dict) and count(x.get("dropped")),
+                    "the batches' facts ({'dropped': a count})"),
     }  # fmt: skip
     for name, (ok, what) in wanted.items():
+        if name == "batches" and name not in m:
+            continue  # a recording of an earlier version: no batches
         if name not in m:
             raise _bad(folder, "manifest.json", f"has no {name!r} ({what})")
         if not ok(m[name]):
@@ -241,17 +259,20 @@ def _table(folder: str, name: str, columns: dict[str, str]) -> dict[str, np.ndar
 
 def _rows_in_range(folder: str, name: str, table: dict, rec: Recording) -> None:
     """Every row's optimizer, phase and key an index into the manifest's lists; its step
-    below its optimizer's count of steps."""
+    below its optimizer's count of steps (a batch's: the first optimizer's)."""
     bounds = (("optimizer", len(rec.optimizers)), ("phase", len(rec.phases)),
               ("key", len(rec.keys)))  # fmt: skip
     for column, n in bounds:
+        if column not in table:  # a batch row is of the first optimizer, and of no phase
+            continue
         a = table[column].astype(np.int64)
         outside = (a < 0) | (a >= n)
         if outside.any():
             i = int(np.argmax(outside))
             raise _bad(folder, name, f"row {i} has {column} {a[i]}: the manifest lists "
                        f"{n} (0 to {n - 1})")  # fmt: skip
-    steps = np.asarray(rec.meta["steps"], dtype=np.int64)[table["optimizer"].astype(np.int64)]
+    optimizer = table.get("optimizer", np.zeros(len(table["step"]), dtype=np.int64))
+    steps = np.asarray(rec.meta["steps"], dtype=np.int64)[optimizer.astype(np.int64)]
     step = table["step"].astype(np.int64)
     outside = (step < 0) | (step >= steps)
     if outside.any():

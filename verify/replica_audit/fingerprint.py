@@ -96,10 +96,12 @@ def fingerprints(
     docstring) mixed into one on the host, after one copy per device (`each`: as
     `fingerprint_table`'s)."""
     rows = fingerprint_table(tensors, torch.device("cpu"), each).tolist()
-    return [
-        signed(mix(code ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
-        for code, total, weight in rows
-    ]
+    return [mixed(code, total, weight) for code, total, weight in rows]
+
+
+def mixed(code: int, total: int, weight: int) -> int:
+    """One row of `fingerprint_table` mixed into one signed 64-bit fingerprint."""
+    return signed(mix(code ^ mix(total & _MASK) ^ mix((weight & _MASK) ^ 0x5BD1E995)))
 
 
 def _pieces(words: torch.Tensor) -> list[torch.Tensor]:
