@@ -355,6 +355,14 @@ def test_no_process_of_the_run_writes_its_report_after_the_verdict(tmp_path, mon
     assert result.audit.audited_steps == 1
 
 
+def _await_two_joined(tool: subprocess.Popen, out: Path) -> None:
+    """Until both ranks of `hang --out OUT` joined (the tool still running, within 240 s)."""
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("hang_*/rank*.joined"))) < 2:
+        assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
+        time.sleep(0.2)
+
+
 def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
     """SIGINT to the tool alone (torchrun's workers are in sessions of their own, which a
     terminal's Ctrl-C never reaches): exit 130, and none of the launcher's processes left."""
@@ -366,10 +374,7 @@ def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while len(list(tmp_path.glob("hang_*/rank*.joined"))) < 2:
-            assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
-            time.sleep(0.2)
+        _await_two_joined(tool, tmp_path)
         below = descendants(tool.pid)
         assert len(below) >= 3  # the agent and its two workers
         tool.send_signal(signal.SIGINT)
@@ -421,10 +426,7 @@ def test_ctrl_c_at_a_terminal_of_an_mp_spawn_script(tmp_path):
         start_new_session=True,  # a group of its own, as a shell's foreground job
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while len(list(tmp_path.glob("hang_*/rank*.joined"))) < 2:
-            assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
-            time.sleep(0.2)
+        _await_two_joined(tool, tmp_path)
         below = descendants(tool.pid)
         os.killpg(tool.pid, signal.SIGINT)
         _, err = tool.communicate(timeout=60)
