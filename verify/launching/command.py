@@ -98,8 +98,11 @@ class _Watch:
         self._last_change = time.monotonic()
 
     def _join(self) -> None:
-        """Ranks that joined since the last look (a world size is known once one has)."""
-        for r in range(max(self.world, 1)):
+        """Ranks that joined since the last look (a world size is known once one has). Until
+        then the folder is listed: the first to join may be any rank, as where rank 1 joins and
+        dies before rank 0, slow on a loaded machine, has written its join."""
+        candidates = range(self.world) if self.world else launched.joined_ranks(self.report_dir)
+        for r in candidates:
             if r in self.local.ranks:
                 continue
             joined = launched.read_joined(self.report_dir, r)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -172,6 +173,19 @@ def _adopt() -> None:
 
 def _joined(rank: int) -> str:
     return f"rank{rank}.joined"
+
+
+_JOINED = re.compile(r"rank(\d+)\.joined")
+
+
+def joined_ranks(folder: str) -> list[int]:
+    """The ranks whose join is noted in `folder`, in rank order (their files unread: a name
+    read by `read_joined` is checked then). Raises `private.Untrusted` for a folder that is not
+    this user's alone."""
+    from verify.launching import private
+
+    found = (_JOINED.fullmatch(name) for name in private.names(folder))
+    return sorted(int(m.group(1)) for m in found if m)
 
 
 def read_joined(folder: str, rank: int) -> tuple[int, int] | None:

@@ -73,6 +73,16 @@ def read(folder: str | os.PathLike, name: str) -> bytes | None:
             return f.read()
 
 
+def names(folder: str | os.PathLike) -> list[str]:
+    """The names of the messages in `folder`, listed through its checked descriptor (none: no
+    folder); Untrusted if the folder is not this user's alone. A name says only that a file is
+    there: its content is trusted once `read` has checked it."""
+    if not os.path.lexists(folder):
+        return []
+    with _opened(folder) as dir_fd:
+        return os.listdir(dir_fd)
+
+
 def write(folder: str | os.PathLike, name: str, data: bytes, *, asked: bool = False) -> bool:
     """Leave the message `name` in `folder`, 0600, whole or not at all; False (nothing
     written) once the folder is sealed, unless the message is an answer the tool `asked` for
