@@ -28,9 +28,9 @@ its file:line and no verdict (`unmappable.py`, exit 2).
 from __future__ import annotations
 
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
 from verify.oncpu.report import REPORT_SUFFIX
 from verify.oncpu.unmappable import CannotMap, UnmappableCall, classify
+from verify.patching import Patches
 
 
 class Rehearsal:

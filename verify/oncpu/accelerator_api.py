@@ -32,8 +32,8 @@ import torch
 from verify.oncpu import standins
 from verify.oncpu.cuda_api import properties
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
 from verify.oncpu.standins import Node
+from verify.patching import Patches
 
 PREFIX = "torch.accelerator"
 MEMORY = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
@@ -59,15 +59,15 @@ def install(ledger: Ledger, patches: Patches, node: Node) -> None:
         for name, value in answers.items():
             if hasattr(owner, name):
                 stand_in = standins.answer(ledger, f"{PREFIX}.{name}", getattr(owner, name), value)
-                patches.set(owner, name, stand_in)
+                patches.apply(owner, name, stand_in)
         for name in (*RESETS, "synchronize"):
             if hasattr(owner, name):
-                patches.set(owner, name, standins.no_op(ledger, f"{PREFIX}.{name}"))
+                patches.apply(owner, name, standins.no_op(ledger, f"{PREFIX}.{name}"))
     _devices(ledger, patches, node, acc)
     _streams(ledger, patches, acc)
     why = "an accelerator graph replays captured GPU kernels, and a CPU rank has none to capture"
     if hasattr(acc, "Graph"):
-        patches.set(acc, "Graph", standins.refuse(ledger, f"{PREFIX}.Graph", why))
+        patches.apply(acc, "Graph", standins.refuse(ledger, f"{PREFIX}.Graph", why))
 
 
 def _devices(ledger: Ledger, patches: Patches, node: Node, acc) -> None:
@@ -99,7 +99,7 @@ def _devices(ledger: Ledger, patches: Patches, node: Node, acc) -> None:
                            ("set_device_index", set_index), ("set_device_idx", set_index),
                            ("device_index", device_index)):  # fmt: skip
         if hasattr(acc, name):
-            patches.set(acc, name, stand_in)
+            patches.apply(acc, name, stand_in)
 
 
 def _streams(ledger: Ledger, patches: Patches, acc) -> None:
@@ -113,5 +113,5 @@ def _streams(ledger: Ledger, patches: Patches, acc) -> None:
             return torch.cuda.Stream()
 
     original = acc.current_stream
-    patches.set(acc, "current_stream", current_stream)
-    patches.set(acc, "set_stream", standins.no_op(ledger, f"{PREFIX}.set_stream"))
+    patches.apply(acc, "current_stream", current_stream)
+    patches.apply(acc, "set_stream", standins.no_op(ledger, f"{PREFIX}.set_stream"))

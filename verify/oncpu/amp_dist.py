@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verify.oncpu.devices import is_cuda
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
+from verify.patching import Patches
 
 
 def install(ledger: Ledger, patches: Patches) -> None:
@@ -43,7 +43,7 @@ def _autocast(ledger: Ledger, patches: Patches) -> None:
             device_type = "cpu"
         init(self, device_type, dtype, enabled, cache_enabled)
 
-    patches.set(autocast_mode.autocast, "__init__", __init__)
+    patches.apply(autocast_mode.autocast, "__init__", __init__)
 
 
 def _grad_scaler(ledger: Ledger, patches: Patches) -> None:
@@ -57,7 +57,7 @@ def _grad_scaler(ledger: Ledger, patches: Patches) -> None:
             device = "cpu"
         init(self, device, *args, **kwargs)
 
-    patches.set(grad_scaler.GradScaler, "__init__", __init__)
+    patches.apply(grad_scaler.GradScaler, "__init__", __init__)
 
 
 def _gloo(backend, ledger: Ledger, call: str):
@@ -98,9 +98,9 @@ def _groups(ledger: Ledger, patches: Patches) -> None:
         return barrier(group, async_op, **kwargs)
 
     for owner in (dist, c10d):
-        patches.set(owner, "init_process_group", init_process_group)
-        patches.set(owner, "new_group", new_group_gloo)
-        patches.set(owner, "barrier", barrier_all)
+        patches.apply(owner, "init_process_group", init_process_group)
+        patches.apply(owner, "new_group", new_group_gloo)
+        patches.apply(owner, "barrier", barrier_all)
 
     class ProcessGroupNCCL:
         def __init__(self, *args, **kwargs):
@@ -110,7 +110,7 @@ def _groups(ledger: Ledger, patches: Patches) -> None:
         def Options(*args, **kwargs):  # noqa: N802 - torch's name
             ledger.refuse("torch.distributed.ProcessGroupNCCL.Options", _NCCL)
 
-    patches.set(dist, "ProcessGroupNCCL", ProcessGroupNCCL)
+    patches.apply(dist, "ProcessGroupNCCL", ProcessGroupNCCL)
     _device_mesh(ledger, patches)
 
 
@@ -128,8 +128,8 @@ def _device_mesh(ledger: Ledger, patches: Patches) -> None:
             device_type = "cpu"
         return init(device_type, *args, **kwargs)
 
-    patches.set(device_mesh, "init_device_mesh", init_device_mesh)
-    patches.set(dist, "init_device_mesh", init_device_mesh)
+    patches.apply(device_mesh, "init_device_mesh", init_device_mesh)
+    patches.apply(dist, "init_device_mesh", init_device_mesh)
 
 
 def _ddp(ledger: Ledger, patches: Patches) -> None:
@@ -151,4 +151,4 @@ def _ddp(ledger: Ledger, patches: Patches) -> None:
             kwargs.pop("output_device", None)
         init(self, module, **kwargs)
 
-    patches.set(DistributedDataParallel, "__init__", __init__)
+    patches.apply(DistributedDataParallel, "__init__", __init__)

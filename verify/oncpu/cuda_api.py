@@ -35,8 +35,8 @@ import torch
 from verify.launching.env import LAUNCHED_ON_CPU_ENV
 from verify.oncpu import standins
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
 from verify.oncpu.standins import Node
+from verify.patching import Patches
 
 NAME = "CPU (rehearsing CUDA: --on-cpu)"
 
@@ -82,7 +82,7 @@ def _questions(ledger: Ledger, patches: Patches, node: Node) -> None:
         "mem_get_info": (total, total), "utilization": 0,
     }.items():  # fmt: skip
         original = getattr(cuda, name)
-        patches.set(cuda, name, standins.answer(ledger, f"torch.cuda.{name}", original, value))
+        patches.apply(cuda, name, standins.answer(ledger, f"torch.cuda.{name}", original, value))
 
     def current_device():
         if standins.torch_asks():
@@ -90,7 +90,7 @@ def _questions(ledger: Ledger, patches: Patches, node: Node) -> None:
         ledger.mapped("torch.cuda.current_device()", "the device set", direct=True)
         return node.device
 
-    patches.set(cuda, "current_device", current_device)
+    patches.apply(cuda, "current_device", current_device)
 
 
 def _ordering(ledger: Ledger, patches: Patches, node: Node) -> None:
@@ -99,17 +99,17 @@ def _ordering(ledger: Ledger, patches: Patches, node: Node) -> None:
     for name in ("synchronize", "empty_cache", "ipc_collect", "init", "reset_peak_memory_stats",
                  "reset_max_memory_allocated", "reset_max_memory_cached",
                  "reset_accumulated_memory_stats"):  # fmt: skip
-        patches.set(cuda, name, standins.no_op(ledger, f"torch.cuda.{name}"))
+        patches.apply(cuda, name, standins.no_op(ledger, f"torch.cuda.{name}"))
 
     def set_device(device):
         ledger.mapped("torch.cuda.set_device()", "no-op")
         node.choose(device)
 
-    patches.set(cuda, "set_device", set_device)
-    patches.set(cuda, "device", _device_context(ledger))
+    patches.apply(cuda, "set_device", set_device)
+    patches.apply(cuda, "device", _device_context(ledger))
     for name in ("range_push", "range_pop", "mark"):
-        patches.set(cuda.nvtx, name, standins.no_op(ledger, f"torch.cuda.nvtx.{name}"))
-    patches.set(cuda.nvtx, "range", lambda *a, **k: _counted(ledger, "nvtx.range"))
+        patches.apply(cuda.nvtx, name, standins.no_op(ledger, f"torch.cuda.nvtx.{name}"))
+    patches.apply(cuda.nvtx, "range", lambda *a, **k: _counted(ledger, "nvtx.range"))
 
 
 def _generators(ledger: Ledger, patches: Patches, node: Node) -> None:
@@ -125,7 +125,7 @@ def _generators(ledger: Ledger, patches: Patches, node: Node) -> None:
             ledger.mapped(f"torch.cuda.{name}()", "the CPU generator", direct=True)
             return how(*args, **kwargs)
 
-        patches.set(cuda, name, call)
+        patches.apply(cuda, name, call)
 
     seed("manual_seed", lambda s: generator.manual_seed(int(s)))
     seed("manual_seed_all", lambda s: generator.manual_seed(int(s)))
@@ -143,15 +143,15 @@ def _refusals(ledger: Ledger, patches: Patches) -> None:
     cuda = torch.cuda
     graphs = "a CUDA graph replays captured GPU kernels, and a CPU rank has none to capture"
     for name in ("CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle"):
-        patches.set(cuda, name, standins.refuse(ledger, f"torch.cuda.{name}", graphs))
+        patches.apply(cuda, name, standins.refuse(ledger, f"torch.cuda.{name}", graphs))
     nccl = "it calls NCCL itself, and the rehearsal's ranks talk over gloo"
     for name in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "version",
                  "unique_id", "init_rank"):  # fmt: skip
-        patches.set(cuda.nccl, name, standins.refuse(ledger, f"torch.cuda.nccl.{name}", nccl))
+        patches.apply(cuda.nccl, name, standins.refuse(ledger, f"torch.cuda.nccl.{name}", nccl))
     jit = "the jiterator compiles a CUDA kernel, which has no CPU code to run"
     for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):
         refused = standins.refuse(ledger, f"torch.cuda.jiterator.{name}", jit)
-        patches.set(cuda.jiterator, name, refused)
+        patches.apply(cuda.jiterator, name, refused)
 
 
 def _streams(ledger: Ledger, patches: Patches) -> None:
@@ -203,13 +203,13 @@ def _streams(ledger: Ledger, patches: Patches) -> None:
             return True
 
     cuda = torch.cuda
-    patches.set(cuda, "Event", Event)
-    patches.set(cuda, "Stream", Stream)
-    patches.set(cuda, "ExternalStream", Stream)
+    patches.apply(cuda, "Event", Event)
+    patches.apply(cuda, "Stream", Stream)
+    patches.apply(cuda, "ExternalStream", Stream)
     for name in ("current_stream", "default_stream"):
-        patches.set(cuda, name, lambda device=None, name=name: _answer(ledger, name, Stream))
-    patches.set(cuda, "stream", lambda stream=None: _counted(ledger, "stream"))
-    patches.set(cuda, "set_stream", lambda stream: ledger.mapped("torch.cuda.set_stream()", "no-op"))  # fmt: skip
+        patches.apply(cuda, name, lambda device=None, name=name: _answer(ledger, name, Stream))
+    patches.apply(cuda, "stream", lambda stream=None: _counted(ledger, "stream"))
+    patches.apply(cuda, "set_stream", lambda stream: ledger.mapped("torch.cuda.set_stream()", "no-op"))  # fmt: skip
 
 
 def _answer(ledger: Ledger, name: str, make):
@@ -252,8 +252,8 @@ def _extensions(ledger: Ledger, patches: Patches) -> None:
             ledger.refuse(f"cpp_extension.load_inline({name!r})", why)
         return load_inline(name, cpp_sources, cuda_sources, *args, **kwargs)
 
-    patches.set(cpp_extension, "load", load_checked)
-    patches.set(cpp_extension, "load_inline", load_inline_checked)
+    patches.apply(cpp_extension, "load", load_checked)
+    patches.apply(cpp_extension, "load_inline", load_inline_checked)
 
 
 def _memory() -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
+from verify.patching import Patches
 
 # torch's functions that make a tensor and take `device=`.
 FACTORIES = (
@@ -47,13 +47,13 @@ def install(ledger: Ledger, patches: Patches) -> None:
     _tensor_methods(ledger, patches)
     for name in FACTORIES:
         if hasattr(torch, name):
-            patches.set(torch, name, _factory(getattr(torch, name), f"torch.{name}", ledger))
+            patches.apply(torch, name, _factory(getattr(torch, name), f"torch.{name}", ledger))
     for name in NEW_METHODS:
-        patches.set(torch.Tensor, name, _factory(getattr(torch.Tensor, name), name, ledger))
+        patches.apply(torch.Tensor, name, _factory(getattr(torch.Tensor, name), name, ledger))
     _modules(ledger, patches)
     _default_device(ledger, patches)
     _load(ledger, patches)
-    patches.set(torch, "Generator", _generator(ledger))
+    patches.apply(torch, "Generator", _generator(ledger))
 
 
 def _tensor_methods(ledger: Ledger, patches: Patches) -> None:
@@ -82,10 +82,10 @@ def _tensor_methods(ledger: Ledger, patches: Patches) -> None:
     def record_stream(self, stream):
         ledger.mapped("Tensor.record_stream()", "no-op")
 
-    patches.set(torch.Tensor, "to", to_cpu)
-    patches.set(torch.Tensor, "cuda", cuda)
-    patches.set(torch.Tensor, "pin_memory", pin_memory)
-    patches.set(torch.Tensor, "record_stream", record_stream)
+    patches.apply(torch.Tensor, "to", to_cpu)
+    patches.apply(torch.Tensor, "cuda", cuda)
+    patches.apply(torch.Tensor, "pin_memory", pin_memory)
+    patches.apply(torch.Tensor, "record_stream", record_stream)
 
 
 def _factory(original, name: str, ledger: Ledger):
@@ -123,7 +123,7 @@ def _load(ledger: Ledger, patches: Patches) -> None:
         return load(*args, **kwargs)
 
     load_on_cpu.__doc__ = load.__doc__
-    patches.set(torch, "load", load_on_cpu)
+    patches.apply(torch, "load", load_on_cpu)
 
 
 def _modules(ledger: Ledger, patches: Patches) -> None:
@@ -150,8 +150,8 @@ def _modules(ledger: Ledger, patches: Patches) -> None:
         with ledger.quiet():
             return module_cuda(self, device)
 
-    patches.set(nn.Module, "to", to)
-    patches.set(nn.Module, "cuda", cuda)
+    patches.apply(nn.Module, "to", to)
+    patches.apply(nn.Module, "cuda", cuda)
 
 
 def _default_device(ledger: Ledger, patches: Patches) -> None:
@@ -167,7 +167,7 @@ def _default_device(ledger: Ledger, patches: Patches) -> None:
             device = CPU
         init(self, device)
 
-    patches.set(_device.DeviceContext, "__init__", __init__)
+    patches.apply(_device.DeviceContext, "__init__", __init__)
 
 
 def _generator(ledger: Ledger):

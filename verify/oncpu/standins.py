@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from verify.oncpu.ledger import Ledger
-from verify.oncpu.patching import Patches
+from verify.patching import Patches
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -99,7 +99,7 @@ def count_unmapped(ledger: Ledger, patches: Patches, owner, prefix: str) -> None
             continue
         if (getattr(original, "__module__", None) or "").split(".")[:2] != home:
             continue
-        patches.set(owner, name, _counted(ledger, f"{prefix}.{name}()", original))
+        patches.apply(owner, name, _counted(ledger, f"{prefix}.{name}()", original))
 
 
 def count_every_unmapped(ledger: Ledger, patches: Patches) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from verify.patching import Patches
+
 
 class LossTap:
     """Sums what backward is called on (module docstring), until `take()`."""
@@ -28,22 +30,20 @@ class LossTap:
         self.on_backward = on_backward
         self._sum: torch.Tensor | None = None
         self.calls = 0
-        self._original = None
+        self._patches = Patches()
 
     def install(self) -> None:
-        original = self._original = torch.autograd.backward
+        original = torch.autograd.backward
         tap = self
 
         def backward(tensors, grad_tensors=None, *args, **kwargs):
             tap.saw(tensors, grad_tensors)
             return original(tensors, grad_tensors, *args, **kwargs)
 
-        torch.autograd.backward = backward
+        self._patches.apply(torch.autograd, "backward", backward)
 
     def remove(self) -> None:
-        if self._original is not None:
-            torch.autograd.backward = self._original
-            self._original = None
+        self._patches.restore()
 
     def saw(self, tensors, grad_tensors) -> None:
         self.calls += 1

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import torch
 
+from verify.patching import Patches
+
 
 class AutocastTap:
     """The dtypes autocast was entered with, enabled, while installed (`dtypes`)."""
 
     def __init__(self) -> None:
         self.dtypes: set[str] = set()
-        self._original = None
+        self._patches = Patches()
 
     def install(self) -> None:
         from torch.amp import autocast_mode
 
-        original = self._original = autocast_mode.autocast.__enter__
+        original = autocast_mode.autocast.__enter__
         tap = self
 
         def __enter__(ctx):
@@ -38,14 +40,10 @@ class AutocastTap:
                 tap.dtypes.add(_name(ctx.fast_dtype))
             return entered
 
-        autocast_mode.autocast.__enter__ = __enter__
+        self._patches.apply(autocast_mode.autocast, "__enter__", __enter__)
 
     def remove(self) -> None:
-        if self._original is not None:
-            from torch.amp import autocast_mode
-
-            autocast_mode.autocast.__enter__ = self._original
-            self._original = None
+        self._patches.restore()
 
     def seen_at_backward(self, device_type: str) -> None:
         """A backward called under autocast (on `device_type`): its dtype counts too."""

@@ -22,6 +22,7 @@ import torch.autograd.graph
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from verify.patching import Patches
 from verify.sanitize import collectives
 from verify.sanitize.access import AccessMode, Held, HeldMemory
 from verify.sanitize.collectives import Call, Flight, Numbering
@@ -34,7 +35,6 @@ from verify.sanitize.findings import (
     RaceFinding,
     SanitizerStats,
 )
-from verify.sanitize.patching import Patches
 from verify.sanitize.sites import TensorNames, user_site
 from verify.sanitize.switch import CheckSwitch
 

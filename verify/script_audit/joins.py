@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from verify.patching import Patches
+
 PARTIAL = "partial"  # a step only the ranks still training take: some rank has joined
 UNSEEN = "unseen"  # a step in a join the audit cannot read in time: whether all take it unknown
 SHADOW = "shadow"  # a joined rank's join hook steps the optimizer (ZeRO): not the script's step
@@ -51,7 +53,7 @@ class Joins:
         self._unseen = 0  # joins led by an optimizer, entered and not yet exited
         self._exiting = 0  # inside Join.__exit__: this rank has joined and shadows the others
         self.fewest: tuple[int, int] | None = None  # (ranks still training, of) at a partial step
-        self._originals: tuple | None = None
+        self._patches = Patches()
 
     def install(self) -> None:
         if not dist.is_available():  # a torch built without distributed: no join() to watch
@@ -59,7 +61,6 @@ class Joins:
         from torch.distributed.algorithms.join import Join
 
         notify, enter, leave = Join.notify_join_context, Join.__enter__, Join.__exit__
-        self._originals = (notify, enter, leave)
         joins = self
 
         def notify_join_context(joinable):
@@ -82,17 +83,12 @@ class Joins:
                 joins._work = joins._group = None
                 joins._unseen = max(0, joins._unseen - _led_by_optimizer(join))
 
-        Join.notify_join_context = staticmethod(notify_join_context)
-        Join.__enter__ = __enter__
-        Join.__exit__ = __exit__
+        self._patches.apply(Join, "notify_join_context", staticmethod(notify_join_context))
+        self._patches.apply(Join, "__enter__", __enter__)
+        self._patches.apply(Join, "__exit__", __exit__)
 
     def remove(self) -> None:
-        if self._originals is not None:
-            from torch.distributed.algorithms.join import Join
-
-            notify, Join.__enter__, Join.__exit__ = self._originals
-            Join.notify_join_context = staticmethod(notify)
-            self._originals = None
+        self._patches.restore()
 
     def step(self) -> str | None:
         """Before a step: None when every rank takes it, PARTIAL when some rank has joined,

@@ -40,6 +40,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from verify.patching import Patches
 from verify.watching import untraced
 from verify.watching.ops import OPS as _OPS
 from verify.watching.stacks import SiteFinder
@@ -67,8 +68,7 @@ _find_site = SiteFinder(
 
 
 _writer: Writer | None = None
-_originals: dict[str, object] = {}
-_wrappers: dict[str, object] = {}
+_patches = Patches()
 # 1 inside a traced call: collectives that one issues (all_gather_object's all_gathers) are not
 # recorded again. One flag for all threads: collectives are issued from one thread in practice.
 _depth = 0
@@ -88,40 +88,16 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     _writer = Writer(path, rank, capacity)
-    for name in _OPS:
-        original = getattr(dist.distributed_c10d, name, None)
-        if original is None:
-            continue
-        _originals[name] = original
-        _wrappers[name] = _make_wrapper(name, original)
+    _patches.wrap_collectives(_OPS, _make_wrapper)
+    _patches.apply(dist.Work, "wait", _traced_wait(_work_wait))
     untraced.install(_writer)
-    resume()
-
-
-def pause() -> None:
-    """Put the original functions back (the trace file stays open): `resume()` undoes it."""
-    dist.Work.wait = _work_wait
-    for name, original in _originals.items():
-        if hasattr(dist, name):
-            setattr(dist, name, original)
-        setattr(dist.distributed_c10d, name, original)
-
-
-def resume() -> None:
-    dist.Work.wait = _traced_wait(_work_wait)
-    for name, wrapper in _wrappers.items():
-        if getattr(dist, name, None) is _originals[name]:
-            setattr(dist, name, wrapper)
-        setattr(dist.distributed_c10d, name, wrapper)
 
 
 def uninstall() -> None:
     """Restore the original functions and close the trace (tests and benchmarks)."""
     global _writer
-    pause()
+    _patches.restore()
     untraced.uninstall()
-    _originals.clear()
-    _wrappers.clear()
     _tensor_kinds.clear()
     _in_flight.clear()
     if _writer is not None:

@@ -26,42 +26,35 @@ import functools
 
 import torch
 
+from verify.patching import Patches
 from verify.watching.trace_file import Writer
 
 _writer: Writer | None = None
-_patched: list[tuple[object, str, object]] = []  # (owner, name, original)
+_patches = Patches()
 
 
 def install(writer: Writer) -> None:
     """Count the returns of the calls above into `writer` (idempotent)."""
     global _writer
     _writer = writer
-    if _patched:
+    if _patches:
         return
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is not None:
         wrapper = _counted(run)
-        _patch(torch.autograd.graph, "_engine_run_backward", wrapper)
+        _patches.apply(torch.autograd.graph, "_engine_run_backward", wrapper)
         if getattr(torch.autograd, "_engine_run_backward", None) is run:
-            _patch(torch.autograd, "_engine_run_backward", wrapper)
+            _patches.apply(torch.autograd, "_engine_run_backward", wrapper)
     ddp = torch.nn.parallel.DistributedDataParallel
     for name in ("__init__", "forward"):
-        _patch(ddp, name, _counted(ddp.__dict__[name]))
+        _patches.apply(ddp, name, _counted(ddp.__dict__[name]))
 
 
 def uninstall() -> None:
     """Put back what `install` found, where our wrapper is still the one there."""
     global _writer
     _writer = None
-    while _patched:
-        owner, name, original = _patched.pop()
-        if getattr(getattr(owner, name, None), "__wrapped__", None) is original:
-            setattr(owner, name, original)
-
-
-def _patch(owner, name: str, wrapper) -> None:
-    _patched.append((owner, name, wrapper.__wrapped__))
-    setattr(owner, name, wrapper)
+    _patches.restore()
 
 
 def _counted(original):

@@ -1,17 +1,17 @@
-"""Replacing functions of torch's modules and classes, and putting back exactly what was there.
+"""Replacing attributes of torch's modules and classes, and putting back exactly what was there:
+the one way the tool's plug-ins patch torch (the tracer, the sanitizer, the rehearsal, the
+audit's join watch, the recorder's loss tap).
 
-Other tools patch the same names (the collective tracer wraps the collectives and
-`Work.wait` at rank start). We wrap whatever is installed when we install, and on restore put
-back, name by name, what we replaced, but only where our wrapper is still the one installed:
-a tool that wrapped ours afterwards keeps its wrapper (which still calls ours, now a
-pass-through).
+Several of them patch the same names in one process (the tracer wraps the collectives at rank
+start, the sanitizer wraps them again). Each wraps whatever is installed when it installs, and
+on restore puts back, name by name, what it replaced, but only where its own wrapper is still
+the one installed: a tool that wrapped ours afterwards keeps its wrapper (which still calls
+ours, now a pass-through).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-
-import torch.distributed as dist
 
 _MISSING = object()
 
@@ -27,11 +27,17 @@ class Patches:
 
     def apply(self, owner: object, name: str, ours: object) -> None:
         """Set `owner.name = ours`, remembering the attribute it replaced (or its absence:
-        `vars`, not `getattr`, so an inherited attribute is restored as inherited)."""
+        `vars`, not `getattr`, so an inherited attribute is restored as inherited, and a
+        class's staticmethod as the staticmethod it was)."""
         self._applied.append((owner, name, vars(owner).get(name, _MISSING), ours))
         setattr(owner, name, ours)
 
+    def replaced(self, owner: object, name: str) -> bool:
+        """Whether `owner.name` was replaced through these patches."""
+        return any(o is owner and n == name for o, n, _, _ in self._applied)
+
     def restore(self) -> None:
+        """Put back what was replaced, in reverse order, where ours is still installed."""
         for owner, name, previous, ours in reversed(self._applied):
             if vars(owner).get(name) is not ours:
                 continue  # wrapped again since: leave the newer wrapper in place
@@ -45,6 +51,8 @@ class Patches:
         """Wrap `torch.distributed`'s collective functions, under both names users call them
         by (`dist.all_reduce` and `dist.distributed_c10d.all_reduce`); `wrap(name, previous)`
         returns the wrapper of `previous`."""
+        import torch.distributed as dist
+
         c10d = dist.distributed_c10d
         for name in names:
             previous = getattr(c10d, name, None)
