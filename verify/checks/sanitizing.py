@@ -118,8 +118,9 @@ def race_numbers(kind: str, op: str, tensor: str, collective: str, rank: int, co
     }  # fmt: skip
 
 
-def race_hint(race: dict) -> str | None:
-    """The hint of a race as a watched run's JSON holds it (`RaceFinding.to_dict`)."""
+def race_hint(race: dict, world_size: int) -> str | None:
+    """The hint of a race as a watched run's JSON holds it (`RaceFinding.to_dict`), in a run
+    of `world_size` ranks."""
     from verify.checks.hints import Situation, hint_for
 
     numbers = race_numbers(
@@ -127,4 +128,4 @@ def race_hint(race: dict) -> str | None:
         race.get("count", 1),
     )  # fmt: skip
     found = Finding("sanitize", "race", race["step"], "", kind=_RACE[race["kind"]], numbers=numbers)
-    return hint_for(found, Situation(world_size=race["rank"] + 1))
+    return hint_for(found, Situation(world_size=world_size))

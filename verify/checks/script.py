@@ -78,7 +78,7 @@ class WatchedRun:
             **self.watched(),
             "diagnosis": hinted_diagnosis(self.diagnosis),  # each finding with its hint
             "notes": list(self.notes),
-            "races": [{**r, "hint": race_hint(r)} for r in self.races],
+            "races": [{**r, "hint": race_hint(r, len(self.pids))} for r in self.races],
             "on_cpu": self.on_cpu,
         }
 
