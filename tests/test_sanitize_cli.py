@@ -26,6 +26,8 @@ def test_a_racy_script_is_caught_under_hang_nproc_sanitize(run_cli, tmp_path):
     messages = [r["message"] for r in doc["races"]]
     assert any("div_" in m and "race_script.py:" in m and "in flight" in m for m in messages)
     assert {r["rank"] for r in doc["races"]} == {0, 1}
+    hints = {r["hint"] for r in doc["races"]}
+    assert any("divided while its all-reduce was still running" in h for h in hints), hints
 
 
 def test_what_the_sanitizer_found_before_a_crash_is_reported_with_it(run_cli, tmp_path):
