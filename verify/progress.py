@@ -4,8 +4,9 @@ Run functions call `say("matrix, world size 2: cell ", 12, 40, ": bucketed / no-
 equivalence")`, which says "matrix, world size 2: cell 12/40: bucketed / no-sync / equivalence";
 the CLI decides whether anyone hears it (`enable`): on for text output, off under `--json`
 unless `--progress` asks for it, so a JSON document on stdout is never mixed with anything. A
-rank says it with `verify.launching.rank.say`, which travels on the rank's report pipe and is
-printed here once, by the parent (never once per rank, never replayed).
+rank the tool started says it the same way: there `say` sends the line on the rank's report
+pipe (`forward_to`), and it is printed here once, by the parent (never once per rank, never
+replayed).
 
 A message's count (`done` of `total`) is given as numbers, never read out of its text: the text
 before it names the task ("matrix, world size 2: cell "), and from the pace since the task's
@@ -38,6 +39,7 @@ _held: str | None = None  # (not a terminal) the newest line not written, if any
 _written_at = 0.0  # (not a terminal) when the last line was written
 # task -> (when its first count was seen, that count, the latest count)
 _tasks: dict[str, tuple[float, int, int]] = {}
+_forward = None  # in a rank the tool started: sends a line to the parent (`forward_to`)
 MIN_GAP_S = 5.0  # the least time between two routine lines in a log
 GAP_SHARE = 0.1  # ... or this share of the time the run has taken, if longer
 
@@ -63,6 +65,13 @@ def disable() -> None:
         _stream, _pending, _held = None, False, None
 
 
+def forward_to(send) -> None:
+    """In a rank the tool started: every `say` is `send(task, done, total, after)`, to the
+    parent, which prints it (`launching/rank.py` sends it on the rank's report pipe)."""
+    global _forward
+    _forward = send
+
+
 def enabled() -> bool:
     return _stream is not None
 
@@ -73,6 +82,9 @@ def say(task: str, done: int | None = None, total: int | None = None, after: str
     left when counted; on a stream that is not a terminal it may be held back (module
     docstring)."""
     global _pending, _held, _written_at
+    if _forward is not None:
+        _forward(task, done, total, after)
+        return
     stream = _stream
     if stream is None:
         return

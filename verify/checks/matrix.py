@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 from impls.registry import names, resolve
+from verify import progress
 from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
@@ -35,7 +36,7 @@ from verify.checks.failures import failure_findings
 from verify.checks.hints import situation_of
 from verify.checks.options import CHECK_KINDS
 from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT, Verdicted
-from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch, rank
+from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch
 from verify.launching.gpus import visible as gpus_visible
 from verify.options import PlacementOptions, ThreadOptions, knob, launch_knobs
 
@@ -276,7 +277,7 @@ def run_cells_on_rank(
     agreement = CellAgreement(ctx.rank, ctx.world_size, journal, _AGREEMENT_TIMEOUT_S)
     for index, (impl, key, check) in enumerate(cells):
         if ctx.rank == 0:
-            rank.say(f"{label}, world size {ctx.world_size}: cell ", index + 1, len(cells),
+            progress.say(f"{label}, world size {ctx.world_size}: cell ", index + 1, len(cells),
                      f": {impl} / {key} / {check}")  # fmt: skip
         start = time.perf_counter()
         result = run_cell_on_rank(

@@ -31,6 +31,7 @@ import signal
 import sys
 from dataclasses import replace
 
+from verify import progress
 from verify.launching import process, threads
 from verify.launching.outcome import Raised, RankContext, RankReport, Say, Up
 from verify.launching.rank_job import (
@@ -62,18 +63,10 @@ def main(job_fd: int, fd: int, parent: int | None = None) -> str:
     return job.kind
 
 
-_report_fd: int | None = None
-
-
-def say(task: str, done: int | None = None, total: int | None = None, after: str = "") -> None:
-    """In a rank: a progress line for the parent to print (`verify/progress.py`'s `say`)."""
-    process.send(_report_fd, Say(task, done, total, after))
-
-
 def run_job(job: RankJob, fd: int | None) -> None:
     """Set the rank up and run its job; reports go to `fd` (None: nobody listens)."""
-    global _report_fd
-    _report_fd = fd
+    if fd is not None:  # the parent prints this rank's progress lines
+        progress.forward_to(lambda *line: process.send(fd, Say(*line)))
     _die_with_parent(job.ppid)
     _enable_faulthandler(job.stack_path)
     threads.apply(job.threads)

@@ -35,7 +35,6 @@ from impls.registry import REGISTRY, resolve
 from verify import progress, runs
 from verify.checks.verdict import Verdicted, failure_text, verdict_of
 from verify.launching import LaunchResult, RankContext, torchrun
-from verify.launching import rank as rank_side
 from verify.options import PlacementOptions, ThreadOptions, knob
 
 if TYPE_CHECKING:
@@ -163,7 +162,7 @@ def say(
     """A progress line (`progress.say`'s arguments), from rank 0 only (every rank saying it
     would print it N times)."""
     if ctx.rank == 0:
-        (rank_side.say if ctx.spawned else progress.say)(task, done, total, after)
+        progress.say(task, done, total, after)
 
 
 class Measured(Verdicted):

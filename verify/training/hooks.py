@@ -43,6 +43,6 @@ class Progress(Hooks):
 
     def after_step(self, run: Trainer, step: int) -> None:
         if run.ctx.rank == 0:
-            from verify.launching import rank
+            from verify import progress
 
-            rank.say(f"{self.label}: step ", step, run.spec.steps)
+            progress.say(f"{self.label}: step ", step, run.spec.steps)
