@@ -1,5 +1,5 @@
 """Who is trusted (docs/design.md): a run folder and the messages in it are this user's alone
-(verify/launching/private.py). A folder made under any umask is 0700; a message another user
+(verify/private.py). A folder made under any umask is 0700; a message another user
 planted, or a folder swapped for another user's, is refused in one line and never read, let
 alone unpickled; a rank's job (a pickle) is never a file in a folder; no message lands after
 the seal.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from verify import runs
-from verify.launching import launch, launched, private
+from verify import private, runs
+from verify.launching import launch, launched
 from verify.launching.node_ranks import NodeRanks
 
 NOBODY = 65534

@@ -8,7 +8,7 @@ set-up of a rank of the tool's own (`rank.adopt`: stack file, collective trace, 
 thread, the sanitizer and the audit when asked), its files in the run's report folder under
 its rank, as a torchrun job's rank under `verify.hang_run` (`node_ranks.py`): `rank<r>.up`,
 then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`). The folder must
-be this user's alone (`private.py`): a process that finds it is not says so on stderr and is
+be this user's alone (`verify/private.py`): a process that finds it is not says so on stderr and is
 not adopted; and once the tool has its verdict (the seal), a rank's end is not told, nor its
 set-ups finished, and a process that joins is not adopted.
 
@@ -87,7 +87,7 @@ def init_process_group(original, args: tuple, kwargs: dict):
 def say(name: str, exc: Exception) -> None:
     """Say `exc` in the run folder's file `name`; in a folder that is not this user's alone
     (`private.Untrusted`), on stderr, writing nothing there."""
-    from verify.launching import private
+    from verify import private
 
     line = f"{type(exc).__name__}: {exc}\n"
     try:
@@ -107,7 +107,7 @@ def _again() -> bool:
     next attempt's pass in place of the crash. Left unwatched, it is ended with the launcher."""
     import torch.distributed as dist
 
-    from verify.launching import private
+    from verify import private
 
     folder = os.environ[LAUNCHED_ENV]
     joined = read_joined(folder, dist.get_rank())
@@ -117,7 +117,8 @@ def _again() -> bool:
 def _adopt() -> None:
     import torch.distributed as dist
 
-    from verify.launching import node_ranks, private, roll_call, setups
+    from verify import private
+    from verify.launching import node_ranks, roll_call, setups
     from verify.launching import rank as rank_side
     from verify.launching.rank_script import script_job
 
@@ -154,7 +155,7 @@ def joined_ranks(folder: str) -> list[int]:
     """The ranks whose join is noted in `folder`, in rank order (their files unread: a name
     read by `read_joined` is checked then). Raises `private.Untrusted` for a folder that is not
     this user's alone."""
-    from verify.launching import private
+    from verify import private
 
     found = (_JOINED.fullmatch(name) for name in private.names(folder))
     return sorted(int(m.group(1)) for m in found if m)
@@ -163,7 +164,7 @@ def joined_ranks(folder: str) -> list[int]:
 def read_joined(folder: str, rank: int) -> tuple[int, int] | None:
     """(world size, process id) of rank `rank`, once it joined (None: not yet). Raises
     `private.Untrusted` for a file that is not this user's alone."""
-    from verify.launching import private
+    from verify import private
 
     try:
         world, pid = (private.read(folder, _joined(rank)) or b"").split()
@@ -214,8 +215,9 @@ def _say_when_terminated() -> None:
 
 def _fail(exc: BaseException) -> None:
     """The rank failed: its failure told, unless the run's verdict is out already (then
-    nothing of this rank's end is written: the seal, `private.py`)."""
-    from verify.launching import node_ranks, private, setups
+    nothing of this rank's end is written: the seal, `verify/private.py`)."""
+    from verify import private
+    from verify.launching import node_ranks, setups
     from verify.launching.rank_job import error_report
 
     if _adopted["failed"]:
@@ -235,7 +237,8 @@ def _fail(exc: BaseException) -> None:
 
 def _at_exit() -> None:
     """The rank ended: its set-ups finished and its end told, unless the verdict is out."""
-    from verify.launching import node_ranks, private, setups
+    from verify import private
+    from verify.launching import node_ranks, setups
 
     if _adopted["failed"]:
         return

@@ -189,7 +189,7 @@ def _claim(base: str, attempt: str) -> str:
     DDP_VERIFY_HANG_DIR may name a folder that holds them)."""
     for n in itertools.count(1):
         folder = base if n == 1 else f"{base}-{n}"
-        os.makedirs(folder, mode=0o700, exist_ok=True)  # its ranks' messages: `private.py`
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # its ranks' messages: `verify/private.py`
         claim = os.path.join(folder, "attempt")
         if not os.path.exists(claim) and not _has_reports(folder):
             _put(claim, attempt)
