@@ -43,7 +43,11 @@ class SetUp:
     early: bool = False
 
     def made(self):
+        """The set-up itself; ValueError for a class outside the tool (`verify.`): the name
+        comes from the environment, and only the tool's own plug-ins are made from it."""
         module, name = self.where.split(":")
+        if not module.startswith("verify."):
+            raise ValueError(f"a set-up is one of the tool's plug-ins, not {self.where!r}")
         return getattr(importlib.import_module(module), name)(**self.settings)
 
 
