@@ -107,6 +107,27 @@ def test_no_module_imports_one_that_imports_it_back():
     assert circles(graph) == []
 
 
+# The plug-ins and the front ends above the runtime (docs/design.md: "the runtime imports no
+# plug-in; plug-ins import the runtime").
+PLUG_INS = ("checks", "cli", "oncpu", "recording", "replica_audit", "sanitize", "script_audit",
+            "plugins")  # fmt: skip
+
+
+def test_the_runtime_imports_no_plug_in():
+    """No module of `verify/launching/` (its bootstrap too) imports a plug-in or a front end,
+    at the top or inside a function: the plug-ins' set-ups are named by the front ends
+    (`verify/plugins.py`) and made in the rank (`launching/setups.py`)."""
+    known = modules()
+    plug_ins = tuple(f"verify.{p}." for p in PLUG_INS)
+    runtime = {n: p for n, p in known.items() if n.startswith("verify.launching")}
+    assert "verify.launching.bootstrap.sitecustomize" in runtime and len(runtime) > 30
+    leaks = {
+        name: sorted(m for m in imports(path, known) if (m + ".").startswith(plug_ins))
+        for name, path in runtime.items()
+    }
+    assert {n: m for n, m in leaks.items() if m} == {}
+
+
 @pytest.mark.parametrize("package, above", [("impls", ("verify", "benchmarks")),
                                             ("verify", ("benchmarks",))])  # fmt: skip
 def test_imports_run_down_the_layers(package, above):

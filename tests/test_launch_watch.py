@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from verify.launching import private
+from verify import private
 from verify.launching.command import _Watch
 
 

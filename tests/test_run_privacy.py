@@ -1,5 +1,5 @@
 """Who is trusted (docs/design.md): a run folder and the messages in it are this user's alone
-(verify/launching/private.py). A folder made under any umask is 0700; a message another user
+(verify/private.py). A folder made under any umask is 0700; a message another user
 planted, or a folder swapped for another user's, is refused in one line and never read, let
 alone unpickled; a rank's job (a pickle) is never a file in a folder; no message lands after
 the seal.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from verify import runs
-from verify.launching import launch, launched, private
+from verify import private, runs
+from verify.launching import launch, launched
 from verify.launching.node_ranks import NodeRanks
 
 NOBODY = 65534
@@ -164,3 +164,17 @@ def test_a_launcher_commands_planted_message_is_one_line_and_runs_nothing(run_cl
 
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     assert not [p for p in pids if carries(p, marker)]
+
+
+def test_a_set_up_named_in_the_environment_is_one_of_the_tools():
+    """A launcher command's processes make their set-ups from the environment (JSON, never a
+    pickle: `launching/setups.py`); a name outside the tool is refused, nothing imported."""
+    from verify import plugins
+    from verify.launching import setups
+
+    wanted = plugins.script_setups(sanitize=True, audit_every=3, on_cpu=True)
+    assert setups.from_env(setups.to_env(wanted)) == wanted
+    assert [type(s.made()).__name__ for s in wanted] == ["Sanitize", "Audit", "Rehearse"]
+    assert setups.from_env(None) == setups.from_env("") == ()
+    with pytest.raises(ValueError, match="one of the tool's plug-ins"):
+        setups.from_env(setups.to_env([setups.SetUp("os:system")]))[0].made()

@@ -51,6 +51,7 @@ def parse(argv: list[str]) -> tuple[int, bool, list[str], bool]:
 
 
 def main(argv: list[str]) -> int:
+    from verify import plugins
     from verify.cli import text_audit
     from verify.launching.torchrun import script_main, script_report_dir
     from verify.script_audit import AuditReport
@@ -65,7 +66,8 @@ def main(argv: list[str]) -> int:
         return 2
     code = 0
     try:
-        script_main(script, audit_every=every, sanitize=sanitize, on_cpu=on_cpu)
+        wanted = plugins.script_setups(sanitize=sanitize, audit_every=every, on_cpu=on_cpu)
+        script_main(script, setups=wanted, tool="verify.audit_run")
     except SystemExit as exc:  # the script called sys.exit(): its code, after the verdict
         code = exc.code if isinstance(exc.code, int) else 1
     rank = int(os.environ.get("RANK", "0"))

@@ -49,6 +49,7 @@ if __name__ == "__main__":
     except ValueError as exc:
         print(f"verify.hang_run: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    from verify import plugins
     from verify.launching.torchrun import script_main  # (torch: once the input is good)
 
-    script_main(script, on_cpu=on_cpu)
+    script_main(script, setups=plugins.script_setups(on_cpu=on_cpu))

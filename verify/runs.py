@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.launching import private
+from verify import private
 from verify.options import Options, knob
 
 DEFAULT_OUT = "profiles"
@@ -88,7 +88,7 @@ def new_run_dir(out: str | os.PathLike, name: str, world_size: int | str, device
     """Create and return `out/<name>_<world>x<device>_<stamp>/`, never an existing folder;
     `world_size` "N" for a launcher command's run (its launcher decides the ranks). The folder
     is this user's alone, 0700 whatever the umask: its ranks' messages are read from it
-    (`launching/private.py`)."""
+    (`verify/private.py`)."""
     safe = re.sub(r"[^A-Za-z0-9_.+-]+", "-", name).strip("-") or "run"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(out) / f"{safe}_{world_size}x{device}_{stamp}"

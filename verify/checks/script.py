@@ -27,6 +27,7 @@ from verify.checks.script_start import (
     console_of,
     run_env,
     run_folder,
+    setups_of,
     start_command,
     unwritable,
 )
@@ -119,10 +120,10 @@ def run_watched_script(
         _first_write(report_dir, options)
         run = run_script(
             options.script, nproc=options.nproc, threads_per_rank=options.threads_per_rank,
-            on_cpu=options.on_cpu, report_dir=report_dir,
+            report_dir=report_dir,
             stall_timeout_s=options.stall_timeout_s, timeout_s=options.timeout_s,
             env=run_env(options, report_dir, record), console=console_of(options),
-            sanitize=options.sanitize, audit_every=audit_every,
+            setups=setups_of(options, audit_every),
         )  # fmt: skip
     elapsed = time.monotonic() - start
     if not os.path.isdir(report_dir):

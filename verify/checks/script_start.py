@@ -14,7 +14,7 @@ import shutil
 import sys
 from typing import TextIO
 
-from verify import runs
+from verify import plugins, runs
 from verify.launching import launcher
 from verify.launching.env import RECORD_ENV, backend_env
 from verify.launching.launcher import Started, is_command
@@ -80,15 +80,24 @@ def start_command(
     is not found."""
     report_dir = run_folder(options, command, record)
     try:
+        on_cpu = plugins.launcher_env(rehearsed_gpus() if options.on_cpu else 0)
         return launcher.start(
             options.script, report_dir=report_dir, stall_timeout_s=options.stall_timeout_s,
-            env=run_env(options, report_dir, record), console=console_of(options),
-            sanitize=options.sanitize, audit_every=audit_every,
-            on_cpu=rehearsed_gpus() if options.on_cpu else 0,
+            env={**run_env(options, report_dir, record), **on_cpu}, console=console_of(options),
+            setups=setups_of(options, audit_every),
         )  # fmt: skip
     except ValueError:  # the command is not found: nothing ran, no folder is left
         os.rmdir(report_dir)
         raise
+
+
+def setups_of(options, audit_every: int | None):
+    """What runs around the script in each rank (`plugins.script_setups`): the race sanitizer
+    under `--sanitize`, the audit every `audit_every` steps (None: off), `--on-cpu`'s
+    rehearsal."""
+    return plugins.script_setups(
+        sanitize=options.sanitize, audit_every=audit_every, on_cpu=options.on_cpu
+    )
 
 
 def rehearsed_gpus() -> int:

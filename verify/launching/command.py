@@ -29,7 +29,8 @@ import socket
 import subprocess
 import time
 
-from verify.launching import launched, private, tree
+from verify import private
+from verify.launching import launched, tree
 from verify.launching.launcher import Started
 from verify.launching.node_ranks import POLL_S, NodeRanks
 from verify.launching.outcome import LaunchResult, RankOutcome

@@ -14,12 +14,11 @@ HANG_DIR_ENV = "DDP_VERIFY_HANG_DIR"  # under torchrun: this node's report folde
 NO_ZYGOTE_ENV = "DDP_VERIFY_NO_ZYGOTE"  # "1": always start fresh interpreters
 JOBS_ENV = "DDP_VERIFY_JOBS"  # test runs or tools sharing the machine (the thread budget)
 # A launcher command's processes (`launcher.py`): the run's report folder (bootstrap/ spells it
-# out again: it imports nothing), the audit's period ("" for none), "1" for --sanitize, and
+# out again: it imports nothing), the set-ups a rank starts (`setups.to_env`: JSON), and
 # under --on-cpu the GPUs the rehearsed node has (--nproc; "" when off: bootstrap/ spells it
 # out again too).
 LAUNCHED_ENV = "DDP_VERIFY_LAUNCHED"
-LAUNCHED_AUDIT_ENV = "DDP_VERIFY_LAUNCHED_AUDIT"
-LAUNCHED_SANITIZE_ENV = "DDP_VERIFY_LAUNCHED_SANITIZE"
+LAUNCHED_SETUPS_ENV = "DDP_VERIFY_LAUNCHED_SETUPS"
 LAUNCHED_ON_CPU_ENV = "DDP_VERIFY_LAUNCHED_ON_CPU"
 # The run's secret (hex), which only the processes the tool started hold: it seals what its
 # ranks say in the launcher's store (`roll_call.py`).

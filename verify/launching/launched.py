@@ -8,7 +8,7 @@ set-up of a rank of the tool's own (`rank.adopt`: stack file, collective trace, 
 thread, the sanitizer and the audit when asked), its files in the run's report folder under
 its rank, as a torchrun job's rank under `verify.hang_run` (`node_ranks.py`): `rank<r>.up`,
 then `rank<r>.failed` or `rank<r>.ended`. The tool reads them (`command.py`). The folder must
-be this user's alone (`private.py`): a process that finds it is not says so on stderr and is
+be this user's alone (`verify/private.py`): a process that finds it is not says so on stderr and is
 not adopted; and once the tool has its verdict (the seal), a rank's end is not told, nor its
 set-ups finished, and a process that joins is not adopted.
 
@@ -17,13 +17,11 @@ reaches the top (`sys.excepthook`), or `sys.exit` with a non-zero code (how `mp.
 worker wrapper leaves after a raise, inside its `except`), is the rank's failure, reported
 before the traceback is printed; any other exit that runs `atexit` is a clean end. A rank
 that dies without either (a signal, `os._exit`) is seen dead by its process id, as a crash.
-Under `--on-cpu` the rehearsal (`verify/oncpu/`) is installed at the import of torch, long
-before the rank is known (`rehearse`): it counts in memory until the adoption names its file
-`rank<r>.on_cpu.json` after the rank `init_process_group` gave (torchrun's RANK or mp.spawn's
-`rank=` alike), and is saved again at the rank's end, with the call it could not map when that
-is what the rank died of. A process that never joins leaves what it counted at the user's
-lines in `on_cpu.<pid>.json` when it exits (a script that leaves before joining, as
-pytorch/examples' do when they count too few GPUs); the launcher itself leaves nothing.
+The set-ups (`setups.py`) are the ones the front end named in the environment
+(LAUNCHED_SETUPS_ENV, `launcher.py`), made and started at the adoption in their order, as in a
+rank of the tool's own; this module names none of them. A set-up that starts earlier (`early`:
+the rehearsal on the CPU, `verify/oncpu/setup.py`) is started at the import of torch, long
+before the rank is known (`start_early`, from the bootstrap under `--on-cpu`).
 
 Collectives the script bound before joining (`from torch.distributed import all_reduce`
 at the top) are not traced; `dist.all_reduce(...)` is.
@@ -38,48 +36,30 @@ import re
 import sys
 from dataclasses import replace
 
-from verify.launching.env import (
-    LAUNCHED_AUDIT_ENV,
-    LAUNCHED_ENV,
-    LAUNCHED_SANITIZE_ENV,
-)
+from verify.launching.env import LAUNCHED_ENV, LAUNCHED_SETUPS_ENV
 
 _adopted: dict = {}  # this process's job and its set-ups running, once it joined
-_rehearsal: list = []  # --on-cpu: this process's rehearsal, from its import of torch
 
 
-def rehearse() -> None:
-    """Under --on-cpu, from the bootstrap once torch is imported: map CUDA to the CPU in this
-    process (its report file is named at the adoption). A failure to install is said where the
-    tool looks; the script then runs unmapped and fails on its first CUDA call as it would."""
+def start_early() -> None:
+    """From the bootstrap once torch is imported: the set-ups of the run that start then
+    (`early`, `setups.py`), in their order. A set-up says its own failure to install (`say`:
+    the rehearsal's); one that cannot even be made is said here. Never raises: the script's
+    `import torch` runs on, unmapped."""
+    from verify.launching import setups
+
     try:
-        from verify import oncpu
-
-        _rehearsal.append(oncpu.install(None, -1))
-        atexit.register(_save_unjoined)
+        for setup in setups.from_env(os.environ.get(LAUNCHED_SETUPS_ENV)):
+            if setup.early:
+                setup.made().early()
     except Exception as exc:
-        _say(f"on_cpu.{os.getpid()}.error", exc)
+        say(f"setup.{os.getpid()}.error", exc)
 
 
 def joined() -> bool:
     """Whether this process joined a process group (and is a rank of the run, or a later
     attempt's process left unwatched)."""
     return bool(_adopted)
-
-
-def _save_unjoined() -> None:
-    """At the exit of a process that never joined: what its rehearsal counted at the user's
-    lines, for the line that says why the command left before any rank joined
-    (`oncpu/report.py`, `left_early`); the launcher's own process, which counts nothing of
-    the user's, leaves nothing."""
-    from verify.oncpu.report import UNJOINED
-
-    ledger = _rehearsal[0].ledger
-    if _adopted or not ledger.has_user_sites():
-        return
-    with contextlib.suppress(OSError, KeyError):
-        ledger.path = os.path.join(os.environ[LAUNCHED_ENV], UNJOINED.format(pid=os.getpid()))
-        ledger.save()
 
 
 def init_process_group(original, args: tuple, kwargs: dict):
@@ -95,7 +75,7 @@ def init_process_group(original, args: tuple, kwargs: dict):
             else:
                 _adopt()
         except Exception as exc:  # the script runs on unwatched: say so where the tool looks
-            _say(f"adopt.{os.getpid()}.error", exc)
+            say(f"adopt.{os.getpid()}.error", exc)
     elif "job" in _adopted:  # a new default group: the audit's roll call is in its store
         with contextlib.suppress(Exception):
             from verify.launching import roll_call
@@ -104,10 +84,10 @@ def init_process_group(original, args: tuple, kwargs: dict):
     return out
 
 
-def _say(name: str, exc: Exception) -> None:
+def say(name: str, exc: Exception) -> None:
     """Say `exc` in the run folder's file `name`; in a folder that is not this user's alone
     (`private.Untrusted`), on stderr, writing nothing there."""
-    from verify.launching import private
+    from verify import private
 
     line = f"{type(exc).__name__}: {exc}\n"
     try:
@@ -127,7 +107,7 @@ def _again() -> bool:
     next attempt's pass in place of the crash. Left unwatched, it is ended with the launcher."""
     import torch.distributed as dist
 
-    from verify.launching import private
+    from verify import private
 
     folder = os.environ[LAUNCHED_ENV]
     joined = read_joined(folder, dist.get_rank())
@@ -137,13 +117,13 @@ def _again() -> bool:
 def _adopt() -> None:
     import torch.distributed as dist
 
-    from verify.launching import node_ranks, private, roll_call
+    from verify import private
+    from verify.launching import node_ranks, roll_call, setups
     from verify.launching import rank as rank_side
     from verify.launching.rank_script import script_job
 
     folder = os.environ[LAUNCHED_ENV]
     rank, world = dist.get_rank(), dist.get_world_size()
-    every = os.environ.get(LAUNCHED_AUDIT_ENV) or None
     job = script_job(
         rank=rank,
         world_size=world,
@@ -152,17 +132,10 @@ def _adopt() -> None:
         threads=0,  # the launcher's to decide
         report_dir=folder,
         argv=tuple(sys.argv),
-        sanitize=os.environ.get(LAUNCHED_SANITIZE_ENV) == "1",
-        audit_every=None if every is None else int(every),
+        setups=setups.from_env(os.environ.get(LAUNCHED_SETUPS_ENV)),
     )
     job = replace(job, on_failing=node_ranks.rank_failing(folder, rank))
-    running = rank_side.adopt(job)
-    if _rehearsal:  # its report, under the rank now known
-        from verify.oncpu import REPORT_SUFFIX
-
-        ledger = _rehearsal[0].ledger
-        ledger.path, ledger.rank = os.path.join(folder, f"rank{rank}.{REPORT_SUFFIX}"), rank
-        ledger.save()
+    running = rank_side.adopt(job)  # the rehearsal's report named under the rank now known
     _adopted.update(job=job, running=running, failed=False)
     roll_call.answer(rank)  # a rank of the tool's, audited: the audit's group may wait for it
     if not private.write(folder, _joined(rank), f"{world} {os.getpid()}\n".encode()):
@@ -182,7 +155,7 @@ def joined_ranks(folder: str) -> list[int]:
     """The ranks whose join is noted in `folder`, in rank order (their files unread: a name
     read by `read_joined` is checked then). Raises `private.Untrusted` for a folder that is not
     this user's alone."""
-    from verify.launching import private
+    from verify import private
 
     found = (_JOINED.fullmatch(name) for name in private.names(folder))
     return sorted(int(m.group(1)) for m in found if m)
@@ -191,7 +164,7 @@ def joined_ranks(folder: str) -> list[int]:
 def read_joined(folder: str, rank: int) -> tuple[int, int] | None:
     """(world size, process id) of rank `rank`, once it joined (None: not yet). Raises
     `private.Untrusted` for a file that is not this user's alone."""
-    from verify.launching import private
+    from verify import private
 
     try:
         world, pid = (private.read(folder, _joined(rank)) or b"").split()
@@ -242,8 +215,9 @@ def _say_when_terminated() -> None:
 
 def _fail(exc: BaseException) -> None:
     """The rank failed: its failure told, unless the run's verdict is out already (then
-    nothing of this rank's end is written: the seal, `private.py`)."""
-    from verify.launching import node_ranks, private, setups
+    nothing of this rank's end is written: the seal, `verify/private.py`)."""
+    from verify import private
+    from verify.launching import node_ranks, setups
     from verify.launching.rank_job import error_report
 
     if _adopted["failed"]:
@@ -254,16 +228,17 @@ def _fail(exc: BaseException) -> None:
         if open_ is None:
             return
         job.on_failing()  # at once: what follows takes a while
-        if _rehearsal:  # the call it could not map, when that is what the rank died of
-            _rehearsal[0].finish(exc)
-        setups.finish(_adopted["running"], exc)  # what they found so far
+        # what they found so far; the rehearsal the call it could not map, when that is what
+        # the rank died of
+        setups.finish(_adopted["running"], exc)
         node_ranks.leave_failure(job.helper_dir, job.rank, error_report(exc))
     node_ranks.await_diagnosis(job.helper_dir)  # (bounded) the tool's diagnosis first
 
 
 def _at_exit() -> None:
     """The rank ended: its set-ups finished and its end told, unless the verdict is out."""
-    from verify.launching import node_ranks, private, setups
+    from verify import private
+    from verify.launching import node_ranks, setups
 
     if _adopted["failed"]:
         return
@@ -272,8 +247,6 @@ def _at_exit() -> None:
         with private.unsealed(job.helper_dir) as dir_fd:
             if dir_fd is None:
                 return
-            if _rehearsal:
-                _rehearsal[0].finish()
             setups.finish(_adopted["running"])
             try:
                 node_ranks.rank_ended(job.helper_dir, job.rank, 0)

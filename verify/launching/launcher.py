@@ -9,9 +9,10 @@ on a laptop that is a second of the run's wall time.
 What the command's processes inherit: `bootstrap/` first on PYTHONPATH (it arms, in every
 Python process of the command, a hook that does nothing until the process calls
 `init_process_group`; from then on the process is a rank of the tool's, `launched.py`), the
-run's report folder and the audit's, the sanitizer's and `--on-cpu`'s settings, and the run's
-secret (`roll_call.py`: environments are private to their user). Nothing else
-is set: not torchrun's variables (Lightning starts its other ranks only when LOCAL_RANK is
+run's report folder, the set-ups its ranks start (`setups.py`, named by the front end: this
+module knows none of them), and the run's secret (`roll_call.py`: environments are private to
+their user). Beside what the caller's `env` adds (`--on-cpu`'s, `verify/plugins.py`), nothing
+else is set: not torchrun's variables (Lightning starts its other ranks only when LOCAL_RANK is
 unset), not the ranks' threads.
 
 The command dies with the tool, whatever ends it: a guardian process started first
@@ -27,18 +28,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
 from verify.launching import guardian, tree
-from verify.launching.env import (
-    LAUNCHED_AUDIT_ENV,
-    LAUNCHED_ENV,
-    LAUNCHED_ON_CPU_ENV,
-    LAUNCHED_SANITIZE_ENV,
-    LAUNCHED_SECRET_ENV,
-    STALL_ENV,
-)
+from verify.launching.env import LAUNCHED_ENV, LAUNCHED_SECRET_ENV, LAUNCHED_SETUPS_ENV, STALL_ENV
+from verify.launching.setups import SetUp, to_env
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,18 +81,14 @@ def start(
     stall_timeout_s: float,
     env: dict[str, str] | None = None,
     console: TextIO | None = None,
-    sanitize: bool = False,
-    audit_every: int | None = None,
-    on_cpu: int = 0,
+    setups: Sequence[SetUp] = (),
 ) -> Started:
     """Start the command `argv` (module docstring). `env`: variables for its processes (the
     backend's logging at INFO is left out: here the output is the launcher's own, on the
     console, as the user would see it). `console`: where its output goes (sys.stdout as it
-    is, sys.stderr when stdout is for --json, None: nowhere). `audit_every`: the audit's
-    period (None: off); `on_cpu` (0: off): every Python process of the command rehearses
-    CUDA on the CPU from its import of torch, on a node of `on_cpu` GPUs (what
-    `torch.cuda.device_count()` answers in a process that is no rank yet). Raises
-    ValueError when the command is not found."""
+    is, sys.stderr when stdout is for --json, None: nowhere). `setups`: what each process
+    that joins starts as a rank (`setups.py`), in order. Raises ValueError when the command
+    is not found."""
     if shutil.which(argv[0]) is None:
         raise ValueError(
             f"command {argv[0]!r} not found: after -- give a launcher command on PATH "
@@ -110,14 +102,10 @@ def start(
         **env,
         "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
         LAUNCHED_ENV: os.path.abspath(report_dir),
-        LAUNCHED_AUDIT_ENV: "" if audit_every is None else str(audit_every),
-        LAUNCHED_SANITIZE_ENV: "1" if sanitize else "",
-        LAUNCHED_ON_CPU_ENV: str(on_cpu) if on_cpu else "",
+        LAUNCHED_SETUPS_ENV: to_env(setups),
         LAUNCHED_SECRET_ENV: secrets.token_hex(32),
         STALL_ENV: repr(stall_timeout_s),
     }
-    if on_cpu:  # the GPUs hidden from the launcher too, as in each rank (verify/oncpu/)
-        child_env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.DEVNULL if console is None else None if console is sys.stdout else 2
     marker = f"{LAUNCHED_ENV}={child_env[LAUNCHED_ENV]}".encode()
     reaping = contextlib.ExitStack()

@@ -11,9 +11,9 @@ for `FAILING_S` it reads as busy, never hung; a rank that leaves no failure by t
 `rank_failed` before the traceback is printed), `rank<r>.ended` (the script returned,
 `rank_ended`). The watchdog leaves `job.diagnosed` once the job's verdict is out, which a
 failing rank waits for (bounded), so that the diagnosis comes before the raw error; it is also
-the folder's seal: no rank leaves a message after it (`private.py`).
+the folder's seal: no rank leaves a message after it (`verify/private.py`).
 
-These messages are JSON (or a line of text), read and written through `private.py`: the folder
+These messages are JSON (or a line of text), read and written through `verify/private.py`: the folder
 and each file must be this user's alone, so a message another user planted is refused, never
 read. A rank dead without a message is dated from when its process ended (`DeathClock`),
 so that the first to die is the root cause, whatever order the ranks are numbered in.
@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from verify.launching import private
+from verify import private
 from verify.launching.env import DIAGNOSED
 from verify.launching.outcome import RankOutcome, RankReport
 from verify.launching.process import alive

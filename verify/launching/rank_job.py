@@ -44,8 +44,8 @@ class RankJob:
     device_index: int | None = None  # cuda: the rank's GPU (`gpus.py`); None: local_rank
     # kind "script"
     argv: tuple[str, ...] = field(default_factory=tuple)
-    # what runs around the script, in order: the race sanitizer, the replica audit, the
-    # rehearsal on the CPU, as the job asks (`setups.py`)
+    # what runs around the script, in order: the plug-ins' set-ups the front end named
+    # (`setups.SetUp`, `verify/plugins.py`), made in the rank
     setups: tuple = ()
     # called with the failure report before the traceback is printed (a torchrun job's node
     # watchdog puts the job's diagnosis first: `jobwide.rank_failed`); never pickled

@@ -6,7 +6,8 @@ The script calls `init_process_group` itself: its "up" is reported when that ret
 then the rank is starting, not hung). Its exception or non-zero exit is its failure, reported
 before the traceback is printed. Its collectives are traced from before it imports anything;
 under `--sanitize` the race sanitizer runs around it, under `audit` the replica audit at every
-optimizer step; what they found is saved even when the script crashes.
+optimizer step, under `--on-cpu` the rehearsal on the CPU (the job's set-ups, `setups.py`,
+named by the front end); what they found is saved even when the script crashes.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import traceback
 from verify.launching import needs_cuda, process, setups
 from verify.launching.outcome import Failing, RankReport, Up
 from verify.launching.rank_job import RankJob, block_nccl_waits, error_report, start_helper
-from verify.oncpu.report import REPORT_SUFFIX
-from verify.script_audit.report import AuditSettings
+from verify.launching.setups import SetUp
 
 
 def script_job(
@@ -34,21 +34,14 @@ def script_job(
     threads: int,
     report_dir: str,
     argv: tuple[str, ...],
-    sanitize: bool = False,
-    audit_every: int | None = None,
-    on_cpu: bool = False,
+    setups: tuple[SetUp, ...] = (),
 ) -> RankJob:
     """The job of one rank of a user's script, its files in `report_dir` (the same for the
-    tool's own launch, `script.py`, and a torchrun job's rank, `torchrun.script_main`): a
-    traced rank with its stack and helper files, the race sanitizer when asked, the replica
-    audit every `audit_every` optimizer steps when asked, and with `on_cpu` a script written
-    for CUDA rehearsed on this CPU rank (`verify/oncpu/`)."""
+    tool's own launch, `script.py`, a torchrun job's rank, `torchrun.script_main`, and a
+    launcher command's, `launched.py`): a traced rank with its stack and helper files, and
+    the `setups` the front end asked for, in order (`setups.py`; theirs go to `report_dir`
+    too)."""
     at = lambda name: os.path.join(report_dir, f"rank{rank}.{name}")  # noqa: E731
-    wanted = (
-        setups.Sanitize(at("races.json")) if sanitize else None,
-        None if audit_every is None else setups.Audit(AuditSettings(audit_every, at("audit.json"))),
-        setups.Rehearse(at(REPORT_SUFFIX)) if on_cpu else None,  # last: over the others
-    )
     return RankJob(
         kind="script",
         rank=rank,
@@ -60,7 +53,7 @@ def script_job(
         trace_path=at("trace"),
         helper_dir=report_dir,
         argv=tuple(argv),
-        setups=tuple(s for s in wanted if s is not None),
+        setups=tuple(setups),
     )
 
 
@@ -102,7 +95,7 @@ def run_script_job(job: RankJob, fd: int | None) -> None:
         # What the set-ups found, saved before the report (os._exit skips `finally`); a call
         # the rehearsal could not map is a usage error: no verdict, exit 2
         needs = setups.finish(running, exc)
-        if needs is None and not setups.rehearsing(job.setups):
+        if needs is None and not setups.reads_failures(running):
             needs = needs_cuda.classify(exc, _ASKED.get("backend"))
         # a usage error (needs is not None), said once by the parent (needs_cuda.py)
         report = error_report(exc, needs)
@@ -134,7 +127,7 @@ def watch_and_set_up(job: RankJob) -> list:
 
         tracer.install(job.trace_path, rank=job.rank)
     start_helper(job)
-    return setups.start(job.setups, job.rank)
+    return setups.start(job.setups, job.rank, job.helper_dir)
 
 
 def _print_traceback(job: RankJob, quiet: bool) -> None:

@@ -16,7 +16,8 @@ import time
 from dataclasses import replace
 from typing import TextIO
 
-from verify.launching import loopback, private
+from verify import private
+from verify.launching import loopback
 from verify.launching.outcome import LaunchResult
 from verify.launching.process import RankProcess, end_all
 from verify.launching.rank_job import RankJob

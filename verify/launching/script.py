@@ -31,6 +31,7 @@ from verify.launching.env import STALL_ENV
 from verify.launching.outcome import LaunchResult
 from verify.launching.rank_job import RankJob
 from verify.launching.rank_script import script_job
+from verify.launching.setups import SetUp
 from verify.launching.threads import thread_budget
 from verify.launching.zygote import Zygote
 
@@ -45,9 +46,7 @@ def run_script(
     env: dict[str, str] | None = None,
     threads_per_rank: int | None = None,
     console: TextIO | None = None,
-    sanitize: bool = False,
-    audit_every: int | None = None,
-    on_cpu: bool = False,
+    setups: tuple[SetUp, ...] = (),
 ) -> LaunchResult:
     """Run `python argv[0] argv[1:]` as `nproc` ranks under the watchdog; see the docstring.
 
@@ -60,12 +59,9 @@ def run_script(
         env: extra environment variables for the ranks.
         threads_per_rank: intra-op threads per rank; None: the machine's share.
         console: where the ranks' output is echoed with a rank prefix (None: files only).
-        sanitize: run each rank under the race sanitizer; its findings go to
-            `rank<r>.races.json` in the report folder.
-        audit_every: audit the replicas at every K-th optimizer step (`verify/script_audit/`);
-            each rank's report goes to `rank<r>.audit.json`. None: no audit.
-        on_cpu: rehearse a script written for CUDA on CPU ranks (`verify/oncpu/`); what
-            each rank mapped goes to `rank<r>.on_cpu.json`.
+        setups: what runs around the script in each rank, in order (`setups.py`: the race
+            sanitizer, the replica audit, the rehearsal on the CPU, as `verify/plugins.py`
+            names them); their files go to the report folder.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -75,7 +71,7 @@ def run_script(
     start = time.monotonic()
     with _rendezvous(nproc, timeout_s + 60) as meet:
         return runner.run(
-            _jobs(argv, nproc, budget, report_dir, sanitize, audit_every, on_cpu),
+            _jobs(argv, nproc, budget, report_dir, setups),
             folder=report_dir,
             env={**meet, STALL_ENV: repr(stall_timeout_s), **budget.env(), **(env or {})},
             timeout_s=timeout_s,
@@ -106,7 +102,7 @@ def _rendezvous(world_size: int, timeout_s: float):
         del store
 
 
-def _jobs(argv, nproc, budget, report_dir, sanitize, audit_every, on_cpu) -> list[RankJob]:
+def _jobs(argv, nproc, budget, report_dir, setups) -> list[RankJob]:
     """Each rank's job (`script_job`): `argv` on `nproc` ranks, with their share of the cores
     (`budget`), their files in `report_dir`, under the set-ups asked for (`run_script`'s)."""
     return [
@@ -118,9 +114,7 @@ def _jobs(argv, nproc, budget, report_dir, sanitize, audit_every, on_cpu) -> lis
             threads=budget.per_rank,
             report_dir=report_dir,
             argv=tuple(argv),
-            sanitize=sanitize,
-            audit_every=audit_every,
-            on_cpu=on_cpu,
+            setups=setups,
         )
         for r in range(nproc)
     ]

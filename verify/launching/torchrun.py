@@ -39,6 +39,7 @@ from verify.launching.env import DEFAULT_STALL_TIMEOUT_S, HANG_DIR_ENV, STALL_EN
 from verify.launching.outcome import LaunchResult, RankContext
 from verify.launching.rank_job import group_kwargs
 from verify.launching.rank_script import script_job
+from verify.launching.setups import SetUp
 from verify.launching.supervisor import root_cause_order
 from verify.launching.threads import apply, thread_budget
 
@@ -188,7 +189,7 @@ def _claim(base: str, attempt: str) -> str:
     DDP_VERIFY_HANG_DIR may name a folder that holds them)."""
     for n in itertools.count(1):
         folder = base if n == 1 else f"{base}-{n}"
-        os.makedirs(folder, mode=0o700, exist_ok=True)  # its ranks' messages: `private.py`
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # its ranks' messages: `verify/private.py`
         claim = os.path.join(folder, "attempt")
         if not os.path.exists(claim) and not _has_reports(folder):
             _put(claim, attempt)
@@ -241,16 +242,12 @@ def _read_claim(claim: str) -> str | None:
 
 
 def script_main(
-    argv: list[str],
-    *,
-    audit_every: int | None = None,
-    sanitize: bool = False,
-    on_cpu: bool = False,
+    argv: list[str], *, setups: tuple[SetUp, ...] = (), tool: str = "verify.hang_run"
 ) -> str:
-    """One traced rank of a torchrun job running the user's script (module docstring), with
-    the replica audit every `audit_every` optimizer steps (`verify.audit_run`), the race
-    sanitizer when asked, and with `on_cpu` a CUDA script rehearsed on this CPU rank
-    (`verify/oncpu/`, its report `rank<r>.on_cpu.json`). Returns the report folder."""
+    """One traced rank of a torchrun job running the user's script (module docstring), under
+    the `setups` its front end names (`setups.py`: the replica audit of `verify.audit_run`,
+    the race sanitizer, the rehearsal on the CPU), as the module `tool` (`-m tool` on every
+    rank: what a node's watch names). Returns the report folder."""
     rank = int(os.environ.get("RANK", "0"))
     report_dir = script_report_dir()
     os.makedirs(report_dir, exist_ok=True)
@@ -263,15 +260,12 @@ def script_main(
         threads=thread_budget(local).per_rank,
         report_dir=report_dir,
         argv=tuple(argv),
-        sanitize=sanitize,
-        audit_every=audit_every,
-        on_cpu=on_cpu,
+        setups=setups,
     )
     stall = float(os.environ.get(STALL_ENV, repr(DEFAULT_STALL_TIMEOUT_S)))
     # One verdict for the whole job (`jobwide.py`), one node or several.
     from verify.launching import jobwide, node_ranks
 
-    tool = "verify.hang_run" if audit_every is None else "verify.audit_run"
     watch = jobwide.NodeWatch(report_dir, stall, tool) if job.local_rank == 0 else None
     if watch is not None:
         threading.Thread(target=watch.run, name="ddp-verify-watchdog", daemon=True).start()

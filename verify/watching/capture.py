@@ -18,7 +18,7 @@ import os
 import threading
 import time
 
-from verify.launching import private
+from verify import private
 from verify.watching import stacks
 
 _FR_WAIT_S = 1.0

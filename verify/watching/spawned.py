@@ -22,7 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from verify.launching import private
+from verify import private
 
 # The rendezvous variables a script's rank gets from the tool, which its own processes inherit.
 INHERITED = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")

@@ -18,8 +18,8 @@ where SIGINT has Python's own handler; a script's or launcher's own handler repl
 KeyboardInterrupt, as before Python 3.11).
 
 Under `--on-cpu` a second hook waits for the import of `torch` itself: once torch is loaded,
-and before the importing line gets it back, the rehearsal is installed (`launched.rehearse`,
-`verify/oncpu/`), so a CUDA script's first `torch.cuda...` or `"cuda:0"` is already mapped,
+and before the importing line gets it back, the rehearsal is installed (`launched.start_early`,
+`verify/oncpu/setup.py`), so a CUDA script's first `torch.cuda...` or `"cuda:0"` is already mapped,
 and its `init_process_group("nccl")` is gloo by the time it is called. Every process of the
 command that imports torch gets it, the launcher's too (torchrun's agent, the parent of
 `mp.spawn`, which may ask `torch.cuda.device_count()`); a process that never imports torch
@@ -84,7 +84,7 @@ def _wrap(dist) -> None:
 def _rehearse(torch) -> None:
     from verify.launching import launched
 
-    launched.rehearse()
+    launched.start_early()
 
 
 def _uncaught(kind, exc, tb, _previous=sys.excepthook):
