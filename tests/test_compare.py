@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import thread_world
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli import main
 from verify.recording import store
@@ -398,17 +399,14 @@ def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
     assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6
 
 
-def _shared_sketches_on_rank(ctx, same: bool) -> list:
+def _shared_sketches_on_rank(group, same: bool) -> list:
     """Three gradients on each rank, the same names everywhere (`same`) or one named per
     rank: the owner's sketches, for the test to check against sketches of its own tensors."""
     from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
-    from verify.script_audit.side_group import SideGroup
 
-    group = SideGroup()
-    assert group.ready()
-    names = ["a", "b", "c" if same else f"rank{ctx.rank}"]
-    tensors = [torch.arange(12.0) * (i + 1) + ctx.rank for i in range(3)]
+    names = ["a", "b", "c" if same else f"rank{group.rank}"]
+    tensors = [torch.arange(12.0) * (i + 1) + group.rank for i in range(3)]
     entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
     recorder, layout = _recorded_point(group, entries)
     got = np.stack(recorder.blocks).tolist() if recorder.owner else None
@@ -435,15 +433,14 @@ def test_the_ranks_share_the_sketching_and_file_each_under_its_tensor(same):
     """At 2 ranks with the same entries each rank sketches its share (`shares.plan`) and the
     owner gets every tensor's sketch of its own (the ranks' tensors are alike in a real run;
     here they differ by rank, so a block filed under the wrong rank's tensor shows); with
-    different entries (a layout the audit reports) the owner sketches its own, alone."""
-    from verify.launching import launch
+    different entries (a layout the audit reports) the owner sketches its own, alone. Two
+    ranks in threads (tests/thread_world.py): the recorder's and the comparison's logic, over
+    a group that holds them to the collectives' contract."""
     from verify.recording import shares
 
-    run = launch(_shared_sketches_on_rank, world_size=2, args=(same,), timeout_s=120)
-    assert run.ok, run.summary()
-    (owner, mine, layout), (other, _, _) = run.values
+    (owner, mine, layout), (other, _, _) = thread_world.run(_shared_sketches_on_rank, 2, same)
     assert other is None and layout == (not same)
-    per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ ctx.rank`
+    per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ group.rank`
     expected = np.stack([sketch(t) for t in per_rank[0]])
     if same:
         plan = shares.plan([t.numel() for t in per_rank[0]], 2)
@@ -513,15 +510,12 @@ def test_the_benchmark_transformers_gradients_are_shared_evenly_by_elements():
         assert size > 2 or max(done) / (sum(numels) / size) < 1.02, done
 
 
-def _uneven_recorded_on_rank(ctx) -> list:
+def _uneven_recorded_on_rank(group) -> list:
     """The uneven list as one audit point's gradients on every rank (alike, as replicas
     are): the owner's sketches and fingerprints, and the elements each rank sketched."""
     from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
-    from verify.script_audit.side_group import SideGroup
 
-    group = SideGroup()
-    assert group.ready()
     entries = [Entry(GRADS, f"t{i}", t) for i, t in enumerate(_uneven(1))]
     recorder, layout = _recorded_point(group, entries)
     assert not layout  # the same entries on every rank: the shares are put together
@@ -531,17 +525,15 @@ def _uneven_recorded_on_rank(ctx) -> list:
 
 
 def test_two_ranks_record_an_uneven_model_as_one_rank_alone_would_with_even_shares():
-    """Real ranks over gloo: the owner's sketches of an uneven list are bitwise what one rank
-    alone computes, every rank fingerprints every tensor (the audit reuses them), and each
-    rank sketched its planned share (balanced: the test above), no block twice."""
-    from verify.launching import launch
+    """Two ranks in threads (tests/thread_world.py): the owner's sketches of an uneven list
+    are bitwise what one rank alone computes, every rank fingerprints every tensor (the audit
+    reuses them), and each rank sketched its planned share (balanced: the test above), no
+    block twice. (Over gloo, the script audit's `SideGroup`: the end-to-end runs above.)"""
     from verify.recording import shares
     from verify.recording.sketch import sketched_numel
     from verify.replica_audit.fingerprint import fingerprints
 
-    run = launch(_uneven_recorded_on_rank, world_size=2, timeout_s=120)
-    assert run.ok, run.summary()
-    (owner, prints0, done0), (other, prints1, done1) = run.values
+    (owner, prints0, done0), (other, prints1, done1) = thread_world.run(_uneven_recorded_on_rank, 2)
     tensors = _uneven(1)
     assert other is None
     assert np.array_equal(np.array(owner, dtype=np.float32), np.stack([sketch(t) for t in tensors]))
