@@ -1,11 +1,15 @@
 """`audit --record DIR`, `audit --against DIR` and `compare DIR_A DIR_B`: two runs of a script
 compared step by step (verify/recording/, docs/compare.md).
 
-Real runs: every script runs in spawned ranks over gloo and writes real folders. The runs are
-shared by the module (`runs`): the recordings first, side by side, then every run against
-them, side by side; each test reads what it needs. The scripts are tests/fixtures/compare/
-(a token-normalized LM with accumulation, a resumable AdamW + schedule loop, a GAN with two
-optimizers) and, written here, a student's first accumulation loop, right and wrong.
+The comparison (departure, alignment, the printed report, bad input) is tested in-process on
+recordings checked in under tests/fixtures/compare/recordings/: real runs of the scripts in
+tests/fixtures/compare/ (a token-normalized LM with accumulation, a resumable AdamW +
+schedule loop, a GAN with two optimizers) and of a student's first accumulation loop, right
+and wrong (written here), each recorded or run against its recording by
+tests/fixtures/compare/make_recordings.py (how to regenerate them: recordings/README.md).
+
+End to end, once per form (`runs`): a real `audit --record` of the resumable loop on two
+ranks, a real `audit --against` of its resume, and a real `compare` of the two folders.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,9 +26,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests import thread_world
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli import main
 from verify.recording import store
+from verify.recording.command import verdict_of
+from verify.recording.departure import compare_recordings
 from verify.recording.sketch import BLOCKS, COLUMNS, gaps, sketch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +39,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "compare"
 TOKENS = str(FIXTURES / "train_tokens.py")
 RESUME = str(FIXTURES / "train_resume.py")
 GAN = str(FIXTURES / "two_optimizers.py")
+RECORDINGS = FIXTURES / "recordings"  # checked in: recordings/README.md
 
 # A student's first gradient accumulation, written fresh: one flag divides the loss by the
 # accumulation steps, as the course notes say; the other forgets to.
@@ -74,53 +83,39 @@ def audit(script, *args, nproc: int, out: str, **flags):
                                     console="none", **flags))  # fmt: skip
 
 
+def recorded(name: str) -> str:
+    """The folder of a checked-in recording (`make_recordings.py` names them): "tokens" (1
+    rank x 4 micro-steps), "split" (2 x 2, against it) and "bug" (2 x 2, the loss a mean per
+    micro-batch); "full" (2 ranks, 6 steps, saved at 3), "resume" (its resume) and
+    "no_sched" (resumed from a checkpoint without the scheduler); "student" (1 rank),
+    "student_ok" and "student_bug" (2 x 2, the loss divided, or not); "gan" (two
+    optimizers)."""
+    return str(RECORDINGS / name)
+
+
+def compared(a: str, b: str, align_step: int | None = None):
+    """The comparison of checked-in recording `b` (this run) against `a` (the recording), as
+    `audit --against` and `compare` compute it; in-process."""
+    return compare_recordings(store.read(recorded(a)), store.read(recorded(b)), align_step)
+
+
 # The tests that read `runs` go to one xdist worker (pyproject's `--dist loadgroup`): a
-# fixture is set up once per worker that runs one of its tests, and these runs take a minute.
-# Session-scoped, as a module's fixture is torn down whenever the worker's next test is of
-# another module, and set up again for the next of these (twice in a suite run: 65 s each).
+# fixture is set up once per worker that runs one of its tests. Session-scoped, as a module's
+# fixture is torn down whenever the worker's next test is of another module.
 RUNS_ON_ONE_WORKER = pytest.mark.xdist_group("compare-runs")
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """Every run of the module: the recordings, then each run against them."""
+    """The module's end-to-end runs: a recording of 6 steps on 2 ranks that saves a checkpoint
+    after step 3 (`full`), then its resume from that checkpoint against it (`resume`)."""
     base = tmp_path_factory.mktemp("compare")
-    out, rec = str(base / "runs"), base / "rec"
-    student = base / "student.py"
-    student.write_text(STUDENT)
-    ck = str(base / "ck.pt")
-    recordings = {
-        "tokens": lambda: audit(TOKENS, "--accum", "4", nproc=1, out=out, record=str(rec / "t")),
-        "full": lambda: audit(RESUME, "--steps", "6", "--save-at", "3", "--checkpoint", ck,
-                              nproc=2, out=out, record=str(rec / "full")),
-        "student": lambda: audit(str(student), "1", nproc=1, out=out, record=str(rec / "s")),
-        "gan": lambda: audit(GAN, nproc=1, out=out, record=str(rec / "gan")),
-    }  # fmt: skip
-    with ThreadPoolExecutor(4) as pool:
-        done = {
-            k: f.result() for k, f in {k: pool.submit(fn) for k, fn in recordings.items()}.items()
-        }
-    saved = torch.load(ck)  # the checkpoint a save function wrote without the scheduler
-    del saved["scheduler"]
-    bad = str(base / "ck_without_scheduler.pt")
-    torch.save(saved, bad)
-    against = {
-        "split": lambda: audit(TOKENS, "--accum", "2", nproc=2, out=out, against=str(rec / "t")),
-        "bug": lambda: audit(TOKENS, "--accum", "2", "--mean-per-micro-batch", nproc=2, out=out,
-                             against=str(rec / "t")),
-        "resume": lambda: audit(RESUME, "--steps", "6", "--resume", ck, nproc=2, out=out,
-                                against=str(rec / "full")),
-        "no_sched": lambda: audit(RESUME, "--steps", "6", "--resume", bad, nproc=2, out=out,
-                                  against=str(rec / "full")),
-        "student_ok": lambda: audit(str(student), "2", nproc=2, out=out, against=str(rec / "s")),
-        "student_bug": lambda: audit(str(student), "2", "x", nproc=2, out=out,
-                                     against=str(rec / "s")),
-    }  # fmt: skip
-    with ThreadPoolExecutor(3) as pool:
-        done |= {
-            k: f.result() for k, f in {k: pool.submit(fn) for k, fn in against.items()}.items()
-        }
-    return {"dir": rec, "base": base, "student": str(student), **done}
+    out, rec, ck = str(base / "runs"), base / "rec", str(base / "ck.pt")
+    full = audit(RESUME, "--steps", "6", "--save-at", "3", "--checkpoint", ck, nproc=2,
+                 out=out, record=str(rec / "full"))  # fmt: skip
+    resume = audit(RESUME, "--steps", "6", "--resume", ck, nproc=2, out=out,
+                   against=str(rec / "full"))  # fmt: skip
+    return {"dir": rec, "full": full, "resume": resume}
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -128,6 +123,9 @@ def cli(*argv: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(list(argv))
     return code, stdout.getvalue(), stderr.getvalue()
+
+
+# --- end to end: one real run of each form ---------------------------------------------------
 
 
 @RUNS_ON_ONE_WORKER
@@ -142,35 +140,63 @@ def test_a_recording_is_a_manifest_and_arrays_written_by_rank_0(runs):
     assert rec.steps == 6 and rec.optimizers == ["AdamW"]
     assert rec.tensors["blocks"].shape[1:] == (BLOCKS, COLUMNS)
     assert sorted(set(rec.batches["step"].tolist())) == list(range(6))  # a batch every step
-    assert runs["full"].verdict == "pass" and runs["tokens"].verdict == "pass"  # 1 rank: exit 0
+    assert runs["full"].verdict == "pass"
 
 
 @RUNS_ON_ONE_WORKER
-def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance(runs):
+def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs):
+    """Real ranks on both sides: the resume's parameters before its first step are, bitwise,
+    the full run's after step 2, and every compared step is bitwise equal."""
+    from verify.cli.text_compare import audit as text
+
+    c = runs["resume"].comparison
+    assert runs["resume"].verdict == "pass", c.first
+    assert c.bitwise and c.offset == 3 and c.steps_a == (3, 5) and c.steps_b == (0, 2)
+    assert "equal, bitwise, the recording's after step 2" in c.alignment
+    assert any(line.startswith("AGREE bitwise") for line in text(runs["resume"]).splitlines())
+
+
+@RUNS_ON_ONE_WORKER
+def test_compare_offline_gives_the_same_verdicts(runs):
+    """`compare` on the two real folders: the verdict `--against` gave, exit 0; and its
+    `--json`, the verdict and the comparison's keys."""
+    full, resumed = str(runs["dir"] / "full"), runs["resume"].recording
+    code, out, _ = cli("compare", full, resumed)
+    assert code == 0 and "AGREE bitwise" in out and "recording's step 3" in out
+    code, out, _ = cli("compare", full, resumed, "--json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["check"], doc["verdict"], doc["passed"]) == ("compare", "pass", True)
+    assert doc["comparison"]["offset"] == 3 and doc["comparison"]["first"] is None
+
+
+# --- in-process, on the checked-in recordings ------------------------------------------------
+
+
+def test_one_rank_against_two_at_the_same_global_batch_agrees_within_tolerance():
     """1 rank x 4 micro-steps against 2 ranks x 2: the gradients are summed in another order,
     so not bitwise; within eps (tolerance.py) at every step, the loss too. The two ranks'
     micro-batches, put together, are the one rank's global batch at every step."""
-    c = runs["split"].comparison
-    assert runs["split"].verdict == "pass", c
+    c = compared("tokens", "split")
+    assert verdict_of(c) == "pass", c
     assert not c.bitwise and "world size 1 vs 2" in c.mode_reason
     assert "micro-steps per step 4 vs 2" in c.mode_reason
     assert c.compared_steps == 4 and c.offset == 0
     assert c.batches.steps == 4 and c.batches.first is None, c.batches
 
 
-@RUNS_ON_ONE_WORKER
-def test_the_accumulation_normalization_bug_departs_at_step_0_at_the_loss(runs):
-    c = runs["bug"].comparison
-    assert runs["bug"].verdict == "fault"
+def test_the_accumulation_normalization_bug_departs_at_step_0_at_the_loss():
+    c = compared("tokens", "bug")
+    assert verdict_of(c) == "fault"
     assert (c.first.step, c.first.name) == (0, "loss"), c.first
     assert "tolerance" in c.first.what
     assert c.departing_steps == c.compared_steps == 4
 
 
-@RUNS_ON_ONE_WORKER
-def test_a_correct_resume_is_aligned_from_its_parameters_and_agrees_bitwise(runs):
-    c = runs["resume"].comparison
-    assert runs["resume"].verdict == "pass", c.first
+def test_a_resume_is_aligned_from_its_parameters_and_agrees_bitwise_in_process():
+    """The same as the real runs above, on the checked-in pair: what `compare` computes from
+    the folders alone."""
+    c = compared("full", "resume")
+    assert verdict_of(c) == "pass", c.first
     assert c.bitwise and c.offset == 3 and c.steps_a == (3, 5) and c.steps_b == (0, 2)
     assert "equal, bitwise, the recording's after step 2" in c.alignment
 
@@ -210,55 +236,63 @@ def test_an_alignment_that_several_steps_fit_says_it_is_ambiguous():
     assert trains.offset == 2 and "ambiguous" not in trains.how, trains.how
 
 
-@RUNS_ON_ONE_WORKER
-def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_scheduler_sets(runs):
+def test_a_checkpoint_without_the_scheduler_departs_at_the_first_lr_the_scheduler_sets():
     """The first resumed step (3) runs with the lr saved in the optimizer's state_dict, which
     is right; the restarted scheduler then sets 1/(1+1) instead of 1/(1+4) of the base lr:
     the departure is the lr before step 4, this run's step 1."""
-    c = runs["no_sched"].comparison
-    assert runs["no_sched"].verdict == "fault"
+    c = compared("full", "no_sched")
+    assert verdict_of(c) == "fault"
     assert c.offset == 3 and (c.first.step, c.first.step_b) == (4, 1)
     assert c.first.name == "param_groups[0].lr" and c.first.phase.startswith("optimizer settings")
     assert "0.002 in the recording, 0.005 in this run" in c.first.what
 
 
-@RUNS_ON_ONE_WORKER
-def test_a_students_accumulation_is_judged_right_and_wrong(runs):
+def test_a_students_accumulation_is_judged_right_and_wrong():
     """Fresh code: 2 ranks x 2 micro-steps against 1 rank x 1; dividing by the accumulation
     steps agrees within tolerance, forgetting to departs at step 0 (the loss, twice as big)."""
-    assert runs["student_ok"].verdict == "pass", runs["student_ok"].comparison.first
-    bad = runs["student_bug"].comparison
-    assert runs["student_bug"].verdict == "fault"
+    right = compared("student", "student_ok")
+    assert verdict_of(right) == "pass", right.first
+    bad = compared("student", "student_bug")
+    assert verdict_of(bad) == "fault"
     assert (bad.first.step, bad.first.name) == (0, "loss")
 
 
-@RUNS_ON_ONE_WORKER
-def test_compare_offline_gives_the_same_verdicts(runs):
-    rec = runs["dir"]
-    resumed = runs["resume"].recording
-    code, out, _ = cli("compare", str(rec / "full"), resumed)
-    assert code == 0 and "AGREE bitwise" in out and "recording's step 3" in out
-    code, out, _ = cli("compare", str(rec / "full"), runs["no_sched"].recording)
+def test_compare_says_the_departure_and_a_given_alignment_exit_1():
+    code, out, _ = cli("compare", recorded("full"), recorded("no_sched"))
     assert code == 1
     assert "FIRST DEPARTURE: step 4 (this run's step 1), optimizer settings before step 4" in out
-    code, out, _ = cli("compare", str(rec / "full"), resumed, "--align-step", "2")
+    code, out, _ = cli("compare", recorded("full"), recorded("resume"), "--align-step", "2")
     assert code == 1 and "by --align-step 2" in out
 
 
-@RUNS_ON_ONE_WORKER
-def test_the_audit_report_names_the_first_departure(runs):
+def test_the_audit_report_names_the_first_departure():
+    """`audit --against`'s report of a run whose replicas agree (2 ranks, 4 steps audited) and
+    whose loss departs from the recording's (the normalization bug)."""
     from verify.cli.text_compare import audit as text
 
-    lines = text(runs["bug"]).splitlines()
+    result = _recorded_audit(_stored_audit(4, 8, 4, diverged=False), compared("tokens", "bug"), 2)
+    assert result.verdict == "fault"
+    lines = text(result).splitlines()
     first = next(line for line in lines if line.startswith("FIRST DEPARTURE"))
     assert first.startswith("FIRST DEPARTURE: step 0, loss of step 0, AdamW: loss: ")
     assert any(line.startswith("  then gradients before step 0") for line in lines)
     assert any(line.startswith("DEPART: ") for line in lines)
 
 
+def test_a_recording_on_one_rank_is_a_pass():
+    """`audit --record` on one rank audits nothing across ranks (no replicas): its steps
+    recorded make it a pass (exit 0), said in a RECORDED line."""
+    from verify.cli.text_compare import audit as text
+    from verify.recording.command import RecordedAudit
+
+    own = _recorded_audit(_stored_audit(0, 0, 4, diverged=False), None, 1).audit_result
+    result = RecordedAudit(own, recorded("tokens"), None)
+    assert own.verdict == "nothing audited" and result.verdict == "pass"
+    assert f"RECORDED: 4 optimizer steps into {recorded('tokens')}" in text(result)
+
+
 @pytest.mark.parametrize("case", ["missing", "not a recording", "other version"])
-@RUNS_ON_ONE_WORKER
-def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(runs, tmp_path, case):
+def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(tmp_path, case):
     folder = tmp_path / "rec"
     if case != "missing":
         folder.mkdir()
@@ -266,8 +300,8 @@ def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(run
     if case == "other version":
         (folder / "manifest.json").write_text(json.dumps({"format": store.FORMAT, "version": 99}))
     for argv in (
-        ("audit", "--nproc", "1", "--against", str(folder), "--", TOKENS),
-        ("compare", str(runs["dir"] / "t"), str(folder)),
+        ("audit", "--nproc", "1", "--against", str(folder), "--", TOKENS),  # refused unrun
+        ("compare", recorded("tokens"), str(folder)),
     ):
         code, out, err = cli(*argv)
         assert code == 2 and out == "", (argv, out)
@@ -275,21 +309,21 @@ def test_against_or_compare_a_folder_that_is_no_recording_is_one_line_exit_2(run
         assert "Traceback" not in err
 
 
-@RUNS_ON_ONE_WORKER
-def test_recordings_of_different_models_or_optimizers_are_exit_2(runs):
-    rec = runs["dir"]
-    code, _, err = cli("compare", str(rec / "t"), str(rec / "full"))
+def test_recordings_of_different_models_or_optimizers_are_exit_2():
+    code, _, err = cli("compare", recorded("tokens"), recorded("full"))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "different models: AdamW's parameter 0 is 0.weight [32, 16] in the recording, " \
            "0.weight [32, 10] in this run" in err  # fmt: skip
-    code, _, err = cli("compare", str(rec / "t"), str(rec / "gan"))
+    code, _, err = cli("compare", recorded("tokens"), recorded("gan"))
     assert code == 2 and "different numbers of optimizers: 1 in the recording" in err
 
 
-@RUNS_ON_ONE_WORKER
-def test_record_refuses_a_folder_holding_a_recording(runs):
-    code, _, err = cli("audit", "--nproc", "1", "--record", str(runs["dir"] / "t"), "--", TOKENS)
+def test_record_refuses_a_folder_holding_a_recording(tmp_path):
+    """Refused before the script starts (a copy: the checked-in folder is never a target)."""
+    folder = shutil.copytree(recorded("tokens"), tmp_path / "t")
+    code, _, err = cli("audit", "--nproc", "1", "--record", str(folder), "--", TOKENS)
     assert code == 2 and "already holds a recording" in err
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(recorded("tokens")))
 
 
 def test_a_sketch_is_the_same_size_for_any_tensor_and_finds_the_changed_block():
@@ -307,8 +341,9 @@ def verdict_problems(base: Path) -> list[str]:
     """A student's loop recorded on one rank, then run on two ranks x 2 micro-steps, right
     and wrong; and a resume against a full run, bitwise: what is wrong with their verdicts
     (empty: none). For the load test (tests/test_load.py). Not run idle a second time: the
-    module's runs (`runs`) give the same verdicts idle on the same student's loop, right and
-    wrong, and on a resume of the same script (saved at step 3 of 6 there, 2 of 4 here)."""
+    checked-in recordings of the same student's loop, right and wrong, give the same verdicts
+    in-process, and the module's runs (`runs`) a resume of the same script, end to end (saved
+    at step 3 of 6 there, 2 of 4 here)."""
     out, student = str(base / "runs"), base / "student.py"
     student.write_text(STUDENT)
     ck = str(base / "ck.pt")
@@ -364,17 +399,14 @@ def test_the_cost_benchmark_runs_tiny_and_projects_the_size(capsys):
     assert doc["projected_tensors"] > 0 and 0 < doc["projected_bytes"] < 100e6
 
 
-def _shared_sketches_on_rank(ctx, same: bool) -> list:
+def _shared_sketches_on_rank(group, same: bool) -> list:
     """Three gradients on each rank, the same names everywhere (`same`) or one named per
     rank: the owner's sketches, for the test to check against sketches of its own tensors."""
     from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
-    from verify.script_audit.side_group import SideGroup
 
-    group = SideGroup()
-    assert group.ready()
-    names = ["a", "b", "c" if same else f"rank{ctx.rank}"]
-    tensors = [torch.arange(12.0) * (i + 1) + ctx.rank for i in range(3)]
+    names = ["a", "b", "c" if same else f"rank{group.rank}"]
+    tensors = [torch.arange(12.0) * (i + 1) + group.rank for i in range(3)]
     entries = [Entry(GRADS, n, t) for n, t in zip(names, tensors)]
     recorder, layout = _recorded_point(group, entries)
     got = np.stack(recorder.blocks).tolist() if recorder.owner else None
@@ -401,15 +433,14 @@ def test_the_ranks_share_the_sketching_and_file_each_under_its_tensor(same):
     """At 2 ranks with the same entries each rank sketches its share (`shares.plan`) and the
     owner gets every tensor's sketch of its own (the ranks' tensors are alike in a real run;
     here they differ by rank, so a block filed under the wrong rank's tensor shows); with
-    different entries (a layout the audit reports) the owner sketches its own, alone."""
-    from verify.launching import launch
+    different entries (a layout the audit reports) the owner sketches its own, alone. Two
+    ranks in threads (tests/thread_world.py): the recorder's and the comparison's logic, over
+    a group that holds them to the collectives' contract."""
     from verify.recording import shares
 
-    run = launch(_shared_sketches_on_rank, world_size=2, args=(same,), timeout_s=120)
-    assert run.ok, run.summary()
-    (owner, mine, layout), (other, _, _) = run.values
+    (owner, mine, layout), (other, _, _) = thread_world.run(_shared_sketches_on_rank, 2, same)
     assert other is None and layout == (not same)
-    per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ ctx.rank`
+    per_rank = [[torch.tensor(t) + r for t in mine] for r in range(2)]  # the `+ group.rank`
     expected = np.stack([sketch(t) for t in per_rank[0]])
     if same:
         plan = shares.plan([t.numel() for t in per_rank[0]], 2)
@@ -479,15 +510,12 @@ def test_the_benchmark_transformers_gradients_are_shared_evenly_by_elements():
         assert size > 2 or max(done) / (sum(numels) / size) < 1.02, done
 
 
-def _uneven_recorded_on_rank(ctx) -> list:
+def _uneven_recorded_on_rank(group) -> list:
     """The uneven list as one audit point's gradients on every rank (alike, as replicas
     are): the owner's sketches and fingerprints, and the elements each rank sketched."""
     from verify.replica_audit.compare import Entry
     from verify.script_audit.report import GRADS
-    from verify.script_audit.side_group import SideGroup
 
-    group = SideGroup()
-    assert group.ready()
     entries = [Entry(GRADS, f"t{i}", t) for i, t in enumerate(_uneven(1))]
     recorder, layout = _recorded_point(group, entries)
     assert not layout  # the same entries on every rank: the shares are put together
@@ -497,17 +525,15 @@ def _uneven_recorded_on_rank(ctx) -> list:
 
 
 def test_two_ranks_record_an_uneven_model_as_one_rank_alone_would_with_even_shares():
-    """Real ranks over gloo: the owner's sketches of an uneven list are bitwise what one rank
-    alone computes, every rank fingerprints every tensor (the audit reuses them), and each
-    rank sketched its planned share (balanced: the test above), no block twice."""
-    from verify.launching import launch
+    """Two ranks in threads (tests/thread_world.py): the owner's sketches of an uneven list
+    are bitwise what one rank alone computes, every rank fingerprints every tensor (the audit
+    reuses them), and each rank sketched its planned share (balanced: the test above), no
+    block twice. (Over gloo, the script audit's `SideGroup`: the end-to-end runs above.)"""
     from verify.recording import shares
     from verify.recording.sketch import sketched_numel
     from verify.replica_audit.fingerprint import fingerprints
 
-    run = launch(_uneven_recorded_on_rank, world_size=2, timeout_s=120)
-    assert run.ok, run.summary()
-    (owner, prints0, done0), (other, prints1, done1) = run.values
+    (owner, prints0, done0), (other, prints1, done1) = thread_world.run(_uneven_recorded_on_rank, 2)
     tensors = _uneven(1)
     assert other is None
     assert np.array_equal(np.array(owner, dtype=np.float32), np.stack([sketch(t) for t in tensors]))

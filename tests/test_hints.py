@@ -1,5 +1,6 @@
 """Hints follow from what was measured, the same in the text and in `--json`
-(verify/checks/hints.py), on classes the tool has never seen (tests/fixtures/hint_students.py):
+(verify/checks/hints.py, script_hints.py), on classes the tool has never seen
+(tests/fixtures/hint_students.py):
 
 - a class that never sends its last, partly filled bucket gets the same hint (a bucket never
   launched) wherever it shows: the matrix's several-buckets row, under both checks, and
@@ -11,8 +12,12 @@
 - so for a training script under `verify audit` (tests/fixtures/clip_script.py): clipping on
   the main process only is named by the audit's hint, clipping everywhere passes.
 
-The catalogue's hints are asserted in tests/test_faulty.py; the load test runs
-`hint_problems` under CPU hogs (tests/test_load.py).
+The rules are tested here in-process, table-driven: each case is a finding with the kind and
+numbers its check measured on those classes (`HINT_RULES`), in the run's situation, and the
+reports and `--json` built from it. One real run (a frozen parameter's bucket) checks that a
+hint reaches a check's output. The real runs of the classes and the script above are
+`hint_problems`, which the load test runs under CPU hogs (tests/test_load.py, `pytest -m
+load`). The catalogue's hints are asserted on real output in tests/test_faulty.py.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from verify.checks import kinds
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
+from verify.checks.hints import Situation, with_hints
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_checks import consistency as consistency_text
@@ -113,26 +120,98 @@ def script_problems(out: str) -> list[str]:
 
 
 def hint_problems(out: str) -> list[str]:
-    """Every assertion of this file, as a list (the load test runs it under CPU hogs)."""
+    """What is wrong with the real runs' hints (the load test runs it under CPU hogs; idle,
+    the same rules are the in-process table below)."""
     return bucket_problems() + clip_problems() + script_problems(out)
 
 
-@pytest.mark.under_load
-def test_a_last_bucket_never_sent_gets_one_hint_on_every_workload():
-    problems = bucket_problems()
-    assert not problems, "\n".join(problems)
+# --- the rules, table-driven: a finding as its check measured it, and the run's situation ---
+# The numbers are those the real runs of `hint_problems` measure (the classes and script named
+# in each case), so the table is what those runs' hints follow from, in-process.
+UNUSED, EQUIVALENCE = Situation(world_size=2), Situation(2, scheduler=True, round_trip_step=1)
+SEVERAL = Situation(world_size=2, several_buckets=True)  # the matrix's several-buckets row
+APART = {"scale": None, "ranks": [1], "reference_rank": 0, "frozen": 0}  # consistency's
+OFF = {"step": 1, "first_gradient_step": 1, "ranks_off": [0, 1], "world_size": 2, "scale": None,
+       "ranks_agree": False}  # equivalence's: off the average, the ranks apart  # fmt: skip
+HINT_RULES = [  # (what ran, kind, numbers, situation, said in the hint, not said)
+    ("BucketsWhenFull, consistency, unused", kinds.GRADIENTS_DIFFER, APART, UNUSED,
+     NEVER_SENT, LAUNCHED_EARLY),
+    ("BucketsWhenFull, consistency, several-buckets", kinds.GRADIENTS_DIFFER, APART, SEVERAL,
+     NEVER_SENT, LAUNCHED_EARLY),
+    ("BucketsWhenFull, equivalence, unused", kinds.GRADIENTS_DIVERGE, OFF, EQUIVALENCE,
+     NEVER_SENT, LAUNCHED_EARLY),
+    ("BucketsWhenFull, equivalence, several-buckets", kinds.GRADIENTS_DIVERGE, OFF, SEVERAL,
+     NEVER_SENT, LAUNCHED_EARLY),
+    # the ranks hold the same (wrong) gradients: every bucket was sent, one of them too early
+    ("launched early, equivalence, several-buckets", kinds.GRADIENTS_DIVERGE,
+     {**OFF, "ranks_agree": True}, SEVERAL, LAUNCHED_EARLY, NEVER_SENT),
+    # rank 0 clipped its averaged gradients: rank 1's are 29.4 x rank 0's in every tensor
+    ("ClipsOnMaster, consistency", kinds.GRADIENTS_DIFFER, {**APART, "scale": 29.4}, UNUSED,
+     "the gradients on rank 0 are 0.034 x those on rank 1", NEVER_SENT),
+    # ... and rank 0's are 0.034 x the one-process average, rank 1's are right
+    ("ClipsOnMaster, equivalence", kinds.GRADIENTS_DIVERGE,
+     {**OFF, "ranks_off": [0], "scale": 0.034}, EQUIVALENCE,
+     "the gradients on rank 0 are 0.034 x those on rank 1", NEVER_SENT),
+]  # fmt: skip
 
 
-@pytest.mark.under_load
-def test_clipping_on_one_rank_is_named_and_clipping_everywhere_is_no_finding():
-    problems = clip_problems()
-    assert not problems, "\n".join(problems)
+def _hinted(kind: str, numbers: dict, situation) -> str:
+    (found,) = with_hints([_finding(kind, **numbers)], situation)
+    return found.hint or ""
 
 
-@pytest.mark.under_load
-def test_a_script_that_clips_on_the_main_process_gets_the_clipping_hint(tmp_path):
-    problems = script_problems(str(tmp_path))
-    assert not problems, "\n".join(problems)
+@pytest.mark.parametrize("ran, kind, numbers, situation, said, unsaid", HINT_RULES,
+                         ids=[case[0] for case in HINT_RULES])  # fmt: skip
+def test_a_hint_follows_from_the_finding_and_its_situation(ran, kind, numbers, situation, said,
+                                                           unsaid):  # fmt: skip
+    """What each check measured on the class is what names the cause: the equivalence check
+    tells a bucket never sent (the ranks hold different gradients) from one launched too early
+    (they agree); one factor in every tensor on one rank is a clipping there."""
+    hint = _hinted(kind, numbers, situation)
+    assert said in hint and unsaid not in hint, hint
+    assert ("clip" in hint) == ("Clips" in ran), hint
+
+
+def test_a_never_sent_bucket_gets_one_hint_in_every_report_and_its_json():
+    """The same hint under both checks, in the matrix's cell, in the text and in `--json`."""
+    from verify.checks.cells import CellResult
+    from verify.checks.consistency import ConsistencyResult
+    from verify.checks.equivalence import EquivalenceReport, EquivalenceResult
+
+    said = {}
+    for name, kind, numbers, situation, *_ in HINT_RULES[:4]:
+        (found,) = with_hints([_finding(kind, **numbers)], situation)
+        said[f"{name}, matrix"] = cell_hint(CellResult("fail", "differs", findings=(found,)))
+        if kind == kinds.GRADIENTS_DIFFER:
+            result = ConsistencyResult(ConsistencyOptions(impl=BUCKETS), "fault", findings=(found,))
+            text = consistency_text(result)
+        else:
+            report = EquivalenceReport(findings=(found,))
+            result = EquivalenceResult(EquivalenceOptions(impl=BUCKETS), "fault", report)
+            text = equivalence_text(result)
+        said[f"{name}, text"] = f"hint: {found.hint}" if f"hint: {found.hint}" in text else text
+        said[f"{name}, json"] = "hint: " + _json_hints(result)[0]
+    assert len(set(said.values())) == 1, said
+    assert NEVER_SENT in next(iter(said.values()))
+
+
+@pytest.mark.parametrize("scales, clipped", [((0.5, 0.5), True), ((0.5, 0.25), False)])
+def test_a_scripts_gradients_one_factor_apart_on_one_rank_get_the_clipping_hint(scales, clipped):
+    """`verify audit` of tests/fixtures/clip_script.py main-only: rank 1's gradients are one
+    multiple of rank 0's in every tensor (rank 0 clipped them); a factor that is not common to
+    every tensor gets the phase's hint."""
+    from verify.checks.script_hints import PHASE_HINTS, script_hint
+    from verify.replica_audit.finding import Finding, TensorDiff, diff_numbers
+    from verify.script_audit import phases
+
+    diffs = tuple(TensorDiff(f"fc{i}.weight", (1,), 0, scale=1 / c) for i, c in enumerate(scales))
+    found = Finding("audit", phases.GRADS, 0, "gradients differ", kind=kinds.DIVERGENCE,
+                    numbers={"tensors": diff_numbers(diffs)})  # fmt: skip
+    hint = script_hint(found)
+    if clipped:
+        assert "clip" in hint and hint.startswith("the gradients on rank 0 are 0.5 x"), hint
+    else:
+        assert hint == PHASE_HINTS[phases.GRADS]
 
 
 # What a finding's hint says follows what the run measured beside it (verify/checks/hints.py,
@@ -171,6 +250,9 @@ def test_gradients_that_differ_get_the_hint_of_what_else_was_measured(others, nu
     assert all(f.hint and "never launched" not in f.hint for f in hinted[:-1])
 
 
+# --- one real run: a hint reaches a check's output (the rest: `hint_problems`, under load) ---
+
+
 def test_a_bucket_planned_over_a_frozen_parameter_gets_the_frozen_hint():
     """A fresh class (tests/fixtures/frozen_buckets.py) on the frozen workload: the hint names
     the frozen parameter's bucket; on a model with none it is right (PASS)."""
@@ -181,6 +263,7 @@ def test_a_bucket_planned_over_a_frozen_parameter_gets_the_frozen_hint():
         _first_hint(frozen)
     )
     assert _json_hints(frozen)[0] == _first_hint(frozen)
+    assert f"hint: {_first_hint(frozen)}" in consistency_text(frozen)
     plain = check_consistency(ConsistencyOptions(impl=cls, workload="mlp", steps=1))
     assert plain.verdict == "pass", plain.headline
 
