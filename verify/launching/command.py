@@ -17,7 +17,9 @@ without a report dated by when each died (`node_ranks.DeathClock`): the first is
 cause. At the verdict the folder is sealed (`private.seal`): a rank that ends later, or a
 launcher's next attempt, leaves nothing of its end there. It then ends whatever is
 left (`tree.py`: workers in sessions of their own included), also at Ctrl-C and at the
-deadline. A command whose processes never join a group gives no verdict: "nothing joined"
+deadline; after a crash, once the launcher has had END_WAIT_S to end by itself, or as soon
+as its next attempt joins (a retry, which ends only with that attempt; the same rule gives
+the verdict where the run's ranks all ended, one without a report, as a retry joins). A command whose processes never join a group gives no verdict: "nothing joined"
 (a usage error).
 """
 
@@ -69,7 +71,7 @@ def run_command(started: Started, *, timeout_s: float, stall_timeout_s: float) -
             # failure as it would have); after a hang, the deadline or Ctrl-C, it is ended now.
             polite = watch.reason in ("end", "crash")
             if polite and launcher.poll() is None:
-                _wait(launcher, END_WAIT_S)
+                _await_end(launcher, report_dir)
             pids = list(watch.local.pids.values())
             tree.end_all(pids, launcher, GRACE_S if polite else 0.0, started.marker)
     if not watch.local.ranks:
@@ -145,7 +147,9 @@ class _Watch:
         if status.ended and launcher_ended:  # (a rank that never joined ended with it)
             return bool(self._set("end"))
         if status.ended and len(self.local.ranks) >= self.world:
-            return False  # the launcher is still tearing down
+            # The launcher is still tearing down; or it started its workers again after a
+            # rank died without a report, and the run's ranks are all there is to judge.
+            return self._restarted() and bool(self._set("end"))
         if now - self._last_change < self.stall_timeout_s or status.busy:
             return False
         if status.waiting:
@@ -157,6 +161,13 @@ class _Watch:
             self.detection_s = still
             return bool(self._set("hang"))
         return False
+
+    def _restarted(self) -> bool:
+        """Every rank of the run ended, one not well (a death without a report: a signal, the
+        OOM killer), and a process of the launcher's next attempt joined: the launcher will
+        not end until that attempt does (`launched.started_again`)."""
+        crashed = any(not self.local.ended_well(r) for r in self.local.ranks)
+        return crashed and launched.started_again(self.report_dir)
 
     def result(self, reason: str, elapsed_s: float) -> LaunchResult:
         """What the ranks left, read before any is ended: the diagnosis of the run as it
@@ -190,8 +201,15 @@ class _Watch:
         )  # fmt: skip
 
 
-def _wait(launcher: subprocess.Popen, seconds: float) -> None:
-    try:
-        launcher.wait(seconds)
-    except subprocess.TimeoutExpired:
-        pass
+def _await_end(launcher: subprocess.Popen, report_dir: str) -> None:
+    """Give the launcher END_WAIT_S to end by itself, and no longer than until a process of its
+    next attempt joins (`launched.started_again`): a launcher that answers a failure by
+    starting its workers again (torchrun `--max-restarts`, a script that retries `mp.spawn`)
+    has said why before it started them, and ends only with that attempt, which is not the
+    run's (unwatched): it is ended now, with the same verdict."""
+    end = time.monotonic() + END_WAIT_S
+    while launcher.poll() is None and time.monotonic() < end:
+        with contextlib.suppress(OSError, private.Untrusted):
+            if launched.started_again(report_dir):
+                return
+        time.sleep(POLL_S)

@@ -72,6 +72,7 @@ def init_process_group(original, args: tuple, kwargs: dict):
         try:
             if _again():
                 _adopted["again"] = True  # runs on unwatched, ended with the launcher
+                _tell_again()
             else:
                 _adopt()
         except Exception as exc:  # the script runs on unwatched: say so where the tool looks
@@ -112,6 +113,26 @@ def _again() -> bool:
     folder = os.environ[LAUNCHED_ENV]
     joined = read_joined(folder, dist.get_rank())
     return private.sealed(folder) or joined is not None
+
+
+def _tell_again() -> None:
+    """Leave `again.<pid>` in the run folder, after the seal too (`started_again`): the tool
+    then ends a failed run's launcher, busy with its next attempt, without waiting for it to
+    end by itself (`command.py`)."""
+    from verify.launching import private
+
+    private.write(os.environ[LAUNCHED_ENV], f"again.{os.getpid()}", b"", asked=True)
+
+
+_AGAIN = re.compile(r"again\.\d+")
+
+
+def started_again(folder: str) -> bool:
+    """Whether a process of the launcher's next attempt joined (`_again`). Raises
+    `private.Untrusted` for a folder that is not this user's alone."""
+    from verify.launching import private
+
+    return any(_AGAIN.fullmatch(name) for name in private.names(folder))
 
 
 def _adopt() -> None:
