@@ -271,7 +271,8 @@ def test_the_wait_for_a_launcher_ends_when_its_next_attempt_joins(tmp_path):
     """After a crash the tool gives the launcher END_WAIT_S to end by itself, and no longer
     than until a process of its next attempt joins: its mark (`again.<pid>`) is the one message
     a sealed run folder still takes from a process of the run."""
-    from verify.launching import command, launched, private
+    from verify import private
+    from verify.launching import command, launched
 
     folder = str(tmp_path / "run")
     private.make_dir(folder)

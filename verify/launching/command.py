@@ -18,9 +18,8 @@ cause. At the verdict the folder is sealed (`private.seal`): a rank that ends la
 launcher's next attempt, leaves nothing of its end there. It then ends whatever is
 left (`tree.py`: workers in sessions of their own included), also at Ctrl-C and at the
 deadline; after a crash, once the launcher has had END_WAIT_S to end by itself, or as soon
-as its next attempt joins (a retry, which ends only with that attempt; the same rule gives
-the verdict where the run's ranks all ended, one without a report, as a retry joins). A command whose processes never join a group gives no verdict: "nothing joined"
-(a usage error).
+as its next attempt joins (a retry, which ends only with that attempt). A command whose
+processes never join a group gives no verdict: "nothing joined" (a usage error).
 """
 
 from __future__ import annotations
@@ -147,9 +146,9 @@ class _Watch:
         if status.ended and launcher_ended:  # (a rank that never joined ended with it)
             return bool(self._set("end"))
         if status.ended and len(self.local.ranks) >= self.world:
-            # The launcher is still tearing down; or it started its workers again after a
-            # rank died without a report, and the run's ranks are all there is to judge.
-            return self._restarted() and bool(self._set("end"))
+            # The launcher is still tearing down, or runs processes of its own that are not
+            # the run's (an evaluation phase spawned after training): never ended for it.
+            return False
         if now - self._last_change < self.stall_timeout_s or status.busy:
             return False
         if status.waiting:
@@ -161,13 +160,6 @@ class _Watch:
             self.detection_s = still
             return bool(self._set("hang"))
         return False
-
-    def _restarted(self) -> bool:
-        """Every rank of the run ended, one not well (a death without a report: a signal, the
-        OOM killer), and a process of the launcher's next attempt joined: the launcher will
-        not end until that attempt does (`launched.started_again`)."""
-        crashed = any(not self.local.ended_well(r) for r in self.local.ranks)
-        return crashed and launched.started_again(self.report_dir)
 
     def result(self, reason: str, elapsed_s: float) -> LaunchResult:
         """What the ranks left, read before any is ended: the diagnosis of the run as it

@@ -119,7 +119,7 @@ def _tell_again() -> None:
     """Leave `again.<pid>` in the run folder, after the seal too (`started_again`): the tool
     then ends a failed run's launcher, busy with its next attempt, without waiting for it to
     end by itself (`command.py`)."""
-    from verify.launching import private
+    from verify import private
 
     private.write(os.environ[LAUNCHED_ENV], f"again.{os.getpid()}", b"", asked=True)
 
@@ -130,7 +130,7 @@ _AGAIN = re.compile(r"again\.\d+")
 def started_again(folder: str) -> bool:
     """Whether a process of the launcher's next attempt joined (`_again`). Raises
     `private.Untrusted` for a folder that is not this user's alone."""
-    from verify.launching import private
+    from verify import private
 
     return any(_AGAIN.fullmatch(name) for name in private.names(folder))
 

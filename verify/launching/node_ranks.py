@@ -185,10 +185,6 @@ class NodeRanks:
             meter.sample(now)
         return meter
 
-    def ended_well(self, r: int) -> bool:
-        """Rank r ended without raising (its `ended` mark: `rank_ended`)."""
-        return self._has(r, "ended")
-
     def ended(self, r: int) -> bool:
         if self._has(r, "failed") or self._has(r, "ended"):
             return True
