@@ -69,6 +69,7 @@ _find_site = SiteFinder(
 
 _writer: Writer | None = None
 _patches = Patches()
+_wrapped: dict[tuple[str, int], object] = {}  # (name, id(function)) -> its wrapper, once made
 # 1 inside a traced call: collectives that one issues (all_gather_object's all_gathers) are not
 # recorded again. One flag for all threads: collectives are issued from one thread in practice.
 _depth = 0
@@ -88,16 +89,37 @@ def install(path: str, *, rank: int | None = None, capacity: int = DEFAULT_CAPAC
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     _writer = Writer(path, rank, capacity)
-    _patches.wrap_collectives(_OPS, _make_wrapper)
-    _patches.apply(dist.Work, "wait", _traced_wait(_work_wait))
+    resume()
     untraced.install(_writer)
+
+
+def pause() -> None:
+    """Put the original functions back (the trace file stays open): `resume()` undoes it
+    (benchmarks/bench_tracer.py measures the traced and untraced step in one process)."""
+    _patches.restore()
+
+
+def resume() -> None:
+    if not _patches:
+        _patches.wrap_collectives(_OPS, _wrapper)
+        _patches.apply(dist.Work, "wait", _traced_wait(_work_wait))
+
+
+def _wrapper(name: str, function):
+    """The traced wrapper of `function`, the collective `name`: made once, the same again at
+    each `resume`."""
+    key = (name, id(function))
+    if key not in _wrapped:
+        _wrapped[key] = _make_wrapper(name, function)
+    return _wrapped[key]
 
 
 def uninstall() -> None:
     """Restore the original functions and close the trace (tests and benchmarks)."""
     global _writer
-    _patches.restore()
+    pause()
     untraced.uninstall()
+    _wrapped.clear()
     _tensor_kinds.clear()
     _in_flight.clear()
     if _writer is not None:
