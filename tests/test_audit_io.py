@@ -266,3 +266,7 @@ def test_a_disk_that_fills_or_a_folder_removed_mid_run_ends_the_audit_not_the_tr
     alone passes."""
     problems = audit_io_problems(tmp_path)
     assert not problems, "\n\n".join(problems)
+    with _small_tmpfs(tmp_path / "probe") as mounted:
+        if mounted is None:  # said, not passed in silence: half the cases did not run
+            pytest.skip("the full-disk cases need a tmpfs mount, not permitted here: only the "
+                        "removed folder and the control ran (and passed)")  # fmt: skip

@@ -642,19 +642,21 @@ def _run_processes(run: Path) -> list[int]:
     return [p for p in pids if alive(p) and carries(p, marker)]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
-def test_sigkill_of_the_tool_ends_every_process_of_the_run(launcher, tmp_path):
+def sigkill_problems(folder, launcher: str) -> list[str]:
     """`kill -9` of `audit -- LAUNCHER` while its ranks train: the tool can end nothing, yet
     nothing of the run is left (torchrun's workers lead sessions of their own, mp.spawn's
-    children outlive their parent): its guardian ends them (verify/launching/guardian.py)."""
-    script = tmp_path / "train_on.py"
+    children outlive their parent): its guardian ends them (verify/launching/guardian.py).
+    What is wrong (none: the idle verdict; under CPU hogs in tests/test_load.py too)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "train_on.py"
     script.write_text(TRAINS_ON)
     command = (
         ["torchrun", "--standalone", "--nproc-per-node", "2", str(script)]
         if launcher == "torchrun"
         else [sys.executable, str(script), str(free_port())]
     )
-    out, said = tmp_path / "out", tmp_path / "stderr.txt"
+    out, said = folder / "out", folder / "stderr.txt"
     with open(said, "w") as stderr:
         tool = subprocess.Popen(
             [sys.executable, "-m", "verify", "audit", "--stall-timeout", "300", "--out",
@@ -666,22 +668,31 @@ def test_sigkill_of_the_tool_ends_every_process_of_the_run(launcher, tmp_path):
     try:
         deadline = time.monotonic() + 240
         while len(list(out.glob("audit_*/rank*.joined"))) < 2:
-            assert tool.poll() is None and time.monotonic() < deadline, said.read_text()
+            if tool.poll() is not None or time.monotonic() >= deadline:
+                return [f"sigkill {launcher}: the ranks never both joined: {said.read_text()}"]
             time.sleep(0.2)
         (run,) = out.glob("audit_*")
-        assert len(_run_processes(run)) >= 3  # the launcher (and agent) and two ranks
+        if len(_run_processes(run)) < 3:  # the launcher (and agent) and two ranks
+            return [f"sigkill {launcher}: not running: {_run_processes(run)}"]
         tool.kill()
         tool.wait()
         deadline = time.monotonic() + 60  # SIGKILLed processes go when they are scheduled
         while _run_processes(run) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = _run_processes(run)
-        assert left == [], f"left running after the tool's SIGKILL: {left}"
+        return [f"sigkill {launcher}: left running after the tool's SIGKILL: {left}"] * bool(left)
     finally:
         tool.kill()
         for pid in _run_processes(run) if run else []:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.under_load
+@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
+def test_sigkill_of_the_tool_ends_every_process_of_the_run(launcher, tmp_path):
+    problems = sigkill_problems(tmp_path, launcher)
+    assert not problems, "\n".join(problems)
 
 
 # A launcher command whose processes never join says why in the --nproc form's one line

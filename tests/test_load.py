@@ -199,6 +199,8 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
             "launchers": (test_launchers.launch_problems, str(folder / "launchers")),
             "retry": (test_launchers.retry_problems, str(folder / "retry")),
             "killed": (test_launchers.killed_problems, str(folder / "killed")),
+            "sigkill-torchrun": (test_launchers.sigkill_problems, folder / "sigkill-t", "torchrun"),
+            "sigkill-spawn": (test_launchers.sigkill_problems, folder / "sigkill-s", "mp.spawn"),
             "unaudited": (test_launchers.unaudited_problems, str(folder / "unaudited")),
             "says-why": (test_launchers.launcher_says_why_problems, folder / "says-why"),
         },
@@ -379,11 +381,14 @@ def _check_launchers(window: Window) -> None:
     (a pass, every step audited) and a buggy one (named at its step, tensor and rank), `hang
     -- torchrun ...` with a rank parked while its peer waits in DDP's reducer (a HANG naming
     it and its line), and a script that retries mp.spawn after a rank raised (the CRASH with
-    the failed attempt's audit, not the retry's), and a wrapper that starts a rank with a
+    the failed attempt's audit, not the retry's), a rank killed by a signal (the first to die
+    named), `kill -9` of the tool (nothing of the run left), and a wrapper that starts a rank with a
     clean environment (that rank named as not audited, no TIMEOUT; kept, a pass and a
     divergence found), and a CUDA-only script under torchrun and mp.spawn and a misspelled
     one (the tool's one line): the verdicts of an idle machine (tests/test_launchers.py)."""
-    problems = window["launchers"] + window["retry"] + window["unaudited"] + window["says-why"]
+    names = ("launchers", "retry", "killed", "unaudited", "says-why", "sigkill-torchrun",
+             "sigkill-spawn")  # fmt: skip
+    problems = [p for name in names for p in window[name]]
     assert not problems, "\n".join(problems)
 
 
