@@ -50,13 +50,14 @@ import time
 from dataclasses import dataclass, replace
 
 from verify.launching.board import Board
-from verify.launching.node_ranks import POLL_S, STARTUP_S, NodeRanks, NodeReport, NodeStatus
+from verify.launching.node_ranks import POLL_S, NodeRanks, NodeReport, NodeStatus
 from verify.launching.outcome import RankOutcome
 from verify.launching.supervisor import GRACE_S, root_cause_order
 from verify.watching.diagnose import diagnose
 from verify.watching.findings import Diagnosis
 from verify.watching.history import pattern_break
 from verify.watching.trace_file import Trace
+from verify.watching.watchdog import STARTUP_S
 
 SAMPLE_S = 0.25  # status period: the hang verdict lags the last event by at most 2 of these
 POSITION_S = 1.0

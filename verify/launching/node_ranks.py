@@ -42,9 +42,9 @@ from verify.watching.findings import Diagnosis
 from verify.watching.procstat import CpuMeter
 from verify.watching.stacks import at
 from verify.watching.trace_file import Trace
+from verify.watching.watchdog import STARTUP_S
 
 TAIL = 256  # records per rank sent at a verdict (the history a skip is recognised by)
-STARTUP_S = 60.0  # as the watchdog: a rank that has issued nothing yet is still starting
 WAIT_S = 12.0  # how long a failing rank waits for the job's diagnosis before its traceback
 POLL_S = 0.1
 _STACK_WAIT_S = 0.5

@@ -40,11 +40,10 @@ from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
 from verify.watching.procstat import CpuMeter
 from verify.watching.ranks import is_echo
-from verify.watching.watchdog import Watchdog
+from verify.watching.watchdog import STARTUP_S, Watchdog
 
 GRACE_S = 1.5  # after a failure, peers usually error out within ms (their sockets close)
 POLL_S = 0.05
-STARTUP_S = 60.0  # to start every interpreter and meet; 2 ranks take ~1.5 s on 2 idle cores
 STARTUP_CAP_S = 600.0  # however much CPU a starting rank keeps using
 EXIT_WAIT_S = 5.0  # ranks that reported may take a moment to tear down and exit
 # How long the ranks asked for a stack dump may take to write it: milliseconds when idle, but

@@ -49,6 +49,12 @@ class _Excuse:
     asked: bool = False
 
 
+# How long a rank that has issued no collective yet is still starting: to start an interpreter,
+# import torch and meet (2 ranks take ~1.5 s on 2 idle cores). The one bound of the supervisor,
+# the watchdog and a node's ranks in the launcher form.
+STARTUP_S = 60.0
+
+
 class Watchdog:
     """Reads the ranks' trace headers and CPU time; `poll()` says when the run is hung.
 
@@ -74,7 +80,7 @@ class Watchdog:
         *,
         where: Callable[[int, bool], str | None] | None = None,
         in_torch: Callable[[int, bool], bool | None] | None = None,
-        startup_s: float = 60.0,
+        startup_s: float = STARTUP_S,
         own_ranks: Callable[[int], bool] | None = None,
     ) -> None:
         self.paths = trace_paths
