@@ -250,11 +250,9 @@ def retry_problems(folder: str) -> list[str]:
             problems.append(f"{mode}: audited steps {r.audit and r.audit.audited_steps} (want 2)")
         if list(Path(r.run.report_dir).glob("rank*.ended")):
             problems.append(f"{mode}: the retry's ranks wrote into the run's report folder")
-        # After a raise the tool ends the launcher within END_WAIT_S, before the retry joins
-        # on a loaded machine; after a death without a report the verdict waits for the
-        # launcher's end, so the retry has surely joined, and said so.
-        if mode == "oom" and not list(Path(r.run.report_dir).glob("again.*")):
-            problems.append(f"{mode}: the retry's join was not told")
+        # Whether the retry joined before the tool ended its launcher (END_WAIT_S after the
+        # verdict) is the machine's timing, not asserted: the wait cut short by its join is
+        # test_the_wait_for_a_launcher_ends_when_its_next_attempt_joins.
     # every process of a launch carries its report folder, the retry's unadopted ones too
     markers = [
         f"{LAUNCHED_ENV}={os.path.abspath(r.run.report_dir)}".encode() for r in results.values()
