@@ -219,9 +219,10 @@ def retry_problems(folder: str) -> list[str]:
     before any verdict on a kill (a rank dead by a signal says nothing; its peers are killed
     by mp.spawn; the verdict comes at the retry's join, not its end). What is wrong: each
     verdict must be the first attempt's crash, with what that attempt audited (two steps, not
-    the retry's four written over them; for the kill, not the retry's pass), the retry's
-    join told (`again.<pid>`, which is what ends the waits), and no process of either
-    attempt left running."""
+    the retry's four written over them; for the kill, not the retry's pass), and no process
+    of either attempt left running. (Whether the retry joins before the tool ends its
+    launcher is timing: `test_the_wait_for_a_launcher_ends_when_its_next_attempt_joins` tests
+    the wait its join cuts short.)"""
     from verify.checks.script_audit import AuditOptions, check_audit
 
     os.makedirs(folder, exist_ok=True)

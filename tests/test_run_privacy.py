@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from verify import private, runs
-from verify.launching import launch, launched
+from verify.launching import launch, launched, node_ranks, supervisor
 from verify.launching.node_ranks import NodeRanks
+from verify.launching.zygote import NO_ZYGOTE_ENV
+from verify.watching import trace_file
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
@@ -97,6 +99,104 @@ def test_a_link_or_a_fifo_in_a_messages_place_is_refused_without_blocking(tmp_pa
     for name in ("rank0.ended", "rank1.ended"):
         with pytest.raises(private.Untrusted, match=f"{run}/{name}"):
             private.read(run, name)
+
+
+def _traced_rank(folder: Path) -> tuple[Path, Path]:
+    """A rank's evidence as the tool reads it: a trace with one collective, its names and a
+    stack dump."""
+    trace = folder / "rank0.trace"
+    writer = trace_file.Writer(str(trace), rank=0, capacity=8)
+    fields = (0, 3, writer.intern("all_reduce"), writer.intern("float32"), writer.intern("(3,)"))
+    fields += (writer.intern("default"), writer.intern("train.py:12"), 0, -1, 0)
+    writer.issue(fields)
+    with os.fdopen(private.create(f"{trace}.names"), "w") as f:
+        f.write(trace_file.names_line("float32", "(3,)", "fc.bias"))
+    stack = folder / "rank0.stack"
+    with os.fdopen(private.create(str(stack)), "w") as f:
+        f.write('Thread 0x1 (most recent call first):\n  File "train.py", line 12 in step\n')
+    return trace, stack
+
+
+def _stack_read(stack: Path) -> list[str | None]:
+    return [supervisor._read(str(stack)), node_ranks._text(str(stack))]
+
+
+@as_root
+def test_a_ranks_trace_or_stack_that_another_user_could_write_is_never_read(tmp_path):
+    """Where the ranks were decides a hang's verdict: a trace, its sidecars or a stack dump
+    another user owns, or found in a folder swapped for theirs, is refused (the watchdog's
+    polls see no header), never read as the rank's."""
+    run = runs.new_run_dir(tmp_path, "audit", "N", "cpu")
+    trace, stack = _traced_rank(run)
+    (record,) = trace_file.read_trace(str(trace)).records
+    assert (record.op, record.site, record.like, record.state) == (
+        "all_reduce", "train.py:12", "fc.bias", "issued")  # fmt: skip
+    assert trace_file.read_header(str(trace)).pending == 1
+    assert all("train.py" in text for text in _stack_read(stack))
+    for planted in (trace, Path(f"{trace}.strings"), Path(f"{trace}.names")):
+        os.chown(planted, NOBODY, NOBODY)
+        with pytest.raises(private.Untrusted, match=f"file {planted} is owned by uid {NOBODY}"):
+            trace_file.read_trace(str(trace))
+        os.chown(planted, 0, 0)
+    os.chown(trace, NOBODY, NOBODY)
+    assert trace_file.read_header(str(trace)) is None
+    os.chown(stack, NOBODY, NOBODY)
+    for read in (supervisor._read, node_ranks._text):
+        with pytest.raises(private.Untrusted, match=f"file {stack} is owned by uid {NOBODY}"):
+            read(str(stack))
+    os.rename(run, tmp_path / "moved")  # theirs in our folder's place, holding files of ours
+    run.mkdir(mode=0o777)
+    _traced_rank(run)
+    os.chown(run, NOBODY, NOBODY)
+    assert trace_file.read_header(str(trace)) is None
+    for read in (trace_file.read_trace, supervisor._read, node_ranks._text):
+        with pytest.raises(private.Untrusted, match=f"run folder {run} is owned by uid {NOBODY}"):
+            read(str(trace if read is trace_file.read_trace else stack))
+
+
+def test_a_file_a_rank_writes_in_place_is_its_users_alone_whatever_the_umask(tmp_path):
+    """A stack dump or a trace's sidecar is written in place while the tool reads it: 0600
+    under a group's umask, a wider file there before made 0600, a link in its place refused."""
+    (tmp_path / "wide").write_text("x")
+    os.chmod(tmp_path / "wide", 0o666)
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    old = os.umask(0o002)
+    try:
+        for name in ("fresh", "wide"):
+            os.close(private.create(str(tmp_path / name)))
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+        with pytest.raises(OSError, match="Too many levels of symbolic links"):
+            private.create(str(tmp_path / "link"))
+    finally:
+        os.umask(old)
+    assert not (tmp_path / "target").exists()
+
+
+def _collective(ctx) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return float(t.sum())
+
+
+def test_a_traced_run_under_a_groups_umask_reads_its_own_evidence(tmp_path, monkeypatch):
+    """Under umask 002 (a shared group's) the files a rank writes in place are its user's
+    alone, so the tool reads its ranks' traces and stacks rather than refusing its own run.
+    Fresh interpreters: a zygote started earlier in this process has the umask of then."""
+    monkeypatch.setenv(NO_ZYGOTE_ENV, "1")
+    folder = runs.new_run_dir(tmp_path, "run", 2, "cpu")
+    old = os.umask(0o002)
+    try:
+        result = launch(_collective, world_size=2, report_dir=str(folder), stall_timeout_s=30.0)
+    finally:
+        os.umask(old)
+    assert result.ok, result.outcomes
+    assert [o.value for o in result.outcomes] == [4.0, 4.0]
+    kept = [p for p in folder.iterdir() if p.suffix in (".trace", ".stack", ".strings")]
+    assert {p.name for p in kept} >= {"rank0.stack", "rank1.stack", "rank0.trace"}, kept
+    assert {stat.S_IMODE(p.stat().st_mode) for p in kept} == {0o600}
 
 
 def test_nothing_is_written_after_the_seal(tmp_path):

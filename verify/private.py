@@ -11,7 +11,9 @@ folder for one of their own (a shared `--out` lets them rename ours), or run cod
   to the descriptor, which names the folder that was checked.
 - A message is data, never code: JSON or plain text, written 0600 under a fresh temporary
   name (O_EXCL, O_NOFOLLOW) and renamed into place, and checked again on read: a regular file
-  of this user's that no one else can write.
+  of this user's that no one else can write. The evidence a verdict rests on is read the same
+  way (`read`, `read_path`): a rank's collective trace and its stack dumps, which a rank
+  writes in place (`create`: 0600, whatever the umask).
 - Anything else is `Untrusted`, a ValueError of one line: the run is refused, and nothing of
   the file is read.
 
@@ -52,9 +54,11 @@ def check_dir(folder: str | os.PathLike) -> None:
         pass
 
 
-def read(folder: str | os.PathLike, name: str) -> bytes | None:
-    """The message `name` in `folder` (None: there is none, nor a folder); Untrusted if the
-    folder or the file is not this user's alone."""
+def read(
+    folder: str | os.PathLike, name: str, *, after: int = 0, most: int | None = None
+) -> bytes | None:
+    """The message `name` in `folder` (None: there is none, nor a folder), from byte `after`
+    on, `most` bytes at most; Untrusted if the folder or the file is not this user's alone."""
     if not os.path.lexists(folder):
         return None
     with _opened(folder) as dir_fd:
@@ -70,7 +74,23 @@ def read(folder: str | os.PathLike, name: str) -> bytes | None:
             if not stat.S_ISREG(info.st_mode):
                 raise Untrusted(f"{os.path.join(folder, name)} is not a regular file: refused")
             _check(info, os.path.join(folder, name), "file")
-            return f.read()
+            f.seek(after)
+            return f.read() if most is None else f.read(most)
+
+
+def read_path(path: str, *, after: int = 0, most: int | None = None) -> bytes | None:
+    """`read` of the file at `path`, in the folder that holds it."""
+    return read(os.path.dirname(path) or ".", os.path.basename(path), after=after, most=most)
+
+
+def create(path: str) -> int:
+    """A descriptor of the file at `path` for writing, made (or emptied) for this user alone:
+    0600 whatever the umask, a link in its place refused (ELOOP). For a file a rank writes
+    in place while the tool reads it (a stack dump): a message is `write`n whole instead."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+    return fd
 
 
 def names(folder: str | os.PathLike) -> list[str]:

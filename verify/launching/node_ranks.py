@@ -242,7 +242,7 @@ class NodeRanks:
         live = [r for r in self.ranks if r in self.pids and not self.ended(r)]
         for r in live:  # each dumps its stack into rank<r>.stack (faulthandler, SIGUSR1)
             if self.pids[r] == os.getpid():
-                with open(self._path(r, "stack"), "w") as f:
+                with os.fdopen(private.create(self._path(r, "stack")), "w") as f:
                     faulthandler.dump_traceback(f, all_threads=True)
             else:
                 with contextlib.suppress(ProcessLookupError):
@@ -251,7 +251,7 @@ class NodeRanks:
         self.note_deaths()
         outcomes, failed_at = {}, {}
         for r in self.ranks:
-            stack = _read(self._path(r, "stack"))
+            stack = _text(self._path(r, "stack"))
             failed = _load(self.report_dir, f"rank{r}.failed")
             said = self._failing_since(r)  # a failure is dated from the raise, as on one machine
             if failed is not None:
@@ -428,7 +428,8 @@ def _failure(found, path: str) -> tuple[str, str | None, float]:
     raise private.Untrusted(f"{path} is not a rank's failure: refused")
 
 
-def _read(path: str, binary: bool = False):
-    with contextlib.suppress(OSError), open(path, "rb" if binary else "r") as f:
-        return f.read() or None
+def _text(path: str) -> str | None:
+    """A stack dump's text (None: there is none); Untrusted if it is not this user's alone."""
+    with contextlib.suppress(OSError):
+        return (private.read_path(path) or b"").decode(errors="replace") or None
     return None

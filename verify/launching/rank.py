@@ -31,7 +31,7 @@ import signal
 import sys
 from dataclasses import replace
 
-from verify import progress
+from verify import private, progress
 from verify.launching import process, threads
 from verify.launching.outcome import Raised, RankContext, RankReport, Say, Up
 from verify.launching.rank_job import (
@@ -169,7 +169,7 @@ def _die_with_parent(ppid: int) -> None:
 
 
 def _enable_faulthandler(stack_path: str) -> None:
-    stack_file = open(stack_path + ".tmp", "w")  # noqa: SIM115 - faulthandler keeps it open
+    stack_file = os.fdopen(private.create(stack_path + ".tmp"), "w")  # faulthandler keeps it
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     faulthandler.enable(file=stack_file, all_threads=True)  # fatal signals dump there too
     os.replace(stack_path + ".tmp", stack_path)  # from now on the parent may send SIGUSR1

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from verify import progress
+from verify import private, progress
 from verify.launching.outcome import Failing, RankOutcome, RankReport, Say, Up
 from verify.launching.process import RankProcess
 from verify.watching import capture, stacks
@@ -331,10 +331,9 @@ def _size(path: str) -> int:
 
 
 def _read(path: str, after: int = 0) -> str | None:
-    """The file's text from byte `after` on; None when there is none."""
+    """A stack dump's text from byte `after` on (None: there is none); `private.Untrusted` if
+    it is not this user's alone: where a rank is decides a verdict."""
     try:
-        with open(path, "rb") as f:
-            f.seek(after)
-            return f.read().decode(errors="replace") or None
+        return (private.read_path(path, after=after) or b"").decode(errors="replace") or None
     except OSError:
         return None

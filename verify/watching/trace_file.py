@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
+from verify import private
+
 MAGIC = b"DDPTRACE"
 VERSION = 1
 # header: magic, version, pid, rank, capacity, records written, events (issues + completions),
@@ -180,26 +182,27 @@ class Writer:
 
 
 def read_header(path: str) -> Header | None:
-    """The header of a trace file, cheaply; None if it is not there (yet)."""
+    """The header of a trace file, cheaply; None if it is not there (yet), or if it is not this
+    user's alone (`private.py`): the watchdog's polls then see no progress to judge, and the
+    verdict's `read_trace` refuses the run."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
-    except OSError:
+        raw = private.read_path(path, most=_HEADER.size)
+    except (OSError, private.Untrusted):
         return None
-    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+    if raw is None or len(raw) < _HEADER.size or raw[:8] != MAGIC:
         return None
     _, _, pid, rank, _, _, events, pending, last = _HEADER.unpack(raw)
     return Header(pid, rank, events, pending, last)
 
 
 def read_trace(path: str, last: int | None = None) -> Trace | None:
-    """The whole trace of one rank, or its `last` records (None if it never started tracing)."""
+    """The whole trace of one rank, or its `last` records (None if it never started tracing).
+    A verdict rests on it: `private.Untrusted` for a trace or sidecar not this user's alone."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = private.read_path(path)
     except OSError:
         return None
-    if len(raw) < _HEADER_SIZE or raw[:8] != MAGIC:
+    if raw is None or len(raw) < _HEADER_SIZE or raw[:8] != MAGIC:
         return None
     _, _, pid, rank, capacity, written, events, pending, last = _HEADER.unpack_from(raw)
     strings = _read_strings(path + ".strings")
@@ -229,15 +232,20 @@ def read_trace(path: str, last: int | None = None) -> Trace | None:
 
 def _read_strings(path: str) -> dict[int, str]:
     out: dict[int, str] = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                sid, sep, text = line.rstrip("\n").partition("\t")
-                if sep and sid.isdigit():
-                    out[int(sid)] = text
-    except OSError:
-        pass
+    for line in _lines(path):
+        sid, sep, text = line.partition("\t")
+        if sep and sid.isdigit():
+            out[int(sid)] = text
     return out
+
+
+def _lines(path: str) -> list[str]:
+    """The lines of a sidecar (none: it is not there); Untrusted as `read_trace`."""
+    try:
+        raw = private.read_path(path)
+    except OSError:
+        return []
+    return [] if raw is None else raw.decode("utf-8", errors="replace").split("\n")
 
 
 def names_line(dtype: str, shape: str, name: str) -> str:
@@ -250,14 +258,10 @@ def _read_names(path: str, most: int = 3) -> dict[tuple[str, str], str]:
     """(dtype, shape) -> "fc1.weight", or "one of fc1.weight, fc2.weight" when several
     parameters share them (a collective is only known by its dtype and shape)."""
     found: dict[tuple[str, str], list[str]] = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                dtype, shape, name = (line.rstrip("\n").split("\t") + ["", ""])[:3]
-                if name and name not in found.setdefault((dtype, shape), []):
-                    found[(dtype, shape)].append(name)
-    except OSError:
-        return {}
+    for line in _lines(path):
+        dtype, shape, name = (line.split("\t") + ["", ""])[:3]
+        if name and name not in found.setdefault((dtype, shape), []):
+            found[(dtype, shape)].append(name)
     out = {}
     for key, names in found.items():
         shown = ", ".join(names[:most]) + (", ..." if len(names) > most else "")

@@ -40,6 +40,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from verify import private
 from verify.patching import Patches
 from verify.watching import untraced
 from verify.watching.ops import OPS as _OPS
@@ -156,7 +157,7 @@ def name_shapes(named) -> None:
         names_line(str(t.dtype).replace("torch.", ""), str(tuple(t.shape)), name)
         for name, t in named
     )
-    with open(_writer.path + ".names", "w", encoding="utf-8") as f:
+    with os.fdopen(private.create(_writer.path + ".names"), "w", encoding="utf-8") as f:
         f.write(lines)
 
 
