@@ -767,14 +767,21 @@ except KeyboardInterrupt:  # as mp.spawn's worker wrapper: its parent says it wa
 """
 
 
+def _sigint_at_its_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_ctrl_c_leaves_the_console_to_the_tool(tmp_path):
     """A process of the command interrupted twice, the second time in its exit handlers (an
     mp.spawn worker: the terminal's SIGINT, then its parent's death signal): what it prints
     after the first goes to `interrupted.<pid>.stderr`, the console keeps the tool's line."""
     (tmp_path / "train.py").write_text(SLOW_EXIT)
     env = {**os.environ, "PYTHONPATH": f"{BOOTSTRAP}:{ROOT}", LAUNCHED_ENV: str(tmp_path)}
+    # SIGINT at its default, as in a terminal's job: started in the background (`cmd &`, as
+    # CI may be), a process inherits it ignored and Python then installs no handler of its own.
     worker = subprocess.Popen([sys.executable, "train.py"], env=env, cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=_sigint_at_its_default)  # fmt: skip
     try:
         assert worker.stdout.readline() == "ready\n"
         worker.send_signal(signal.SIGINT)
