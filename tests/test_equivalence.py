@@ -192,5 +192,5 @@ def test_cli_fault_exits_1_naming_step_tensor_and_phase_in_json(run_cli):
     assert (first["step"], first["kind"], first["tensor"]) == (1, "gradients", "fc1.weight")
     assert doc["verdict"] == "fault"
     assert doc["headline"].startswith("FAULT: first divergence at step 1 gradients: fc1.weight")
-    (finding,) = doc["report"]["findings"]  # one bug: one finding (every tensor halved)
+    (finding,) = doc["findings"]  # one bug: one finding (every tensor halved)
     assert (finding["phase"], finding["step"], finding["tensor"]) == ("gradients", 1, "fc1.weight")

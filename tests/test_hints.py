@@ -52,7 +52,7 @@ def _first_hint(result) -> str:
 def _json_hints(result) -> list:
     """Every finding's hint as --json prints it (a "hint" key on each, none left out)."""
     doc = json.loads(json.dumps(result.to_dict()))
-    findings = doc["findings"] if "findings" in doc else doc["report"]["findings"]
+    findings = doc["findings"]
     assert findings and all("hint" in f and "kind" in f and "numbers" in f for f in findings)
     return [f["hint"] for f in findings]
 
@@ -268,9 +268,58 @@ def test_a_bucket_planned_over_a_frozen_parameter_gets_the_frozen_hint():
     assert plain.verdict == "pass", plain.headline
 
 
+# A student's overlap DDP, written fresh: each gradient's all-reduce is launched from its hook,
+# and the handles are waited at the next forward, after the optimizer stepped on them.
+NEXT_BATCH = """
+import torch.distributed as dist
+from torch import nn
+
+
+class NextBatchDDP(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.handles = []
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        p.grad.div_(dist.get_world_size())
+        self.handles.append(dist.all_reduce(p.grad, async_op=True))
+
+    def forward(self, *args, **kwargs):
+        for h in self.handles:  # BUG: the last batch's all-reduces, waited after its step()
+            h.wait()
+        self.handles.clear()
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        pass
+"""
+
+
+def test_gradients_that_differ_after_races_are_said_to_follow_from_them(tmp_path):
+    """A real run of a class that waits its handles only at the next batch: every race has
+    its hint, and the gradients that differ after them are said to be the races' doing, not a
+    bucket that never launched (every gradient was launched; none was waited)."""
+    (tmp_path / "next_batch.py").write_text(NEXT_BATCH)
+    result = check_consistency(ConsistencyOptions(impl=f"{tmp_path / 'next_batch.py'}:NextBatchDDP",
+                                                  steps=2))  # fmt: skip
+    assert result.verdict == "fault", result.headline
+    *races, last = result.findings
+    in_flight = {kinds.NEVER_WAITED, kinds.READ_IN_FLIGHT, kinds.WRITE_IN_FLIGHT}
+    assert races and all(f.kind in in_flight for f in races), [f.kind for f in races]
+    assert last.kind == kinds.GRADIENTS_DIFFER, last.kind
+    assert last.hint.startswith("the gradients differ because of the races above"), last.hint
+    assert not any("never launched" in (f.hint or "") for f in result.findings)
+    assert f"hint: {last.hint}" in consistency_text(result)
+
+
 def test_every_check_puts_its_findings_at_the_top_of_its_json():
     """`findings` at the top level of `equivalence --json` as of `consistency --json`
-    (docs/equivalence.md), the equivalence report's own `report.findings` kept beside it."""
+    (docs/equivalence.md), and only there: the equivalence report's other fields under
+    `report`, its findings not again."""
     from verify.checks import kinds
     from verify.checks.consistency import ConsistencyResult
     from verify.checks.equivalence import EquivalenceReport, EquivalenceResult
@@ -287,4 +336,4 @@ def test_every_check_puts_its_findings_at_the_top_of_its_json():
         want = [] if name.endswith("no report") else [found[0].kind]
         assert [f["kind"] for f in doc["findings"]] == want, (name, doc.keys())
     doc = json.loads(json.dumps(docs["equivalence"].to_dict()))
-    assert doc["report"]["findings"] == doc["findings"]
+    assert "findings" not in doc["report"] and "first_divergence" in doc["report"], doc["report"]

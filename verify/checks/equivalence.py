@@ -165,10 +165,9 @@ class EquivalenceResult(Verdicted):
 
     def to_dict(self) -> dict:
         """The `--json` document. Every distinct finding is at the top level, `findings`, as
-        in every check's; `report.findings` holds the same list (kept: it was the only place
-        before)."""
+        in every check's, and only there: the report's other fields stay under `report`."""
         doc = {"check": "equivalence", **asdict(self), "passed": self.passed}
-        doc["findings"] = doc["report"]["findings"] if doc["report"] is not None else []
+        doc["findings"] = doc["report"].pop("findings") if doc["report"] is not None else []
         return _finite(doc | {"headline": self.headline})
 
 
