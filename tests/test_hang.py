@@ -36,6 +36,7 @@ from verify.watching.diagnose import diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "hang_script.py")
+EVAL_ON_RANK_0 = str(ROOT / "tests" / "fixtures" / "eval_on_rank0.py")
 STALL_S = 3.0
 
 # scenario -> (verdicts accepted, finding kinds accepted, culprit, call site that must be named)
@@ -102,8 +103,9 @@ def _run_all(out: Path) -> dict:
         result = check_hang(options)
         return result.to_dict() | {"exit": 0 if result.passed else 1}
 
-    def script(mode: str):
-        options = HangOptions(script=(SCRIPT, mode), nproc=2, stall_timeout_s=STALL_S, out=str(out))
+    def script(mode: str | None):
+        argv = (SCRIPT, mode) if mode else (EVAL_ON_RANK_0,)
+        options = HangOptions(script=argv, nproc=2, stall_timeout_s=STALL_S, out=str(out))
         result = check_hang(options)
         return result.to_dict() | {"exit": 0 if result.passed else 1}
 
@@ -112,6 +114,7 @@ def _run_all(out: Path) -> dict:
     jobs["hang:bucket-order"] = (impl, "hang:bucket-order", STALL_S, 3)
     jobs["hang:slow-rank"] = (impl, "hang:slow-rank", 4.0)
     jobs["script:skip"] = (script, "skip")  # (its correct twin: tests/test_evidence.py)
+    jobs["script:eval-on-rank-0"] = (script, None)
     jobs["student"] = (impl, "docs/examples/student_ddp.py:StudentDDP")
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -570,6 +573,21 @@ def test_torchrun_hang_where_the_trace_is_blind(tmp_path):
     and read DDP's ranks, which trace none, as still starting: nothing until the deadline.)"""
     problems = blind_problems(blind_jobs(tmp_path, one_node))
     assert not problems, "\n".join(problems)
+
+
+def test_a_real_scripts_collective_on_rank_0_only_is_named_with_its_hint(runs):
+    """tests/fixtures/eval_on_rank0.py, run: rank 0's evaluate() all-reduces while rank 1 has
+    finished. The headline names rank 0 as the only issuer and the line, not rank 1's skip nor
+    the reset rank 0 then saw; the finding carries the hint (in the JSON, as the text prints)."""
+    doc = runs["script:eval-on-rank-0"]
+    d = doc["diagnosis"]
+    assert doc["exit"] == 1 and d["culprit"] == 0, (d["verdict"], d["headline"])
+    assert d["headline"].startswith("only rank 0 issued all_reduce #"), d["headline"]
+    assert "eval_on_rank0.py:14 (evaluate)" in d["headline"], d["headline"]
+    assert "Connection" not in d["headline"] and "never issued all_reduce" not in d["headline"]
+    (head,) = [f for f in d["findings"] if f["message"] == d["headline"]]
+    assert head["kind"] == "issued on some ranks only", head["kind"]
+    assert head["hint"].startswith("a collective issued on some ranks only"), head["hint"]
 
 
 @pytest.mark.parametrize(
