@@ -216,14 +216,18 @@ def _small_tmpfs(where: Path):
 
 
 FILLED = ("the audit stopped at step 4: no space left on device", "AUDIT STOPPED")
+REMOVED = (
+    "the audit stopped at step 4: no such file or directory",
+    "was removed while the run ran",
+)
 # case -> (exit code, what the output must say); the script's own line on every rank too
 EXPECTED = {
     # a checkpoint takes the disk's last byte at step 3: the audit stops at the next point
     "fill": (2, FILLED),
     "fill-torchrun": (2, FILLED),  # the launcher form: the ranks' marks on a full disk too
     # a clean-up job removes the run folder at step 3
-    "remove": (2, ("the audit stopped at step 4: no such file or directory",
-                   "was removed while the run ran")),
+    "remove": (2, REMOVED),
+    "remove-torchrun": (2, REMOVED),  # the launcher form: the tool's own writes after it too
     # nothing happens to the disk: the same loop passes
     "none": (0, ("replicas bitwise identical at every audited step",)),
 }  # fmt: skip
@@ -251,6 +255,9 @@ def audit_io_problems(folder: Path) -> list[str]:
                             f"{trained}:\n{text}")  # fmt: skip
     if "remove" in done and len(done["remove"].stderr.strip().splitlines()) != 1:
         problems.append(f"remove: not one line: {done['remove'].stderr}")
+    said = done["remove-torchrun"].stderr.strip().splitlines()[-1:]  # after torchrun's own lines
+    if not (said and said[0].startswith("verify: error: the run folder ")):
+        problems.append(f"remove-torchrun: the tool's line is not last: {said}")
     return problems
 
 
@@ -258,8 +265,8 @@ def audit_io_problems(folder: Path) -> list[str]:
 def test_a_disk_that_fills_or_a_folder_removed_mid_run_ends_the_audit_not_the_training(tmp_path):
     """Real runs of a small DDP loop: `--out` on a 4 MiB tmpfs that the script fills at step
     3, under --nproc and through torchrun (left out where mounting is not permitted), and
-    the run folder removed at step 3 (a
-    clean-up job, a user's `rm -r`). Every rank trains to the end; the ranks' output says
+    the run folder removed at step 3 (a clean-up job, a user's `rm -r`), under --nproc and
+    through torchrun. Every rank trains to the end; the ranks' output says
     where the audit stopped and why, and the run is not a pass: exit 2, since the steps
     after it were never checked, and nothing showed the training wrong (so not 1 either).
     No traceback, and in seconds rather than at a timeout. The same loop on a disk left
