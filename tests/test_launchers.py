@@ -394,26 +394,37 @@ def _await_two_joined(tool: subprocess.Popen, out: Path) -> None:
         time.sleep(0.2)
 
 
-def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path):
-    """SIGINT to the tool alone (torchrun's workers are in sessions of their own, which a
-    terminal's Ctrl-C never reaches): exit 130, and none of the launcher's processes left."""
+@pytest.mark.parametrize("to", ["the tool", "the terminal's group"])
+def test_ctrl_c_ends_every_process_the_launcher_started(tmp_path, to):
+    """SIGINT to the tool alone, or a terminal's Ctrl-C to its foreground group (the tool and
+    torchrun's agent, which passes it on to its workers, in sessions of their own): exit 130,
+    the tool's line last with no rank's KeyboardInterrupt above it (they go to the run
+    folder), and none of the launcher's processes left."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = torchrun("torchrun_hang.py")
+    # a hung job for the tool's own SIGINT; a training one, in Python between its steps when
+    # the terminal's reaches it, where each worker raises KeyboardInterrupt
+    command = torchrun("torchrun_hang.py" if to == "the tool" else "torchrun_forever.py")
     tool = subprocess.Popen(
         [sys.executable, "-m", "verify", "hang", "--stall-timeout", "300", "--out",
          str(tmp_path), "--", *command],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a group of its own, as a shell's foreground job
     )  # fmt: skip
     try:
         _await_two_joined(tool, tmp_path)
         below = descendants(tool.pid)
         assert len(below) >= 3  # the agent and its two workers
-        tool.send_signal(signal.SIGINT)
+        if to == "the tool":
+            tool.send_signal(signal.SIGINT)
+        else:
+            time.sleep(2)  # the ranks training, past their first steps
+            os.killpg(tool.pid, signal.SIGINT)
         out, err = tool.communicate(timeout=60)
     finally:
         tool.kill()
     assert tool.returncode == 130, err
-    assert "verify: interrupted" in err
+    assert err.strip().splitlines()[-1] == "verify: interrupted", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     time.sleep(0.5)
     assert [p for p in below if alive(p)] == []
 
