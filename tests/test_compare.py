@@ -633,6 +633,23 @@ def test_one_audited_step_is_one_step():
     assert "the script took AdamW 1 step;" in lines[-1]
 
 
+def test_a_report_that_ends_before_the_script_does_says_no_more_than_it_knows():
+    """Ranks whose last report came before the script's end (killed; or a full disk, while
+    the training went on: "trained 8 steps" below it) say the steps up to that report, not
+    that the run was stopped, nor the verdict that the audit was."""
+    from verify.checks.verdict import AUDIT_STOPPED
+    from verify.cli.text_audit import findings, verdict_line
+    from verify.script_audit import AuditReport
+
+    report = AuditReport.from_dict(_stored_audit(3, 7, 3, diverged=False) | {"finished": False})
+    summary = findings(report)[-1]
+    assert "the script took AdamW 3 steps up to its ranks' last report;" in summary, summary
+    assert "stopped" not in summary, summary
+    assert verdict_line(report, AUDIT_STOPPED).startswith(
+        "AUDIT STOPPED (the ranks' reports end after 3 audited steps, before the script did"
+    )
+
+
 LOSS_2X = ("not divided by the accumulation steps", "backward() on loss / 2")
 HINT_CASES = [  # (kind, numbers, what the hint says; None: no hint)
     ("the loss departs from the recording",

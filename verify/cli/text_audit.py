@@ -188,8 +188,10 @@ def _summary(report: AuditReport) -> str:
             f"each; the optimizer state every {STATE_EVERY}th audited step and wherever the "
             f"parameters differ), up to "
             f"{report.tensors} tensors and settings each; the script took {steps or 'no optimizer step'}")  # fmt: skip
-    if steps and not report.finished:  # killed (a hang, the deadline): as of the last audited step
-        text += " before the run was stopped"
+    if steps and not report.finished:
+        # as of the last report the ranks wrote: a killed run's (a hang, the deadline) or one
+        # whose reports could not be written (a full disk), whose training went on after it
+        text += " up to its ranks' last report"
     if report.sharded:
         text += f"; {report.sharded} sharded tensors never compared across ranks"
     if report.audited_steps:
