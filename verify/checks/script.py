@@ -127,11 +127,7 @@ def run_watched_script(
         )  # fmt: skip
     elapsed = time.monotonic() - start
     if not os.path.isdir(report_dir):
-        raise ValueError(
-            f"the run folder {report_dir} was removed while the run ran: the ranks' reports "
-            "went with it (the audit's, the traces), so the run could not be checked (the "
-            "ranks' output says where the audit stopped)"
-        )
+        raise _removed(report_dir)
     world = run.world_size
     files, pids = finish_report(report_dir, world)
     mapped = _rehearsed(run, report_dir, world) if options.on_cpu else None
@@ -162,10 +158,22 @@ def _watch_command(options, started: Started):
         )
     except NothingJoined as exc:  # said with what its processes left (`unjoined.py`)
         started.abandon()
+        if not os.path.isdir(started.report_dir):  # the joins went with it, seen or not
+            raise _removed(started.report_dir) from None
         raise NothingJoined(_why_unjoined(options, started.report_dir, str(exc))) from None
     except BaseException:  # before the watch began (Ctrl-C, a full disk): nothing left
         started.abandon()
         raise
+
+
+def _removed(report_dir: str) -> ValueError:
+    """A run folder gone by the run's end (a clean-up job, a user's `rm -r`): nothing of the
+    run can be checked, whether or not its ranks' joins were seen before it went."""
+    return ValueError(
+        f"the run folder {report_dir} was removed while the run ran: the ranks' reports went "
+        "with it (the audit's, the traces), so the run could not be checked (the ranks' output "
+        "says where the audit stopped)"
+    )
 
 
 def _first_write(report_dir: str, options) -> None:
