@@ -14,6 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 _MISSING = object()
+# The code of every function the tool put in torch's place: a frame running one of them is a
+# pass-through to torch, the script's call, not the tool's own work (`recording/capture.py`
+# tells the script's ops from the tool's by the frames above them).
+WRAPPERS: set = set()
 
 
 class Patches:
@@ -30,6 +34,9 @@ class Patches:
         `vars`, not `getattr`, so an inherited attribute is restored as inherited, and a
         class's staticmethod as the staticmethod it was)."""
         self._applied.append((owner, name, vars(owner).get(name, _MISSING), ours))
+        code = getattr(getattr(ours, "__func__", ours), "__code__", None)
+        if code is not None:
+            WRAPPERS.add(code)
         setattr(owner, name, ours)
 
     def replaced(self, owner: object, name: str) -> bool:

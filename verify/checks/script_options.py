@@ -72,6 +72,9 @@ class AuditOptions(ThreadOptions, OutputOptions):
                                "this folder (written by --record): where it first departs")  # fmt: skip
     align_step: int | None = knob(None, "with --against: this run's step 0 is the recording's "
                                   "step K (default: found from the parameters)", minimum=0)  # fmt: skip
+    # "<optimizer index>:<step>": `compare --drill`'s re-run captures that step op by op and
+    # ends there (verify/recording/capture.py); not a flag
+    drill_at: str | None = knob(None, "the step a drill-down captures", cli=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from verify import plugins, runs
 from verify.launching import launcher
-from verify.launching.env import RECORD_ENV, backend_env
+from verify.launching.env import DRILL_ENV, RECORD_ENV, backend_env
 from verify.launching.launcher import Started, is_command
 
 
@@ -63,8 +63,12 @@ def unwritable(folder, exc: OSError) -> ValueError:
 
 def run_env(options, report_dir: str, record: bool) -> dict[str, str]:
     """What the run's processes get in their environment beside the launcher's own: the
-    backend's logging (`env.backend_env`) and, for `--record`/`--against`, the recorder."""
-    return {**backend_env(options.backend, report_dir), **({RECORD_ENV: "1"} if record else {})}
+    backend's logging (`env.backend_env`); for `--record`/`--against`, the recorder; for a
+    drill-down's re-run, the step it captures."""
+    env = {**backend_env(options.backend, report_dir), **({RECORD_ENV: "1"} if record else {})}
+    if getattr(options, "drill_at", None):
+        env[DRILL_ENV] = options.drill_at
+    return env
 
 
 def console_of(options) -> TextIO | None:

@@ -78,7 +78,7 @@ CHECK_COMMANDS: tuple[Command, ...] = (
         "compare",
         "compare two recordings of audit --record step by step: where does B depart from A?",
         "verify.recording.command:CompareOptions",
-        "verify.recording.command:run_compare",
+        "verify.recording.drill:run_compare",
         "verify.cli.text_compare:compare",
         positional="recordings",
     ),

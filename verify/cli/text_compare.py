@@ -6,14 +6,107 @@ from __future__ import annotations
 from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS
 from verify.cli import text_audit
 from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
+from verify.recording.capture import FORWARD, OPTIMIZER
 from verify.recording.command import CompareResult, RecordedAudit, verdict_of
 from verify.recording.departure import Comparison
+from verify.recording.drill import BATCH, NOT_COMPUTED, NOTHING, OP, REPLAY, SPLIT, UNSEEN, Drill
+from verify.recording.streams import (
+    DIFFERS,
+    NONDETERMINISTIC,
+    ONLY_ONE,
+    OTHER_INPUTS,
+    OTHER_OPS,
+    RANDOM,
+    Part,
+)
 
 
 def compare(result: CompareResult) -> str:
     a, b = result.options.recordings
     lines = [f"compare: {b} (this run) against {a} (the recording)"]
-    return "\n".join(lines + comparison_lines(result.comparison, result.verdict))
+    lines += comparison_lines(result.comparison, result.verdict)
+    if result.drill is not None:
+        lines += drill_lines(result.drill)
+    return "\n".join(lines)
+
+
+_STOPPED = {BATCH: "at the batch", NOT_COMPUTED: "at the step", SPLIT: "at the split",
+            REPLAY: "at the replay", UNSEEN: "below the dispatcher"}  # fmt: skip
+
+
+def drill_lines(d: Drill) -> list[str]:
+    """The drill-down's rungs, and where it stopped (`recording/drill.py`)."""
+    if d.rung == NOTHING:
+        return [f"DRILL: nothing to drill into: {d.says}"]
+    lines = []
+    if d.reruns:
+        lines.append("drill-down: each run again up to its departing step, op by op")
+    for r in d.reruns:
+        alike = "reproduced bitwise" if r.unlike is None else "NOT reproduced"
+        lines.append(f"  re-ran {r.side} ({r.recording}) to step {r.step} in {r.seconds:.1f} s: "
+                     f"its recording {alike} (report: {r.report_dir})")  # fmt: skip
+    if d.rung != OP:
+        return lines + [f"DRILL: stopped {_STOPPED[d.rung]}: {d.says}"]
+    return lines + _part_lines(d.part, d.module)
+
+
+def _part_lines(p: Part, module: dict | None) -> list[str]:
+    op = p.a or p.b
+    lines = []
+    if module is not None and op.phase == FORWARD:
+        lines.append(f"  module: {module['module']} ({module['kind']}, called at "
+                     f"{module['line']}): the innermost module around the op")  # fmt: skip
+    at = f"{op.op} at {op.line} ({_where(op, module)})"
+    if p.why in (OTHER_OPS, ONLY_ONE):
+        if p.a is None or p.b is None:
+            ran, other = ("A", "B") if p.a else ("B", "A")
+            lines.append(f"  op: {ran} ran {at}, which {other} did not")
+        else:
+            lines.append(f"  op: A ran {p.a.op} at {p.a.line}, B ran {p.b.op} at {p.b.line} "
+                         f"({_where(op, module)})")  # fmt: skip
+        return lines + [
+            f"DRILLED TO THE OP: the runs ran other ops here, after {p.compared} "
+            "alike: the code differs (an edit, a branch taken, a kernel fused)"
+        ]
+    if p.why == OTHER_INPUTS:
+        i = p.argument
+        given = f"argument {i}: {p.a.args[i]} in A, {p.b.args[i]} in B"
+        after = (f"after {p.before.op} at {p.before.line}, the last op alike" if p.before
+                 else "before the step's first op")  # fmt: skip
+        lines.append(f"  op: {at}: given other inputs ({given})")
+        if p.passed_value:
+            return lines + [
+                "DRILLED TO THE OP: the script passed another value to it, where "
+                "every op before was alike: the code or its arguments differ"
+            ]
+        return lines + [f"DRILL: stopped at the inputs: they already differed, and no op "
+                        f"before made the difference: it entered {after}, where the "
+                        "dispatcher sees no op (the batch, a parameter set outside the step, a "
+                        "collective issued from C++, a custom kernel)"]  # fmt: skip
+    gap = p.gap
+    by = f" (by at least {gap:.2g} relative)" if gap else ""
+    lines.append(f"  op: {at}: the same inputs, other outputs{by}")
+    return lines + [f"DRILLED TO THE OP: {_WHY[p.why]}"]
+
+
+_WHY = {
+    DIFFERS: "the first op whose output differs while its inputs matched: the root cause",
+    RANDOM: "the first op whose output differs while its inputs matched draws from a random "
+            "generator: the generators' states differ (seeded otherwise, or drawn from more or "
+            "less before)",
+    NONDETERMINISTIC: "the first op whose output differs while its inputs matched is one "
+                      "PyTorch documents as non-deterministic on this device "
+                      "(torch.use_deterministic_algorithms)",
+}  # fmt: skip
+
+
+def _where(op, module: dict | None) -> str:
+    if op.phase == OPTIMIZER:
+        return "in the optimizer's step"
+    if not op.module:
+        return "in the script's own code" if op.phase == FORWARD else "in the backward"
+    kind = f" ({module['kind']})" if module else ""
+    return f"in the {op.phase} of {op.module}{kind}"
 
 
 def audit(result) -> str:

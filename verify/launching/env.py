@@ -24,6 +24,9 @@ LAUNCHED_ON_CPU_ENV = "DDP_VERIFY_LAUNCHED_ON_CPU"
 # ranks say in the launcher's store (`roll_call.py`).
 LAUNCHED_SECRET_ENV = "DDP_VERIFY_LAUNCHED_SECRET"
 RECORD_ENV = "DDP_VERIFY_RECORD"  # "1": `audit --record/--against` (verify/recording/recorder.py)
+# "<optimizer index>:<step>": a drill-down's re-run captures that step op by op, then ends
+# (verify/recording/capture.py)
+DRILL_ENV = "DDP_VERIFY_DRILL"
 # A file of the report folder: the run's verdict is out (failing ranks wait for it; ranks a
 # launcher starts after it, torchrun's restarts, are not the run's).
 DIAGNOSED = "job.diagnosed"

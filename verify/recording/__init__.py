@@ -11,7 +11,10 @@
     align.py      which step of one run is which of the other (a resume)
     tolerance.py  bitwise, or within a tolerance derived from the precision and the order
     departure.py  the first departure and what follows
-    command.py    the `compare` command, and what `audit --record/--against` add
+    command.py    the `compare` command's options and result, and what `audit --record/--against` add
+    capture.py    inside a drill-down's re-run: one step, op by op (a dispatch mode)
+    streams.py    two captures of a step: the first op where they part, and why
+    drill.py      `compare --drill`: the rungs below the first departure, the re-runs, the replay check
 
 The recorder is called by the script audit's `StepHooks` (`verify/script_audit/hooks.py`) at
 the points it audits, with the entries it collected and named (`collect.py`, `naming.py`).

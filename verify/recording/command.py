@@ -1,6 +1,8 @@
-"""`python -m verify compare DIR_A DIR_B`: two recordings of `audit --record`, compared offline
-with the report of `audit --against` (`departure.py`); and what `audit --record/--against`
-add to the audit's result (`with_recording`).
+"""`python -m verify compare DIR_A DIR_B`'s options and result: two recordings of `audit
+--record`, compared offline with the report of `audit --against` (`departure.py`), and
+under `--drill` below it (`drill.py`, which runs the command: its re-runs are audits, which
+this module's `with_recording` serves); and what `audit --record/--against` add to the
+audit's result (`with_recording`).
 
 Verdicts: "pass" (exit 0) when B agrees with A at every step they share (bitwise, or within
 the tolerance, as the report says); "fault" (exit 1) when it departs; "nothing compared"
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from verify import runs
 from verify.checks.verdict import FAULT, PASS, Verdicted
-from verify.options import Options, knob
+from verify.options import OutputOptions, knob
 from verify.recording import store
 from verify.recording.departure import Comparison, compare_recordings
 
@@ -25,13 +27,18 @@ NOTHING_COMPARED = "nothing audited"  # exit 2 (verdict.EXIT_CODES): no step in 
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompareOptions(Options):
-    """Two recordings (positional), and how to align them."""
+class CompareOptions(OutputOptions):
+    """Two recordings (positional), how to align them, and whether to drill below the first
+    departing step (`drill.py`; its re-runs' folders go under `--out`)."""
 
     recordings: tuple[str, ...] = knob((), "DIR_A DIR_B: two folders of audit --record", cli=False)
     align_step: int | None = knob(
         None, "B's step 0 is A's step K (default: found from the parameters, bitwise)",
         minimum=0,
+    )  # fmt: skip
+    drill: bool = knob(
+        False, "re-run both scripts up to the first departing step and name the first op "
+        "there whose output differs while its inputs matched (docs/compare.md)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -53,6 +60,7 @@ class CompareResult(Verdicted):
 
     options: CompareOptions
     comparison: Comparison
+    drill: object | None = None  # --drill: the `drill.Drill` found below the departure
 
     @property
     def verdict(self) -> str:
@@ -60,14 +68,8 @@ class CompareResult(Verdicted):
 
     def to_dict(self) -> dict:
         return {"check": "compare", "verdict": self.verdict, "passed": self.passed,
-                "options": asdict(self.options), "comparison": self.comparison.to_dict()}  # fmt: skip
-
-
-def run_compare(options: CompareOptions) -> CompareResult:
-    """Raises `NotARecording` (one line, exit 2) for a folder that is not a whole recording
-    (`store.read` checks each whole, A first)."""
-    a, b = (store.read(folder) for folder in options.recordings)
-    return CompareResult(options, compare_recordings(a, b, options.align_step))
+                "options": asdict(self.options), "comparison": self.comparison.to_dict(),
+                "drill": None if self.drill is None else self.drill.to_dict()}  # fmt: skip
 
 
 def with_recording(result):

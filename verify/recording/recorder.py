@@ -272,6 +272,7 @@ class Recorder:
                 self.optimizer_types.get(i, self.optimizers[i]) for i in sorted(self.optimizers)
             ],
             "argv": list(sys.argv),
+            "cwd": os.getcwd(),  # where a drill-down re-runs the script (`drill.py`)
             "stopped": self.stopped,
             "batches": {"dropped": self.batches_dropped, "stopped": self.batches.failed},
         }

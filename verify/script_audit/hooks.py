@@ -61,6 +61,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from verify.recording.capture import capture_for
 from verify.recording.recorder import recorder_for
 from verify.replica_audit.compare import Auditor, Entry, Outcome
 from verify.script_audit import closures, owners, report
@@ -120,6 +121,8 @@ class StepHooks:
         # `audit --record/--against`: every audit point's entries also become rows of a
         # recording (verify/recording/), at world size 1 too, where nothing is compared
         self.recorder = recorder_for(settings)
+        # `compare --drill`'s re-run: one step, op by op (verify/recording/capture.py)
+        self.capture = capture_for(settings, self.modules)
 
     # ------------------------------------------------------------ set-up
 
@@ -131,6 +134,8 @@ class StepHooks:
         self.attach()
         if self.recorder is not None:
             self.recorder.install()
+        if self.capture is not None:
+            self.capture.install()
         from torch.amp import grad_scaler
 
         original, scalers = grad_scaler.GradScaler.__init__, self.scalers
@@ -162,6 +167,8 @@ class StepHooks:
         self.detach()
         if self.recorder is not None:
             self.recorder.remove()
+        if self.capture is not None:
+            self.capture.remove()
         if self._scaler_init is not None:
             from torch.amp import grad_scaler
 
@@ -183,10 +190,16 @@ class StepHooks:
             late = closures.defer(args, kwargs, lambda: self._guard(self._audit_before, opt, step))
             if late is None:
                 self._guard(self._audit_before, opt, step)
-                return None
-            self._deferred, substituted = late
-            return substituted
+            else:
+                self._deferred, substituted = late
+                self._stepping(opt, True)
+                return substituted
+        self._stepping(opt, True)
         return None
+
+    def _stepping(self, opt: torch.optim.Optimizer, begins: bool) -> None:
+        if self.capture is not None:
+            self.capture.optimizer_step(self._label(opt)[0], begins)
 
     def _joined_now(self) -> None:
         """Under join(), is this a step only the ranks still training take? (`joins.py`)"""
@@ -196,6 +209,7 @@ class StepHooks:
         self.depth = max(0, self.depth - 1)
         if self.depth > 0:
             return
+        self._stepping(opt, False)
         skip, self._skip = self._skip, None
         if skip == SHADOW:  # a joined rank's join hook stepping: not the script's step
             return
@@ -213,6 +227,8 @@ class StepHooks:
             deferred.run()
         if self._due(step):
             self._guard(self._audit_after, opt, step)
+        if self.capture is not None:  # may end the script: the captured step is taken
+            self.capture.stepped(self._label(opt)[0], step)
 
     def _due(self, step: int) -> bool:
         alone_recording = self.recorder is not None  # one rank: recorded, not compared
@@ -327,6 +343,8 @@ class StepHooks:
 
     def _guard(self, fn, *args) -> None:
         start = time.perf_counter()
+        if self.capture is not None:  # the audit's own ops are not the script's
+            self.capture.paused += 1
         try:
             fn(*args)
         except _Stopped as why:  # agreed by every rank, at the same audit point
@@ -341,6 +359,8 @@ class StepHooks:
             self.write()
         finally:
             self.seconds += time.perf_counter() - start
+            if self.capture is not None:
+                self.capture.paused -= 1
 
     # ------------------------------------------------------------ the report
 

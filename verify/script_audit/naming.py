@@ -91,6 +91,15 @@ class Modules:
             self._may_rebuild = False
         return self._names.get(id(param))
 
+    def module_names(self) -> dict[int, str]:
+        """Every module of the roots, by id, named as its parameters are (a wrapper's prefix
+        dropped: `0`, `encoder.layers.1.attn`); a root, and a wrapper's module, is ""."""
+        names: dict[int, str] = {}
+        for root in self.roots():
+            for name, m in root.named_modules(remove_duplicate=False):
+                names.setdefault(id(m), strip(root, f"{name}.").rstrip("."))
+        return names
+
     def place_of(self, param: torch.Tensor) -> int | None:
         """Where `param` comes in the roots' `named_parameters()` (module docstring), or None
         if no module owns it; valid after `name_of(param)`."""

@@ -1,0 +1,223 @@
+"""`compare --drill`: below the first departing step, the first op where two runs part
+(verify/recording/drill.py, capture.py, streams.py; docs/compare.md, "The drill-down").
+
+The matching of two captures, the capture of one step and the early rungs run in-process, in
+milliseconds; one end-to-end test re-runs a student's script (tests/fixtures/drill_train.py)
+through the CLI: a dropout mask drawn otherwise is named with its module and line, and a run
+that reads the clock is said not to replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from verify.checks import kinds as k
+from verify.cli.text_compare import drill_lines
+from verify.recording import capture, store
+from verify.recording.batch_departure import ORDER, BatchDifference, Batches
+from verify.recording.departure import Comparison, Departure, NotComparable
+from verify.recording.drill import BATCH, NOT_COMPUTED, NOTHING, OP, SPLIT, Drill, drill
+from verify.recording.streams import (
+    DIFFERS,
+    ONLY_ONE,
+    OTHER_INPUTS,
+    OTHER_OPS,
+    RANDOM,
+    Op,
+    first_part,
+    ops_of,
+)
+from verify.script_audit.naming import Modules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "fixtures", "drill_train.py")
+
+
+def op(name, inputs=(1,), outputs=(2,), phase="forward", module="fc", line="train.py:9"):
+    return Op(0, phase, module, f"aten.{name}.default", line, tuple(inputs),
+              tuple(f"float32 [{i}]" for i in inputs), tuple(outputs), "float32 [4]",
+              total=1.0, norm=2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "a, b, why, at",
+    [
+        (
+            [op("t"), op("addmm", outputs=(3,))],
+            [op("t"), op("addmm", outputs=(4,))],
+            DIFFERS,
+            "addmm",
+        ),
+        ([op("bernoulli_", outputs=(3,))], [op("bernoulli_", outputs=(4,))], RANDOM, "bernoulli_"),
+        ([op("t"), op("mm", inputs=(5,))], [op("t"), op("mm", inputs=(6,))], OTHER_INPUTS, "mm"),
+        ([op("t"), op("relu")], [op("t"), op("mul"), op("relu")], ONLY_ONE, "mul"),
+        ([op("t"), op("relu")], [op("t"), op("gelu")], OTHER_OPS, "relu"),
+    ],
+    ids=["differs", "random", "inputs", "an-op-more", "another-op"],
+)
+def test_two_captures_part_at_the_first_op_not_alike(a, b, why, at):
+    part = first_part(a, b)
+    assert part.why == why
+    assert (part.a or part.b).op == f"aten.{at}.default"
+    assert part.before is None or part.before.op == "aten.t.default"
+
+
+def test_an_op_more_in_one_module_shifts_nothing_after_it():
+    """Matched as the longest common run: an op more early on names that op, not every op
+    after it."""
+    a = [op("t"), op("relu", module="act"), op("mm", module="head")]
+    b = [op("t"), op("mul"), op("relu", module="act"), op("mm", module="head")]
+    part = first_part(a, b)
+    assert part.why == ONLY_ONE and part.a is None and part.b.op == "aten.mul.default"
+    assert first_part(a, a) is None
+
+
+class _Student(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(6, 12)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.hidden(x))))
+
+
+def _capture_a_step(tmp_path, name, seed=0, scale=1.0):
+    """One step of a fresh model captured in-process, as a re-run's rank captures it."""
+    modules = Modules()
+    modules.install()
+    try:
+        torch.manual_seed(0)
+        model = _Student()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        c = capture.Capture(str(tmp_path / name), 0, 0, modules)
+        c.install()
+        torch.manual_seed(seed)
+        loss = model(torch.ones(4, 6)).square().mean() * scale
+        loss.backward()
+        c.optimizer_step(0, True)
+        opt.step()
+        c.optimizer_step(0, False)
+        with pytest.raises(SystemExit):
+            c.stepped(0, 0)
+    finally:
+        modules.remove()
+    with open(tmp_path / name / "rank0.json") as f:
+        return ops_of(json.load(f)["ops"])
+
+
+def test_a_step_is_captured_op_by_op_and_a_mask_drawn_otherwise_is_named(tmp_path):
+    a = _capture_a_step(tmp_path, "a")
+    phases = {(o.phase, o.module) for o in a}
+    assert {("forward", "hidden"), ("forward", "drop"), ("backward", "head")} <= phases
+    assert ("optimizer", "") in phases
+    assert any("param hidden.weight" in o.args for o in a)
+    assert first_part(a, _capture_a_step(tmp_path, "again")) is None  # replayed: alike
+    part = first_part(a, _capture_a_step(tmp_path, "seeded", seed=1))
+    assert part.why == RANDOM and part.a.module == "drop" and part.a.base == "bernoulli"
+    assert part.a.line.startswith("tests/test_drill.py:") or "test_drill.py" in part.a.line
+    part = first_part(a, _capture_a_step(tmp_path, "scaled", scale=2.0))  # the script's value
+    assert part.why == OTHER_INPUTS and part.a.base == "mul" and part.a.module == ""
+    assert part.a.args[part.argument] == "1.0" and part.passed_value
+    assert "the script passed another value" in drill_lines(Drill(OP, "", part))[-1]
+
+
+def _recording(argv, world=2, micro=(1, 1)):
+    meta = {"argv": argv, "cwd": ROOT, "world_size": world, "micro_steps": list(micro),
+            "device": "cpu"}  # fmt: skip
+    return store.Recording(meta, [], [], ["AdamW"], path=f"/recordings/{argv[0]}")
+
+
+def _departing(kind, step=2, batch_step=None):
+    first = Departure(step, step, f"gradients before step {step}", "AdamW", "fc.weight",
+                      "differs", kind=kind)  # fmt: skip
+    seen = None
+    if batch_step is not None:
+        seen = BatchDifference(batch_step, batch_step, 0, "args[0]", ORDER, "...")
+    return Comparison(True, "same world size", "from step 0", 0, (0, 5), (0, 5), first=first,
+                      batches=Batches(6, seen))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "b, comparison, rung",
+    [
+        (["train.py"], _departing(k.GRADIENTS_DEPART, batch_step=1), BATCH),
+        (["train.py"], _departing(k.SETTING_DEPARTS), NOT_COMPUTED),
+        (["train.py"], _departing(k.START_DEPARTS), NOT_COMPUTED),
+        (["train.py"], None, SPLIT),  # B on 1 rank, A on 2
+    ],
+    ids=["batch", "setting", "start", "split"],
+)
+def test_the_early_rungs_stop_without_a_re_run(tmp_path, b, comparison, rung):
+    a = _recording(["train.py"])
+    other = _recording(b, world=1) if rung == SPLIT else _recording(b)
+    d = drill(a, other, comparison or _departing(k.GRADIENTS_DEPART), str(tmp_path))
+    assert d.rung == rung and not d.reruns and not os.listdir(tmp_path)
+    assert drill_lines(d)[-1].startswith("DRILL: stopped at")
+
+
+def test_agreeing_runs_have_nothing_to_drill_into_and_other_scripts_are_refused(tmp_path):
+    agree = Comparison(True, "same world size", "from step 0", 0, (0, 5), (0, 5))
+    d = drill(_recording(["train.py"]), _recording(["train.py", "--x"]), agree, str(tmp_path))
+    assert d.rung == NOTHING and drill_lines(d)[0].startswith("DRILL: nothing to drill into")
+    with pytest.raises(NotComparable, match="other.py.*train.py|train.py.*other.py"):
+        drill(_recording(["train.py"]), _recording(["other.py"]), agree, str(tmp_path))
+
+
+def test_the_printer_names_the_module_the_op_and_the_line():
+    a = op("bernoulli_", outputs=(3,), module="drop", line="train.py:40")
+    b = op("bernoulli_", outputs=(4,), module="drop", line="train.py:40")
+    call = {"module": "drop", "kind": "Dropout", "line": "train.py:40"}
+    lines = drill_lines(Drill(OP, "", first_part([a], [b]), call))
+    assert (
+        lines[0]
+        == "  module: drop (Dropout, called at train.py:40): the innermost module around the op"
+    )
+    assert lines[1].startswith(
+        "  op: aten.bernoulli_.default at train.py:40 (in the forward of drop"
+    )
+    assert lines[-1].startswith("DRILLED TO THE OP: ") and "random generator" in lines[-1]
+
+
+def _verify(*argv, cwd):
+    return subprocess.run([sys.executable, "-m", "verify", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+@pytest.mark.under_load
+def test_drill_names_the_dropout_and_its_line_and_refuses_a_run_that_does_not_replay(tmp_path):
+    """The end-to-end run: two ranks recorded, re-run and drilled, on a script the tool has
+    never been tuned to (a dropout mask drawn from a reseeded generator; gradients jittered
+    from the clock)."""
+    for name, *flags in (("a",), ("mask", "--mask-seed", "5"), ("jitter", "--jitter")):
+        _verify("audit", "--nproc", "2", "--record", name, "--", SCRIPT, *flags, cwd=tmp_path)
+    out = _verify("compare", "--drill", "a", "mask", "--out", "runs", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert "  module: drop (Dropout, called at " in "\n".join(lines)
+    op_line = next(x for x in lines if x.startswith("  op: "))
+    assert "aten.bernoulli_" in op_line and "drill_train.py:40" in op_line
+    assert lines[-1].startswith("DRILLED TO THE OP: ") and "random generator" in lines[-1]
+    assert sum("reproduced bitwise" in x for x in lines) == 2
+    out = _verify("compare", "--drill", "a", "jitter", "--out", "runs", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.splitlines()[-1].startswith(
+        "DRILL: stopped at the replay: the re-run of B does not reproduce its recording"
+    )
+    shutil.copytree(tmp_path / "a", tmp_path / "same")
+    out = _verify("compare", "--drill", "a", "same", cwd=tmp_path)
+    assert out.returncode == 0 and "DRILL: nothing to drill into" in out.stdout
+    manifest = tmp_path / "same" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**m, "argv": ["other.py"]}))
+    out = _verify("compare", "--drill", "a", "same", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -1,0 +1,311 @@
+"""The drill-down's capture inside a rank (`compare --drill`, `drill.py`; docs/compare.md,
+"The drill-down"): one optimizer step of a re-run, op by op.
+
+The step is named by `DRILL_ENV` (`<optimizer index>:<step>`). From the first forward of a
+module after the step before it (from the script's first forward, for step 0) until that
+step has been taken, every ATen op the dispatcher runs for the script is one `OpRecord`
+(a `TorchDispatchMode`, which sees the forward, the backward, the optimizer's update and
+the script's own tensor code, but not what runs below the dispatcher: a custom CUDA kernel,
+a C++ extension's own loops, DDP's all-reduce, issued from C++):
+
+- where it ran: its phase (forward, backward, optimizer), the innermost module whose forward
+  it ran in, by qualified name (the one the audit names tensors by, `naming.strip`), or in
+  whose backward (the module whose output's gradient arrived last), and the script's source
+  line (the first frame of the Python stack that is neither torch's, the tool's, the
+  standard library's nor an installed package's: a Lightning module's line, not
+  Lightning's);
+- what it read and wrote: the replica audit's fingerprint of every tensor argument before
+  the op runs (an in-place op's input as it was) and of every tensor it returned after, and
+  of every other argument its exact text; of its first floating output, the sum and norm
+  (float64), from which two runs' outputs are known to be apart by at least so much.
+
+Ops issued by the tool itself (the audit, the recorder, the batch's fingerprints) have a frame
+of the tool's above the op and are not recorded, nor are the capture's own fingerprints (the
+mode is off inside its handler). Each module's forward adds a `ModuleCall` (its inputs' and
+outputs' fingerprints). Once the step is taken, each rank writes its records to
+`<report folder>/drill/rank<r>.json` and the script ends there, as a `sys.exit(0)` would
+(`SystemExit`): the re-run goes no further than the step drilled into, and the recording
+(the replay check's evidence, `drill.py`) is written as at any end of the script.
+
+Nothing here runs before the step before the one drilled into, beyond a check per optimizer
+step: the steps before cost what the plain re-run costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch.nn.modules import module as nn_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import verify
+from verify.launching.env import DRILL_ENV
+from verify.patching import WRAPPERS
+from verify.replica_audit.fingerprint import fingerprints, text_bits
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+# arguments whose text is their value (others, such as a process group, by their type)
+_EXACT = (int, float, bool, complex, str, type(None), torch.dtype, torch.device,
+          torch.memory_format, torch.layout)  # fmt: skip
+FOLDER = "drill"  # <report folder>/drill/rank<r>.json
+_UNWRITTEN = "_ddp_verify_unwritten"  # on a tensor `empty` made and no op has written yet
+_UNWRITTEN_MARK = text_bits("unwritten")
+_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                    "empty_permuted"})  # fmt: skip
+_NAMED = "_ddp_verify_backward_of"  # on a module's output: the module its gradient names
+_NOT_THE_SCRIPTS = tuple(
+    {os.path.dirname(torch.__file__), os.path.dirname(verify.__file__)}
+    | {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+@dataclass
+class OpRecord:
+    """One ATen op the script ran in the captured step (module docstring)."""
+
+    phase: str
+    module: str  # the innermost module's qualified name; "" for the script's own code
+    op: str  # "aten.addmm.default"
+    line: str  # "train.py:42"
+    inputs: list[int]  # one fingerprint per argument, tensors and others, in pytree order
+    args: list[str]  # what each argument is: "float32 [8, 4]", "param fc1.weight", "0.5"
+    outputs: list[int]
+    shape: str  # the first tensor output's dtype and shape
+    total: float | None = None  # the first floating output's sum and norm (float64)
+    norm: float | None = None
+
+
+@dataclass
+class ModuleCall:
+    """One module's forward in the captured step."""
+
+    module: str
+    kind: str  # its class
+    line: str  # where the script called it
+    inputs: list[int]
+    outputs: list[int]
+
+
+def capture_for(settings, modules) -> Capture | None:
+    """A capture when the parent asked for one (`DRILL_ENV`), writing beside the rank's audit
+    report; else None. `modules`: the audit's `naming.Modules` (the roots and their names)."""
+    asked = os.environ.get(DRILL_ENV)
+    if not asked or not getattr(settings, "path", None):
+        return None
+    index, step = (int(x) for x in asked.split(":"))
+    return Capture(os.path.join(os.path.dirname(settings.path), FOLDER), index, step, modules)
+
+
+class Capture:
+    """The records of one optimizer step of one rank (module docstring)."""
+
+    def __init__(self, folder: str, index: int, step: int, modules) -> None:
+        self.folder, self.index, self.step, self.modules = folder, index, step, modules
+        self.ops: list[OpRecord] = []
+        self.calls: list[ModuleCall] = []
+        self.paused = 0  # > 0 while the tool's own code runs (the audit's `_guard`)
+        self.waiting = False  # for the first forward of the captured step
+        self.live = False  # the mode is on
+        self.stepping = False  # inside the optimizer's step() (its update's ops)
+        self.backward_of = ""  # the module whose output's gradient arrived last
+        self._names: dict[int, str] = {}
+        self._stack: list[str] = []
+        self._handles: list = []
+        self._mode = _Ops(self)
+
+    def install(self) -> None:
+        if self.step == 0:
+            self._wait()
+
+    def remove(self) -> None:
+        self._stop()
+
+    def optimizer_step(self, index: int, begins: bool) -> None:
+        """The script's outermost `step()` of optimizer `index` begins or has ended."""
+        if index == self.index and self.live:
+            self.stepping = begins
+
+    def stepped(self, index: int, step: int) -> None:
+        """Optimizer `index` took step `step` (its post-hook, the audit's work done): the step
+        before the captured one arms the capture; the captured one ends it, and the script."""
+        if index != self.index:
+            return
+        if step == self.step - 1:
+            self._wait()
+        elif step == self.step:
+            self._stop()
+            self.write()
+            raise SystemExit(0)
+
+    def _wait(self) -> None:
+        self.waiting = True
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._pre),
+            nn_module.register_module_forward_hook(self._post),
+        ]
+
+    def _stop(self) -> None:
+        if self.live:
+            self._mode.__exit__(None, None, None)
+            self.live = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre(self, module, args) -> None:
+        if self.paused:
+            return
+        if self.waiting:  # the captured step's first forward
+            self.waiting = False
+            self._names = self.modules.module_names()
+            self._mode.__enter__()
+            self.live = True
+        name = self._names.get(id(module), type(module).__name__)
+        self._stack.append(name)
+        self.paused += 1
+        try:
+            line = script_line(sys._getframe(1))
+            self.calls.append(ModuleCall(name, type(module).__name__, line, self.seen(args)[0], []))
+        finally:
+            self.paused -= 1
+
+    def _post(self, module, args, output) -> None:
+        if self.paused or not self._stack:
+            return
+        name = self._stack.pop()
+        call = next((c for c in reversed(self.calls) if c.module == name and not c.outputs), None)
+        self.paused += 1
+        try:
+            if call is not None:
+                call.outputs = self.seen(output)[0] or [0]
+            for t in pytree.tree_leaves(output):  # an inner module's output may be its
+                if isinstance(t, torch.Tensor) and t.requires_grad and not hasattr(t, _NAMED):
+                    setattr(t, _NAMED, name)  # parent's too: the inner module's backward runs
+                    t.register_hook(self._gradient_of(name))  # first
+        finally:
+            self.paused -= 1
+
+    def _gradient_of(self, name: str):
+        def arrived(grad):
+            self.backward_of = name
+
+        return arrived
+
+    def phase(self) -> tuple[str, str]:
+        """(phase, module) of the op running now."""
+        if torch._C._current_graph_task_id() != -1:
+            return BACKWARD, self.backward_of
+        if self._stack:
+            return FORWARD, self._stack[-1]
+        return (OPTIMIZER if self.stepping else FORWARD), ""
+
+    def seen(self, tree) -> tuple[list[int], list[str], list[torch.Tensor]]:
+        """(a fingerprint per leaf of `tree`, what each leaf is, its plain tensors)."""
+        leaves = pytree.tree_leaves(tree)
+        tensors = [x for x in leaves if _plain(x)]
+        written = [x for x in tensors if not hasattr(x, _UNWRITTEN)]
+        prints = dict(zip(map(id, written), fingerprints(written))) if written else {}
+        marks, what = [], []
+        for x in leaves:
+            if _plain(x):
+                marks.append(prints.get(id(x), _UNWRITTEN_MARK))
+                name = self.modules.name_of(x) if isinstance(x, torch.nn.Parameter) else None
+                what.append(f"param {name}" if name else _shape(x))
+            else:
+                text = repr(x) if isinstance(x, _EXACT) else type(x).__name__
+                marks.append(text_bits(text))
+                what.append(text[:40])
+        return marks, what, tensors
+
+    def write(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        body = {
+            "index": self.index, "step": self.step, "rank": rank,
+            "ops": [asdict(o) for o in self.ops], "calls": [asdict(c) for c in self.calls],
+        }  # fmt: skip
+        tmp = os.path.join(self.folder, f"rank{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, os.path.join(self.folder, f"rank{rank}.json"))
+
+
+class _Ops(TorchDispatchMode):
+    """Every op the script runs, recorded by `Capture` (the mode is off in here: the
+    fingerprints' own ops are not seen)."""
+
+    def __init__(self, capture: Capture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self.capture
+        line = None if c.paused or func.namespace == "profiler" else script_line(sys._getframe(1))
+        if line is None:  # the tool's own op, or the profiler's mark
+            return func(*args, **kwargs)
+        inputs, what, _ = c.seen((args, kwargs))
+        out = func(*args, **kwargs)
+        _note_writes(out, func)
+        # a collective's output is written later, by its backend's thread: not read here
+        outputs, _, tensors = c.seen(out) if func.namespace != "c10d" else ([], [], [])
+        phase, module = c.phase()
+        record = OpRecord(phase, module, str(func), line, inputs, what, outputs,
+                          _shape(tensors[0]) if tensors else "")  # fmt: skip
+        floating = next((t for t in tensors if t.is_floating_point() and t.numel()), None)
+        if floating is not None:
+            wide = floating.detach().double()
+            record.total, record.norm = float(wide.sum()), float(wide.norm())
+        c.ops.append(record)
+        return out
+
+
+def _note_writes(out, func) -> None:
+    """`empty` and its kin return memory as it was (garbage, whose bits differ from run to
+    run): such a tensor reads as unwritten (`_UNWRITTEN_MARK`) until an op writes it (returns
+    it: an in-place op, an `out=`)."""
+    unwritten = func._opname in _EMPTY
+    for t in pytree.tree_leaves(out):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if unwritten:
+            setattr(t, _UNWRITTEN, True)
+        elif hasattr(t, _UNWRITTEN):
+            delattr(t, _UNWRITTEN)
+
+
+def script_line(frame) -> str | None:
+    """The script's source line that `frame` runs for: the first frame, going out, of none of
+    torch, the standard library or an installed package, nor a wrapper the tool put in
+    torch's place (`patching.WRAPPERS`: a pass-through); None when a frame of the tool's
+    comes first (an op the tool issued, not the script)."""
+    here = os.path.dirname(verify.__file__)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if frame.f_code not in WRAPPERS:
+            if name.startswith(here):
+                return None
+            if not name.startswith(_NOT_THE_SCRIPTS) and not name.startswith("<"):
+                return f"{_relative(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+def _relative(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _plain(x) -> bool:
+    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
+            and x.device.type != "meta")  # fmt: skip
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"

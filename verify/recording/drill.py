@@ -1,0 +1,198 @@
+"""`python -m verify compare --drill DIR_A DIR_B`: below the first departing step, the first
+op where the two runs part (docs/compare.md, "The drill-down").
+
+The comparison of the two recordings names the first step that departs (`departure.py`).
+The drill-down climbs from there, and says at which rung it stopped and why:
+
+1. nothing departs: nothing to drill into (a pass);
+2. the batches already differed at or before that step (`batch_departure.py`): the data,
+   not the computation; no re-run;
+3. what departs is not computed by the step (the starting parameters, a setting, the
+   GradScaler's scale): no op to drill into; no re-run;
+4. the runs split the batch over other numbers of ranks or micro-steps: a rank's ops differ
+   by design, and are not matched one to one; no re-run;
+5. each run again, as its manifest says (its script and arguments, world size, threads, and
+   folder), up to its departing step, which is captured op by op (`capture.py`), and no
+   further. A re-run that does not reproduce its own recording bitwise up to that step
+   (the script is not deterministic here: it reads the clock, the network, a file that
+   changed, or a generator it never seeded) is said, and nothing is guessed;
+6. the two captures op by op (`streams.py`): the first op whose output differs while its
+   inputs matched, with its module and the script's line, or where the inputs already
+   differed and after which op, or that the runs ran other ops there.
+
+The verdict stays the comparison's: a pass when the runs agree, a fault when they depart,
+whatever rung the drill-down reached. Recordings of other scripts are a usage error (one
+line, exit 2), as recordings of other models are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from verify.checks import kinds as k
+from verify.recording import store
+from verify.recording.capture import FOLDER
+from verify.recording.command import CompareOptions, CompareResult
+from verify.recording.departure import Comparison, NotComparable, compare_recordings
+from verify.recording.streams import Op, Part, first_part, ops_of
+
+NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, OP, UNSEEN = (
+    "nothing to drill into", "the batch", "not computed", "split", "replay", "op", "unseen"
+)  # fmt: skip
+_NOT_COMPUTED = {
+    k.START_DEPARTS: "the runs start from other parameters (their initialization, or the "
+                     "checkpoint they loaded): no step computed them",
+    k.SETTING_DEPARTS: "a setting departs: the script sets it, no op of the step computes it",
+    k.SCALER_DEPARTS: "the GradScaler's scale departs: set by its own schedule, not by an op "
+                      "of the step",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """One side run again up to its departing step."""
+
+    side: str  # "A" or "B"
+    recording: str
+    step: int  # the step captured, in this side's numbering
+    seconds: float
+    report_dir: str
+    unlike: str | None = None  # where the re-run departs from its own recording; None: alike
+    ops: tuple[Op, ...] = ()  # rank 0's capture
+    calls: tuple[dict, ...] = ()  # rank 0's module calls (`capture.ModuleCall`)
+
+
+@dataclass(frozen=True)
+class Drill:
+    """Where the drill-down stopped (module docstring) and what it found there."""
+
+    rung: str
+    says: str  # why it stopped there, one line
+    part: Part | None = None
+    module: dict | None = None  # the part's module call (`capture.ModuleCall`), if any
+    reruns: tuple[Rerun, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for r in out["reruns"]:
+            r.pop("ops"), r.pop("calls")
+        return out
+
+
+def run_compare(options: CompareOptions) -> CompareResult:
+    """`compare DIR_A DIR_B`, and under `--drill` the drill-down below its first departure.
+    Raises `NotARecording` (one line, exit 2) for a folder that is not a whole recording
+    (`store.read` checks each whole, A first)."""
+    a, b = (store.read(folder) for folder in options.recordings)
+    comparison = compare_recordings(a, b, options.align_step)
+    found = drill(a, b, comparison, options.out) if options.drill else None
+    return CompareResult(options, comparison, found)
+
+
+def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Drill:
+    """The drill-down below `c`, B's comparison with A (module docstring); re-runs write
+    their run folders under `out`. Raises `NotComparable` for recordings of other scripts."""
+    _same_script(a, b)
+    if not c.departs:
+        return Drill(NOTHING, f"B agrees with A at every compared step ({c.mode_reason})")
+    first = c.first
+    seen = c.batches.first if c.batches is not None else None
+    if seen is not None and seen.step <= first.step:
+        return Drill(BATCH, f"the runs were given other batches from step {seen.step}, "
+                            f"micro-step {seen.micro} (batches: above), before the departure "
+                            f"at step {first.step}: the data differs, not the computation")  # fmt: skip
+    if first.kind in _NOT_COMPUTED:
+        return Drill(NOT_COMPUTED, _NOT_COMPUTED[first.kind])
+    split = _split(a.meta, b.meta)
+    if split:
+        return Drill(SPLIT, split)
+    index = a.optimizers.index(first.optimizer) if first.optimizer in a.optimizers else 0
+    reruns = (_rerun("A", a, index, first.step, out), _rerun("B", b, index, first.step_b, out))
+    unlike = [r for r in reruns if r.unlike]
+    if unlike:
+        r = unlike[0]
+        return Drill(REPLAY, f"the re-run of {r.side} does not reproduce its recording: "
+                             f"{r.unlike}; the script is not deterministic on this machine (it "
+                             "may read the clock, the network, a file that changed, or a "
+                             "generator it never seeded): nothing is drilled", reruns=reruns)  # fmt: skip
+    part = first_part(list(reruns[0].ops), list(reruns[1].ops), a.meta.get("device", "cpu"))
+    if part is None:
+        last = reruns[0].ops[-1] if reruns[0].ops else None
+        after = f", after {last.op} at {last.line}" if last else ""
+        return Drill(UNSEEN, "every op the dispatcher ran gave the same outputs: the difference "
+                             f"was made below it (a custom kernel, a C++ extension){after}",
+                     reruns=reruns)  # fmt: skip
+    return Drill(OP, "", part, _module_of(part, reruns[0].calls), reruns)
+
+
+def _same_script(a: store.Recording, b: store.Recording) -> None:
+    sa, sb = (_script(r) for r in (a, b))
+    if sa and sb and sa != sb:
+        raise NotComparable(f"{b.path} is a recording of {sb}, {a.path} of {sa}: a "
+                            "drill-down re-runs one script twice (record both runs of it)")  # fmt: skip
+
+
+def _script(r: store.Recording) -> str | None:
+    argv = r.meta.get("argv") or []
+    if not argv:
+        return None
+    return os.path.normpath(os.path.join(r.meta.get("cwd") or os.getcwd(), argv[0]))
+
+
+def _split(ma: dict, mb: dict) -> str | None:
+    for key, what in (("world_size", "ranks"), ("micro_steps", "micro-steps")):
+        x, y = ma.get(key), mb.get(key)
+        if key == "micro_steps":
+            x, y = (max(v or [1]) for v in (x, y))
+        if x != y:
+            return (f"the runs split the batch over {x} and {y} {what}: a rank's ops differ by "
+                    "design and are not matched one to one (drill into runs of one split)")  # fmt: skip
+    return None
+
+
+def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> Rerun:
+    """`rec`'s script run again as its manifest says, up to `step` of optimizer `index`,
+    captured there (`capture.py`); checked against `rec` bitwise."""
+    from verify.checks.script_audit import check_audit
+    from verify.checks.script_options import AuditOptions
+
+    m, here = rec.meta, os.getcwd()
+    start = time.monotonic()
+    os.chdir(m.get("cwd") or here)
+    try:
+        options = AuditOptions(
+            script=tuple(m["argv"]), nproc=m["world_size"], threads_per_rank=m.get("threads"),
+            out=os.path.join(here, out), console="stderr", drill_at=f"{index}:{step}",
+            record=os.path.join(here, out, f"drill-{side}-{time.strftime('%Y%m%d-%H%M%S')}"),
+        )  # fmt: skip
+        result = check_audit(options)
+    finally:
+        os.chdir(here)
+    seconds = time.monotonic() - start
+    made = _capture(result.report_dir)
+    if made is None or result.recording is None:
+        why = result.audit_result.run.failure or "it did not reach that step"
+        return Rerun(side, rec.path, step, seconds, result.report_dir, f"it failed: {why}")
+    again = store.read(result.recording)
+    c = compare_recordings(rec, again, align_step=0)
+    unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
+    return Rerun(side, rec.path, step, seconds, result.report_dir, unlike,
+                 tuple(ops_of(made["ops"])), tuple(made["calls"]))  # fmt: skip
+
+
+def _capture(report_dir: str) -> dict | None:
+    path = os.path.join(report_dir, FOLDER, "rank0.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _module_of(part: Part, calls) -> dict | None:
+    op = part.a or part.b
+    if op is None or not op.module:
+        return None
+    return next((c for c in calls if c["module"] == op.module), None)

@@ -1,0 +1,160 @@
+"""Two captures of one step (`capture.py`), op by op: the first point where they part, and why
+the drill-down stops there (docs/compare.md, "The drill-down").
+
+The ops are matched by what ran where (the op, its phase and its module), as the longest
+common run of the two streams (`difflib`), so that an op more in one run does not shift
+every op after it. In the streams' order, the first point that is not alike is where they
+part, and says why:
+
+- `OTHER_OPS`, `ONLY_ONE`: the two ran other ops there (other code: a refactor, a fused
+  kernel, a branch one rank takes), or one ran an op the other did not;
+- `OTHER_INPUTS`: the op was given other inputs, while every op before it gave the same outputs:
+  the difference entered where no op the dispatcher ran made it (the batch, a parameter, a
+  collective issued from C++ such as DDP's all-reduce, a custom kernel), after the last op
+  seen, which the report names;
+- `RANDOM`: the same inputs, other outputs, from an op that draws from a random generator:
+  the generators' states differ;
+- `NONDETERMINISTIC`: the same inputs, other outputs, from an op PyTorch documents as
+  non-deterministic on this device (`torch.use_deterministic_algorithms`);
+- `DIFFERS`: the same inputs, other outputs, from a deterministic op: the root cause (a
+  kernel that changed, another thread count, another dtype).
+
+`UNSEEN` when every op matched: the difference was made below the dispatcher, after the
+last op seen. Pure logic over the records: tested on hand-made captures in milliseconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from dataclasses import dataclass
+
+_TENSOR = re.compile(r"param |\w+ \[")  # how `capture.py` describes a tensor argument
+OTHER_OPS, ONLY_ONE, OTHER_INPUTS = "other ops", "only one", "inputs"
+RANDOM, NONDETERMINISTIC, DIFFERS, UNSEEN = "random", "nondeterministic", "differs", "unseen"
+
+# ops that draw from a random generator (their base names)
+_RANDOM = frozenset({"bernoulli", "native_dropout", "_fused_dropout", "rand", "randn",
+                     "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+                     "uniform", "exponential", "geometric", "log_normal", "cauchy", "random",
+                     "multinomial", "rrelu_with_noise"})  # fmt: skip
+# ops torch.use_deterministic_algorithms names as non-deterministic on CUDA (their base names);
+# on the CPU PyTorch documents none
+_NONDETERMINISTIC_CUDA = frozenset({
+    "index_add", "scatter_add", "scatter_reduce", "index_put", "put", "index_copy",
+    "embedding_dense_backward", "_embedding_bag_backward", "_embedding_bag_dense_backward",
+    "adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward",
+    "adaptive_max_pool2d_backward", "max_pool3d_with_indices_backward", "avg_pool3d_backward",
+    "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward",
+    "nll_loss2d_forward", "ctc_loss_backward", "histc", "bincount", "kthvalue", "median",
+    "cumsum", "_unsafe_index_put",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a capture (`capture.OpRecord`, as read back)."""
+
+    index: int  # its place in its capture
+    phase: str
+    module: str
+    op: str
+    line: str
+    inputs: tuple[int, ...]
+    args: tuple[str, ...]
+    outputs: tuple[int, ...]
+    shape: str
+    total: float | None = None
+    norm: float | None = None
+
+    @property
+    def base(self) -> str:
+        """ "aten.native_dropout.default" -> "native_dropout"; an in-place op's `_` dropped."""
+        parts = self.op.split(".")
+        return (parts[1] if len(parts) > 1 else parts[0]).rstrip("_")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where two captures first part: the op of the first (`a`) and its match (`b`, None when
+    the second ran none), why (module docstring), and the op before it in the first."""
+
+    why: str
+    a: Op | None
+    b: Op | None
+    before: Op | None  # the last op seen alike before it
+    argument: int | None = None  # OTHER_INPUTS: the first argument that differs
+    compared: int = 0  # ops compared alike before it
+
+    @property
+    def passed_value(self) -> bool:
+        """OTHER_INPUTS: the argument that differs is a Python value the script passed (a
+        scale, an lr), not a tensor."""
+        return self.argument is not None and not _TENSOR.match(self.a.args[self.argument])
+
+    @property
+    def gap(self) -> float | None:
+        """A lower bound on the relative L2 difference of the two first floating outputs."""
+        a, b = self.a, self.b
+        if a is None or b is None or a.norm is None or b.norm is None or a.shape != b.shape:
+            return None
+        scale = max(a.norm, b.norm)
+        if scale == 0:
+            return None
+        n = max(_numel(a.shape), 1)
+        return max(abs(a.norm - b.norm), abs(a.total - b.total) / math.sqrt(n)) / scale
+
+
+def ops_of(records: list[dict]) -> list[Op]:
+    """A capture's `ops` (`capture.Capture.write`), as `Op`s."""
+    fields = ("phase", "module", "op", "line", "shape", "total", "norm")
+    return [
+        Op(
+            i,
+            **{f: r.get(f) for f in fields},
+            inputs=tuple(r["inputs"]),
+            args=tuple(r["args"]),
+            outputs=tuple(r["outputs"]),
+        )  # fmt: skip
+        for i, r in enumerate(records)
+    ]
+
+
+def first_part(a: list[Op], b: list[Op], device: str = "cpu") -> Part | None:
+    """Where the captures `a` and `b` of one step first part (module docstring), or None when
+    every op matched and neither ran one the other did not."""
+    where = difflib.SequenceMatcher(None, [_at(x) for x in a], [_at(y) for y in b], autojunk=False)
+    before, compared = None, 0
+    for tag, i1, i2, j1, j2 in where.get_opcodes():
+        if tag != "equal":
+            x, y = (a[i1] if i1 < i2 else None), (b[j1] if j1 < j2 else None)
+            why = OTHER_OPS if x is not None and y is not None else ONLY_ONE
+            return Part(why, x, y, before, compared=compared)
+        for x, y in zip(a[i1:i2], b[j1:j2]):
+            if x.inputs != y.inputs:
+                first = next(i for i, (p, q) in enumerate(zip(x.inputs, y.inputs)) if p != q)
+                return Part(OTHER_INPUTS, x, y, before, argument=first, compared=compared)
+            if x.outputs != y.outputs:
+                return Part(_why(x, device), x, y, before, compared=compared)
+            before, compared = x, compared + 1
+    return None
+
+
+def _why(op: Op, device: str) -> str:
+    if op.base in _RANDOM:
+        return RANDOM
+    if device == "cuda" and op.base in _NONDETERMINISTIC_CUDA:
+        return NONDETERMINISTIC
+    return DIFFERS
+
+
+def _at(op: Op) -> tuple[str, str, str]:
+    return op.phase, op.module, op.op
+
+
+def _numel(shape: str) -> int:
+    dims = json.loads(shape.split(" ", 1)[1]) if " " in shape else []
+    return math.prod(dims)
