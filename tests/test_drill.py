@@ -32,6 +32,7 @@ from verify.recording.streams import (
     OTHER_OPS,
     RANDOM,
     Op,
+    first_divergence,
     first_part,
     ops_of,
 )
@@ -42,7 +43,8 @@ SCRIPT = os.path.join(ROOT, "tests", "fixtures", "drill_train.py")
 
 
 def op(name, inputs=(1,), outputs=(2,), phase="forward", module="fc", line="train.py:9"):
-    return Op(0, phase, module, f"aten.{name}.default", line, tuple(inputs),
+    full = name if "." in name else f"aten.{name}.default"
+    return Op(0, phase, module, full, line, tuple(inputs),
               tuple(f"float32 [{i}]" for i in inputs), tuple(outputs), "float32 [4]",
               total=1.0, norm=2.0)  # fmt: skip
 
@@ -221,3 +223,36 @@ def test_drill_names_the_dropout_and_its_line_and_refuses_a_run_that_does_not_re
     manifest.write_text(json.dumps({**m, "argv": ["other.py"]}))
     out = _verify("compare", "--drill", "a", "same", cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_ranks_are_searched_only_where_replicas_must_do_alike():
+    """Two ranks' forward differs by their batches (skipped); rank 0's logging runs alone
+    (ignored); what follows the gradients' all-reduce must match."""
+    fwd = [op("t"), op("addmm", inputs=(7,), outputs=(8,))]
+    log = [op("_local_scalar_dense", module="")]
+    sync = [op("c10d.allreduce_.default", inputs=(5,), outputs=(), phase="backward", module="")]
+    step = [op("add_", phase="optimizer", module="", inputs=(3, 4), outputs=(5,))]
+    rank1_fwd = [op("t"), op("addmm", inputs=(9,), outputs=(10,))]
+    assert first_divergence(fwd + log + sync + step, rank1_fwd + sync + step, True) is None
+    part = first_divergence(fwd + sync + step, rank1_fwd + sync, True)
+    assert part.why == ONLY_ONE and part.a.op == "aten.add_.default" and part.b is None
+    drawn = [op("bernoulli_", inputs=(1,), outputs=(2,), module="drop")]
+    other = [op("bernoulli_", inputs=(1,), outputs=(3,), module="drop")]
+    part = first_divergence(fwd + drawn, rank1_fwd + other, synced=False)
+    assert part.why == RANDOM and part.a.module == "drop"
+    assert first_divergence(fwd + drawn + sync, rank1_fwd + other + sync, synced=True) is None
+
+
+@pytest.mark.under_load
+def test_audit_drill_names_where_the_ranks_part(tmp_path):
+    """Replicas that part, on a fresh student's script: a dropout seeded per rank where every
+    rank trains on the same batch without an all-reduce (the mask, at its line), and an
+    optimizer of the student's own that updates on rank 0 only (the update, at its line)."""
+    script = os.path.join(ROOT, "tests", "fixtures", "drill_replicas.py")
+    for flag, says in (("--mask-per-rank", ("aten.bernoulli_", "drill_replicas.py:52")),
+                       ("--rank0-update", ("rank 0 ran aten.add_", "drill_replicas.py:37"))):  # fmt: skip
+        out = _verify("audit", "--nproc", "2", "--drill", "--", script, flag, cwd=tmp_path)
+        assert out.returncode == 1, out.stderr
+        op_line = next(x for x in out.stdout.splitlines() if x.startswith("  op: "))
+        assert all(s in op_line for s in says), op_line
+        assert "its recording reproduced bitwise" in out.stdout

@@ -72,6 +72,10 @@ class AuditOptions(ThreadOptions, OutputOptions):
                                "this folder (written by --record): where it first departs")  # fmt: skip
     align_step: int | None = knob(None, "with --against: this run's step 0 is the recording's "
                                   "step K (default: found from the parameters)", minimum=0)  # fmt: skip
+    drill: bool = knob(
+        False, "when the replicas diverge, run the script again up to that step and name the "
+        "first op where the ranks part (docs/compare.md)",
+    )  # fmt: skip
     # "<optimizer index>:<step>": `compare --drill`'s re-run captures that step op by op and
     # ends there (verify/recording/capture.py); not a flag
     drill_at: str | None = knob(None, "the step a drill-down captures", cli=False)
@@ -94,8 +98,9 @@ class AuditOptions(ThreadOptions, OutputOptions):
 
     @property
     def recording(self) -> bool:
-        """The run records (`--record`) or is compared with a recording (`--against`)."""
-        return bool(self.record or self.against)
+        """The run records (`--record`, `--drill`: the re-run's replay is checked against it)
+        or is compared with a recording (`--against`)."""
+        return bool(self.record or self.against or self.drill)
 
 
 @dataclass(frozen=True, kw_only=True)

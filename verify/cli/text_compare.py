@@ -39,18 +39,20 @@ def drill_lines(d: Drill) -> list[str]:
     if d.rung == NOTHING:
         return [f"DRILL: nothing to drill into: {d.says}"]
     lines = []
-    if d.reruns:
+    if len(d.reruns) == 2:
         lines.append("drill-down: each run again up to its departing step, op by op")
+    elif d.reruns:
+        lines.append("drill-down: the run again up to the step, every rank op by op")
     for r in d.reruns:
         alike = "reproduced bitwise" if r.unlike is None else "NOT reproduced"
         lines.append(f"  re-ran {r.side} ({r.recording}) to step {r.step} in {r.seconds:.1f} s: "
                      f"its recording {alike} (report: {r.report_dir})")  # fmt: skip
     if d.rung != OP:
         return lines + [f"DRILL: stopped {_STOPPED[d.rung]}: {d.says}"]
-    return lines + _part_lines(d.part, d.module)
+    return lines + _part_lines(d.part, d.module, d.sides)
 
 
-def _part_lines(p: Part, module: dict | None) -> list[str]:
+def _part_lines(p: Part, module: dict | None, sides=("A", "B")) -> list[str]:
     op = p.a or p.b
     lines = []
     if module is not None and op.phase == FORWARD:
@@ -58,19 +60,18 @@ def _part_lines(p: Part, module: dict | None) -> list[str]:
                      f"{module['line']}): the innermost module around the op")  # fmt: skip
     at = f"{op.op} at {op.line} ({_where(op, module)})"
     if p.why in (OTHER_OPS, ONLY_ONE):
+        a, b = sides
         if p.a is None or p.b is None:
-            ran, other = ("A", "B") if p.a else ("B", "A")
+            ran, other = (a, b) if p.a else (b, a)
             lines.append(f"  op: {ran} ran {at}, which {other} did not")
         else:
-            lines.append(f"  op: A ran {p.a.op} at {p.a.line}, B ran {p.b.op} at {p.b.line} "
-                         f"({_where(op, module)})")  # fmt: skip
-        return lines + [
-            f"DRILLED TO THE OP: the runs ran other ops here, after {p.compared} "
-            "alike: the code differs (an edit, a branch taken, a kernel fused)"
-        ]
+            lines.append(f"  op: {a} ran {p.a.op} at {p.a.line}, {b} ran {p.b.op} at "
+                         f"{p.b.line} ({_where(op, module)})")  # fmt: skip
+        return lines + ["DRILLED TO THE OP: other ops ran here: the code differs (an edit, a "
+                        "branch taken, a kernel fused)"]  # fmt: skip
     if p.why == OTHER_INPUTS:
         i = p.argument
-        given = f"argument {i}: {p.a.args[i]} in A, {p.b.args[i]} in B"
+        given = f"argument {i}: {p.a.args[i]} in {sides[0]}, {p.b.args[i]} in {sides[1]}"
         after = (f"after {p.before.op} at {p.before.line}, the last op alike" if p.before
                  else "before the step's first op")  # fmt: skip
         lines.append(f"  op: {at}: given other inputs ({given})")
@@ -85,7 +86,8 @@ def _part_lines(p: Part, module: dict | None) -> list[str]:
                         "collective issued from C++, a custom kernel)"]  # fmt: skip
     gap = p.gap
     by = f" (by at least {gap:.2g} relative)" if gap else ""
-    lines.append(f"  op: {at}: the same inputs, other outputs{by}")
+    same = "the same inputs" if sides == ("A", "B") else f"the same inputs on {' and '.join(sides)}"
+    lines.append(f"  op: {at}: {same}, other outputs{by}")
     return lines + [f"DRILLED TO THE OP: {_WHY[p.why]}"]
 
 
@@ -129,14 +131,16 @@ def audit(result) -> str:
         if own.verdict not in (PASS, NOTHING_AUDITED):  # the run's own fault is the verdict
             why = "the replicas diverged (above)" if own.faults else "the run's own (above)"
             plain.append(f"verdict: {result.verdict}: {why}, whatever the comparison found")
-    elif own.verdict not in (PASS, NOTHING_AUDITED):
-        pass  # the run's own fault is the verdict, and nothing was recorded to compare
+    elif own.verdict not in (PASS, NOTHING_AUDITED) or result.options.drill:
+        pass  # the run's own fault is the verdict, or --drill alone: recorded to replay
     elif result.recording is not None:
         plain.append(f"RECORDED: {_plural(result.steps_recorded, 'optimizer step')} into "
                      f"{result.recording} (compare a run with it: audit --against "
                      f"{result.recording} -- ...)")  # fmt: skip
     else:
         plain.append("NOTHING RECORDED: the script took no optimizer step (exit 2)")
+    if result.drill is not None:
+        plain += drill_lines(result.drill)
     return "\n".join(plain + [report])
 
 

@@ -86,6 +86,8 @@ def with_recording(result):
         else:
             shutil.move(made, o.record)
         return RecordedAudit(result, o.record, None)
+    if not o.against:  # --drill alone: the recording stays in the run folder
+        return RecordedAudit(result, made, None)
     try:
         ours = store.read(made)
     except store.NotARecording:  # this run's own, cut short: the audit's fault stands
@@ -111,6 +113,7 @@ class RecordedAudit(Verdicted):
     audit_result: object
     recording: str | None
     comparison: Comparison | None
+    drill: object | None = None  # --drill: the `drill.Drill` found below the divergence
 
     def __getattr__(self, name):  # the audit's result's fields (options, run, report_dir)
         return getattr(self.__dict__["audit_result"], name)
@@ -133,4 +136,5 @@ class RecordedAudit(Verdicted):
     def to_dict(self) -> dict:
         return {**self.audit_result.to_dict(), "verdict": self.verdict, "passed": self.passed,
                 "recording": self.recording,
-                "comparison": None if self.comparison is None else self.comparison.to_dict()}  # fmt: skip
+                "comparison": None if self.comparison is None else self.comparison.to_dict(),
+                "drill": None if self.drill is None else self.drill.to_dict()}  # fmt: skip

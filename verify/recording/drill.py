@@ -30,14 +30,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from verify.checks import kinds as k
 from verify.recording import store
 from verify.recording.capture import FOLDER
 from verify.recording.command import CompareOptions, CompareResult
 from verify.recording.departure import Comparison, NotComparable, compare_recordings
-from verify.recording.streams import Op, Part, first_part, ops_of
+from verify.recording.streams import Op, Part, first_divergence, first_part, ops_of
+from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 
 NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, OP, UNSEEN = (
     "nothing to drill into", "the batch", "not computed", "split", "replay", "op", "unseen"
@@ -63,6 +64,7 @@ class Rerun:
     unlike: str | None = None  # where the re-run departs from its own recording; None: alike
     ops: tuple[Op, ...] = ()  # rank 0's capture
     calls: tuple[dict, ...] = ()  # rank 0's module calls (`capture.ModuleCall`)
+    ranks: tuple[tuple[Op, ...], ...] = ()  # every rank's capture, in rank order
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,12 @@ class Drill:
     part: Part | None = None
     module: dict | None = None  # the part's module call (`capture.ModuleCall`), if any
     reruns: tuple[Rerun, ...] = field(default_factory=tuple)
+    sides: tuple[str, str] = ("A", "B")  # what the part's two ops are of: runs, or ranks
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for r in out["reruns"]:
-            r.pop("ops"), r.pop("calls")
+            r.pop("ops"), r.pop("calls"), r.pop("ranks")
         return out
 
 
@@ -113,11 +116,7 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
     reruns = (_rerun("A", a, index, first.step, out), _rerun("B", b, index, first.step_b, out))
     unlike = [r for r in reruns if r.unlike]
     if unlike:
-        r = unlike[0]
-        return Drill(REPLAY, f"the re-run of {r.side} does not reproduce its recording: "
-                             f"{r.unlike}; the script is not deterministic on this machine (it "
-                             "may read the clock, the network, a file that changed, or a "
-                             "generator it never seeded): nothing is drilled", reruns=reruns)  # fmt: skip
+        return _not_replayed(unlike[0], reruns)
     part = first_part(list(reruns[0].ops), list(reruns[1].ops), a.meta.get("device", "cpu"))
     if part is None:
         last = reruns[0].ops[-1] if reruns[0].ops else None
@@ -126,6 +125,60 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
                              f"was made below it (a custom kernel, a C++ extension){after}",
                      reruns=reruns)  # fmt: skip
     return Drill(OP, "", part, _module_of(part, reruns[0].calls), reruns)
+
+
+def drill_replicas(result):
+    """`audit --drill`: below the first step where the replicas diverged, the run again up
+    to it with every rank captured (`_rerun`), and rank 0 against the first rank the audit
+    found apart (`streams.first_divergence`). `result`: the audit's `RecordedAudit`, whose
+    recording the re-run must reproduce; returned with its `drill`."""
+    own = result.audit_result
+    faults = [f for f in own.faults if f.check == "audit"]
+    if own.run.failure or not faults or result.recording is None:
+        why = "the run failed (above)" if own.run.failure else "the replicas agree (above)"
+        return replace(result, drill=Drill(NOTHING, why))
+    f = faults[0]
+    said = next((w for p, w in _REPLICAS_NOT_COMPUTED.items() if f.phase == p.format(step=f.step)),
+                None)  # fmt: skip
+    if said is not None:
+        return replace(result, drill=Drill(NOT_COMPUTED, said))
+    rec = store.read(result.recording)
+    label = (f.where or "").rsplit("(", 1)[-1].rstrip(")")
+    index = rec.optimizers.index(label) if label in rec.optimizers else 0
+    rerun = _rerun("the run", rec, index, f.step, own.options.out)
+    if rerun.unlike:
+        return replace(result, drill=_not_replayed(rerun, (rerun,)))
+    other = next((r for r in f.ranks if r != 0), 1)
+    synced = f.phase != GRADS.format(step=f.step)  # the gradients agreed: a collective ran
+    part = first_divergence(list(rerun.ranks[0]), list(rerun.ranks[other]), synced,
+                            rec.meta.get("device", "cpu"))  # fmt: skip
+    sides = ("rank 0", f"rank {other}")
+    if part is None:
+        return replace(result, drill=Drill(UNSEEN, _UNSEEN_RANKS, reruns=(rerun,), sides=sides))
+    calls = rerun.calls
+    return replace(result, drill=Drill(OP, "", part, _module_of(part, calls), (rerun,), sides))
+
+
+# the replicas' first difference, by its phase, where no op of a step computed it
+_REPLICAS_NOT_COMPUTED = {
+    PARAMS_FIRST: "the replicas start from other parameters (each rank initialized its own, "
+                  "and nothing broadcast them): no step computed them",
+    SETTINGS: "the ranks' optimizer settings differ: the script sets them, no op of the step "
+              "computes them",
+    SCALER: "the ranks' GradScaler scales differ: set by its own schedule, not by an op",
+    LAYOUT: "the ranks hold other tensors: a layout, not a value an op computed",
+}  # fmt: skip
+_UNSEEN_RANKS = ("no op both ranks ran from the same inputs gave other outputs: the replicas "
+                 "part where the dispatcher sees no op (a custom kernel, a C++ extension), or "
+                 "from inputs that differ by design (each rank's batch) with no collective to "
+                 "make them the same")  # fmt: skip
+
+
+def _not_replayed(r: Rerun, reruns: tuple[Rerun, ...]) -> Drill:
+    return Drill(REPLAY, f"the re-run of {r.side} does not reproduce its recording: "
+                         f"{r.unlike}; the script is not deterministic on this machine (it may "
+                         "read the clock, the network, a file that changed, or a generator it "
+                         "never seeded): nothing is drilled", reruns=reruns)  # fmt: skip
 
 
 def _same_script(a: store.Recording, b: store.Recording) -> None:
@@ -172,23 +225,28 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     finally:
         os.chdir(here)
     seconds = time.monotonic() - start
-    made = _capture(result.report_dir)
-    if made is None or result.recording is None:
+    made = _captures(result.report_dir, m["world_size"])
+    if not made or result.recording is None:
         why = result.audit_result.run.failure or "it did not reach that step"
         return Rerun(side, rec.path, step, seconds, result.report_dir, f"it failed: {why}")
     again = store.read(result.recording)
     c = compare_recordings(rec, again, align_step=0)
     unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
-    return Rerun(side, rec.path, step, seconds, result.report_dir, unlike,
-                 tuple(ops_of(made["ops"])), tuple(made["calls"]))  # fmt: skip
+    ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
+    return Rerun(side, rec.path, step, seconds, result.report_dir, unlike, ranks[0],
+                 tuple(made[0]["calls"]), ranks)  # fmt: skip
 
 
-def _capture(report_dir: str) -> dict | None:
-    path = os.path.join(report_dir, FOLDER, "rank0.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def _captures(report_dir: str, world: int) -> list[dict]:
+    """Every rank's capture (`capture.Capture.write`), in rank order; [] if one is missing."""
+    found = []
+    for r in range(world):
+        path = os.path.join(report_dir, FOLDER, f"rank{r}.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path) as f:
+            found.append(json.load(f))
+    return found
 
 
 def _module_of(part: Part, calls) -> dict | None:

@@ -131,6 +131,8 @@ def check_options(options) -> None:
     if (options.record or options.against) and options.audit_every != 1:
         raise ValueError("--record and --against record every optimizer step: leave "
                          "--audit-every at 1")  # fmt: skip
+    if options.drill and options.audit_every != 1:
+        raise ValueError("--drill records every optimizer step: leave --audit-every at 1")
     if options.align_step is not None and not options.against:
         raise ValueError("--align-step needs --against DIR")
 

@@ -20,7 +20,12 @@ part, and says why:
   kernel that changed, another thread count, another dtype).
 
 `UNSEEN` when every op matched: the difference was made below the dispatcher, after the
-last op seen. Pure logic over the records: tested on hand-made captures in milliseconds.
+last op seen.
+
+Two ranks of one run (`first_divergence`) are searched for what replicas must do alike
+only: their forward and backward compute from each rank's own batch, so an op counts when
+both ranks ran it from the same inputs; after a gradient synchronization, only what follows
+it. Pure logic over the records: tested on hand-made captures in milliseconds.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import re
 from dataclasses import dataclass
 
 _TENSOR = re.compile(r"param |\w+ \[")  # how `capture.py` describes a tensor argument
+OPTIMIZER = "optimizer"  # `capture.OPTIMIZER` (this module reads records, not torch)
 OTHER_OPS, ONLY_ONE, OTHER_INPUTS = "other ops", "only one", "inputs"
 RANDOM, NONDETERMINISTIC, DIFFERS, UNSEEN = "random", "nondeterministic", "differs", "unseen"
 
@@ -141,6 +147,45 @@ def first_part(a: list[Op], b: list[Op], device: str = "cpu") -> Part | None:
                 return Part(_why(x, device), x, y, before, compared=compared)
             before, compared = x, compared + 1
     return None
+
+
+def first_divergence(a: list[Op], b: list[Op], synced: bool, device: str = "cpu") -> Part | None:
+    """Where two ranks' captures of one step first part, counting only what replicas must do
+    alike: an op both ranks ran from the same inputs (each rank's own batch makes the rest
+    differ by design) that gave other outputs; an op one rank ran alone, or another op, in the
+    optimizer's step or writing a parameter (elsewhere one rank's logging or evaluation runs
+    ops alone). `synced`: the ranks' gradients agreed, so a collective made them so: only
+    what follows the step's last collective before the optimizer's step is searched."""
+    a, b = (ops[_after_sync(ops) if synced else 0 :] for ops in (a, b))
+    where = difflib.SequenceMatcher(None, [_at(x) for x in a], [_at(y) for y in b], autojunk=False)
+    before = None
+    for tag, i1, i2, j1, j2 in where.get_opcodes():
+        if tag != "equal":
+            alone = [(x, None) for x in a[i1:i2]] + [(None, y) for y in b[j1:j2]]
+            hit = next(((x, y) for x, y in alone if _must_match(x or y)), None)
+            if hit is not None:
+                pair = (a[i1], b[j1]) if tag == "replace" and i1 < i2 and j1 < j2 else hit
+                why = OTHER_OPS if None not in pair else ONLY_ONE
+                return Part(why, *pair, before)
+            continue
+        for x, y in zip(a[i1:i2], b[j1:j2]):
+            if x.inputs == y.inputs and x.outputs != y.outputs:
+                return Part(_why(x, device), x, y, before)
+            if x.inputs == y.inputs:
+                before = x
+    return None
+
+
+def _after_sync(ops: list[Op]) -> int:
+    """The index after the last collective that comes before the optimizer's step (0: none)."""
+    end = next((i for i, o in enumerate(ops) if o.phase == OPTIMIZER), len(ops))
+    synced = [i for i, o in enumerate(ops[:end]) if o.op.startswith("c10d.")]
+    return synced[-1] + 1 if synced else 0
+
+
+def _must_match(op: Op) -> bool:
+    in_place = op.op.split(".")[1].endswith("_")
+    return op.phase == OPTIMIZER or (in_place and bool(op.args) and op.args[0].startswith("param "))
 
 
 def _why(op: Op, device: str) -> str:
