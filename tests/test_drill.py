@@ -256,3 +256,18 @@ def test_audit_drill_names_where_the_ranks_part(tmp_path):
         op_line = next(x for x in out.stdout.splitlines() if x.startswith("  op: "))
         assert all(s in op_line for s in says), op_line
         assert "its recording reproduced bitwise" in out.stdout
+
+
+def test_a_model_compiled_inside_ddp_is_recorded_as_compiled():
+    """DDP(torch.compile(model)) is compiled too: its recording is compared within the
+    tolerance of a changed summation order, and drilled as eager ops."""
+    from verify.recording.recorder import _compiled
+
+    class Wrapper(nn.Module):  # DDP's shape: one child, `module`
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    assert _compiled(Wrapper(torch.compile(_Student())))
+    assert _compiled(torch.compile(_Student()))
+    assert not _compiled(Wrapper(_Student())) and not _compiled(_Student())

@@ -68,6 +68,8 @@ def run_env(options, report_dir: str, record: bool) -> dict[str, str]:
     env = {**backend_env(options.backend, report_dir), **({RECORD_ENV: "1"} if record else {})}
     if getattr(options, "drill_at", None):
         env[DRILL_ENV] = options.drill_at
+        if options.drill_at.endswith(":eager"):  # a compiled run, drilled as eager ops
+            env["TORCHDYNAMO_DISABLE"] = "1"
     return env
 
 

@@ -9,7 +9,17 @@ from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
 from verify.recording.capture import FORWARD, OPTIMIZER
 from verify.recording.command import CompareResult, RecordedAudit, verdict_of
 from verify.recording.departure import Comparison
-from verify.recording.drill import BATCH, NOT_COMPUTED, NOTHING, OP, REPLAY, SPLIT, UNSEEN, Drill
+from verify.recording.drill import (
+    BATCH,
+    COMPILED,
+    NOT_COMPUTED,
+    NOTHING,
+    OP,
+    REPLAY,
+    SPLIT,
+    UNSEEN,
+    Drill,
+)
 from verify.recording.streams import (
     DIFFERS,
     NONDETERMINISTIC,
@@ -31,7 +41,7 @@ def compare(result: CompareResult) -> str:
 
 
 _STOPPED = {BATCH: "at the batch", NOT_COMPUTED: "at the step", SPLIT: "at the split",
-            REPLAY: "at the replay", UNSEEN: "below the dispatcher"}  # fmt: skip
+            REPLAY: "at the replay", COMPILED: "at torch.compile", UNSEEN: "below the dispatcher"}  # fmt: skip
 
 
 def drill_lines(d: Drill) -> list[str]:

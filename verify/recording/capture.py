@@ -98,7 +98,7 @@ def capture_for(settings, modules) -> Capture | None:
     asked = os.environ.get(DRILL_ENV)
     if not asked or not getattr(settings, "path", None):
         return None
-    index, step = (int(x) for x in asked.split(":"))
+    index, step = (int(x) for x in asked.split(":")[:2])
     return Capture(os.path.join(os.path.dirname(settings.path), FOLDER), index, step, modules)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -40,8 +41,9 @@ from verify.recording.departure import Comparison, NotComparable, compare_record
 from verify.recording.streams import Op, Part, first_divergence, first_part, ops_of
 from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 
-NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, OP, UNSEEN = (
-    "nothing to drill into", "the batch", "not computed", "split", "replay", "op", "unseen"
+NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, UNSEEN = (
+    "nothing to drill into", "the batch", "not computed", "split", "replay", "compiled", "op",
+    "unseen",
 )  # fmt: skip
 _NOT_COMPUTED = {
     k.START_DEPARTS: "the runs start from other parameters (their initialization, or the "
@@ -65,6 +67,7 @@ class Rerun:
     ops: tuple[Op, ...] = ()  # rank 0's capture
     calls: tuple[dict, ...] = ()  # rank 0's module calls (`capture.ModuleCall`)
     ranks: tuple[tuple[Op, ...], ...] = ()  # every rank's capture, in rank order
+    eager: bool = False  # a compiled run, re-run with torch.compile turned off
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
     reruns = (_rerun("A", a, index, first.step, out), _rerun("B", b, index, first.step_b, out))
     unlike = [r for r in reruns if r.unlike]
     if unlike:
-        return _not_replayed(unlike[0], reruns)
+        return _compiled(unlike[0], reruns, (a, b), c) or _not_replayed(unlike[0], reruns)
     part = first_part(list(reruns[0].ops), list(reruns[1].ops), a.meta.get("device", "cpu"))
     if part is None:
         last = reruns[0].ops[-1] if reruns[0].ops else None
@@ -174,6 +177,29 @@ _UNSEEN_RANKS = ("no op both ranks ran from the same inputs gave other outputs: 
                  "make them the same")  # fmt: skip
 
 
+def _compiled(r: Rerun, reruns: tuple[Rerun, ...], recs, c: Comparison) -> Drill | None:
+    """A compiled run whose eager re-run does not reproduce it, while the other run's re-run
+    does: the eager re-run against the other run's recording. Alike, the departure is
+    torch.compile's; else the eager runs depart too, and are the runs to drill."""
+    other = reruns[1] if r is reruns[0] else reruns[0]
+    if not r.eager or other.unlike or other.eager:
+        return None
+    mine = store.read(os.path.join(r.report_dir, "recording"))
+    a, b = (recs[0], mine) if r is reruns[1] else (mine, recs[1])
+    eager = compare_recordings(a, b, align_step=c.offset)
+    if eager.departs:
+        return Drill(COMPILED, f"{r.side} was compiled; with torch.compile turned off for its "
+                               f"re-run it still departs from {other.side}, at "
+                               f"{eager.first.name}, {eager.first.phase}: record {r.side} "
+                               "without torch.compile and drill the eager runs", reruns=reruns)  # fmt: skip
+    return Drill(COMPILED, f"{r.side} was compiled; with torch.compile turned off for its re-run "
+                           f"it computes every step up to the departure as {other.side} does "
+                           f"({'bitwise' if eager.bitwise else 'within the tolerance'}): the "
+                           "departure is torch.compile's (its kernels fuse ops and reorder "
+                           "their sums), inside a graph the dispatcher does not see op by op",
+                 reruns=reruns)  # fmt: skip
+
+
 def _not_replayed(r: Rerun, reruns: tuple[Rerun, ...]) -> Drill:
     return Drill(REPLAY, f"the re-run of {r.side} does not reproduce its recording: "
                          f"{r.unlike}; the script is not deterministic on this machine (it may "
@@ -208,17 +234,19 @@ def _split(ma: dict, mb: dict) -> str | None:
 
 def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> Rerun:
     """`rec`'s script run again as its manifest says, up to `step` of optimizer `index`,
-    captured there (`capture.py`); checked against `rec` bitwise."""
+    captured there (`capture.py`); checked against `rec` bitwise. A compiled run is run
+    with torch.compile turned off (`TORCHDYNAMO_DISABLE`): the capture reads eager ops, and a
+    compiled graph's kernels are not ops the dispatcher sees one by one."""
     from verify.checks.script_audit import check_audit
     from verify.checks.script_options import AuditOptions
 
     m, here = rec.meta, os.getcwd()
-    start = time.monotonic()
+    start, eager = time.monotonic(), ":eager" if m.get("compiled") else ""
     os.chdir(m.get("cwd") or here)
     try:
         options = AuditOptions(
             script=tuple(m["argv"]), nproc=m["world_size"], threads_per_rank=m.get("threads"),
-            out=os.path.join(here, out), console="stderr", drill_at=f"{index}:{step}",
+            out=os.path.join(here, out), console="stderr", drill_at=f"{index}:{step}{eager}",
             record=os.path.join(here, out, f"drill-{side}-{time.strftime('%Y%m%d-%H%M%S')}"),
         )  # fmt: skip
         result = check_audit(options)
@@ -229,12 +257,13 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     if not made or result.recording is None:
         why = result.audit_result.run.failure or "it did not reach that step"
         return Rerun(side, rec.path, step, seconds, result.report_dir, f"it failed: {why}")
-    again = store.read(result.recording)
-    c = compare_recordings(rec, again, align_step=0)
+    kept = os.path.join(result.report_dir, "recording")  # the evidence, in its run folder
+    shutil.move(result.recording, kept)
+    c = compare_recordings(rec, store.read(kept), align_step=0)
     unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
     ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
     return Rerun(side, rec.path, step, seconds, result.report_dir, unlike, ranks[0],
-                 tuple(made[0]["calls"]), ranks)  # fmt: skip
+                 tuple(made[0]["calls"]), ranks, bool(eager))  # fmt: skip
 
 
 def _captures(report_dir: str, world: int) -> list[dict]:

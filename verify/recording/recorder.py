@@ -67,6 +67,19 @@ def recorder_for(settings) -> Recorder | None:
     return Recorder(os.path.join(os.path.dirname(settings.path), "recording"))
 
 
+def _compiled(root) -> bool:
+    """`root` is torch.compile's module, or wraps one (DDP or FSDP around a compiled model:
+    a wrapper's one child, `module`, as `naming.strip` goes down it)."""
+    m = root
+    while True:
+        if type(m).__name__ == "OptimizedModule":
+            return True
+        children = list(m._modules.items())
+        if len(children) != 1 or children[0][0] not in ("module", "_orig_mod"):
+            return False
+        m = children[0][1]
+
+
 class Recorder:
     """Rows of one run (module docstring), written to `folder` by `finish()`."""
 
@@ -125,9 +138,7 @@ class Recorder:
         if point == BEFORE:
             loss = self.tap.take()
             seen = self.batches.take() if index == 0 else None
-            self.compiled = self.compiled or any(
-                type(m).__name__ == "OptimizedModule" for m in roots
-            )
+            self.compiled = self.compiled or any(_compiled(m) for m in roots)
         start = time.perf_counter()
         try:
             tensors = [e for e in entries if e.tensor is not None]
