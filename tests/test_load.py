@@ -2,7 +2,8 @@
 a rank that computes for a long time, a script that hangs, a consistency and an equivalence
 run, `audit --record/--against` (a student's accumulation loop right and wrong, a resume:
 tests/test_compare.py; a nanoGPT-style script under bf16 autocast, ZeRO-1 against AdamW, its
-replicas diverging: tests/test_compare_fresh.py), the audit's own files failing mid-run (a small
+replicas diverging: tests/test_compare_fresh.py), `compare --drill` and `audit --drill`
+(tests/test_drill.py), the audit's own files failing mid-run (a small
 tmpfs filled, the run folder removed: tests/test_audit_io.py), two loops cut short (a correct one behind at the deadline, a buggy one that skipped a
 collective: tests/fixtures/deadline_loops.py), classes whose bug shows on one rank only
 (tests/test_agreement.py), classes that all-reduce in the order of a set, of parameters or of
@@ -78,6 +79,7 @@ from tests import (
     test_audit_io,
     test_compare,
     test_compare_fresh,
+    test_drill,
     test_evidence,
     test_hang,
     test_hints,
@@ -193,6 +195,7 @@ def _jobs(folder: Path) -> dict[str, dict[str, tuple]]:
         "compare": {
             "compare": (test_compare.verdict_problems, folder / "compare"),
             "compare-fresh": (test_compare_fresh.fresh_problems, folder / "compare-fresh"),
+            "drill": (test_drill.drill_problems, folder / "drill"),
         },
         "audit io": {"audit-io": (test_audit_io.audit_io_problems, folder / "audit-io")},
         "launchers": {
@@ -362,9 +365,11 @@ def _check_compare(window: Window) -> None:
     and wrong (departs at step 0, the loss), a resume (bitwise, aligned at its step); a
     nanoGPT-style script 1 rank against 2 under bf16 autocast (within bfloat16's tolerance)
     and its loss not divided (departs), ZeRO-1 against plain AdamW (bitwise) and with another
-    lr (departs), its replicas diverging (departs): the verdicts of an idle machine
-    (tests/test_compare.py, tests/test_compare_fresh.py)."""
-    problems = window["compare"] + window["compare-fresh"]
+    lr (departs), its replicas diverging (departs); `compare --drill` and `audit --drill` on
+    fresh student scripts (a dropout mask drawn otherwise and a rank-0-only update named at
+    their lines, a clock-jittered run refused at the replay): the verdicts of an idle machine
+    (tests/test_compare.py, tests/test_compare_fresh.py, tests/test_drill.py)."""
+    problems = window["compare"] + window["compare-fresh"] + window["drill"]
     assert not problems, "\n".join(problems)
 
 

@@ -103,7 +103,7 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
     their run folders under `out`. Raises `NotComparable` for recordings of other scripts."""
     _same_script(a, b)
     if not c.departs:
-        return Drill(NOTHING, f"B agrees with A at every compared step ({c.mode_reason})")
+        return Drill(NOTHING, _agree(a.meta, b.meta, c))
     first = c.first
     seen = c.batches.first if c.batches is not None else None
     if seen is not None and seen.step <= first.step:
@@ -207,6 +207,30 @@ def _not_replayed(r: Rerun, reruns: tuple[Rerun, ...]) -> Drill:
                          "never seeded): nothing is drilled", reruns=reruns)  # fmt: skip
 
 
+def _agree(ma: dict, mb: dict, c: Comparison) -> str:
+    """Why two runs that agree need no drill-down; within the tolerance, where the order of
+    the sums changed between them."""
+    if c.bitwise:
+        return "B agrees with A bitwise at every compared step"
+    where = []
+    if ma.get("world_size") != mb.get("world_size"):
+        where.append(f"the gradients' all-reduce sums over {ma.get('world_size')} and "
+                     f"{mb.get('world_size')} ranks")  # fmt: skip
+    micro = [max(m.get("micro_steps") or [1]) for m in (ma, mb)]
+    if micro[0] != micro[1]:
+        where.append(f"each step's batch is split into {micro[0]} and {micro[1]} micro-steps")
+    if ma.get("threads") != mb.get("threads"):
+        where.append(f"the kernels split their sums over {ma.get('threads')} and "
+                     f"{mb.get('threads')} threads")  # fmt: skip
+    if ma.get("compiled") != mb.get("compiled"):
+        where.append("torch.compile's kernels fuse ops in one run only")
+    said = "; ".join(where) or c.mode_reason
+    return (
+        f"B agrees with A within the tolerance of a changed summation order at every "
+        f"compared step: {said}"
+    )
+
+
 def _same_script(a: store.Recording, b: store.Recording) -> None:
     sa, sb = (_script(r) for r in (a, b))
     if sa and sb and sa != sb:
@@ -253,17 +277,24 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     finally:
         os.chdir(here)
     seconds = time.monotonic() - start
+    report_dir = _shown(result.report_dir, here)
     made = _captures(result.report_dir, m["world_size"])
     if not made or result.recording is None:
         why = result.audit_result.run.failure or "it did not reach that step"
-        return Rerun(side, rec.path, step, seconds, result.report_dir, f"it failed: {why}")
+        return Rerun(side, rec.path, step, seconds, report_dir, f"it failed: {why}")
     kept = os.path.join(result.report_dir, "recording")  # the evidence, in its run folder
     shutil.move(result.recording, kept)
     c = compare_recordings(rec, store.read(kept), align_step=0)
     unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
     ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
-    return Rerun(side, rec.path, step, seconds, result.report_dir, unlike, ranks[0],
+    return Rerun(side, rec.path, step, seconds, report_dir, unlike, ranks[0],
                  tuple(made[0]["calls"]), ranks, bool(eager))  # fmt: skip
+
+
+def _shown(path: str, here: str) -> str:
+    """`path` as the user named its folder: relative to where the command ran, if under it."""
+    rel = os.path.relpath(path, here)
+    return path if rel.startswith("..") else rel
 
 
 def _captures(report_dir: str, world: int) -> list[dict]:
