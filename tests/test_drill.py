@@ -33,6 +33,7 @@ from verify.recording.streams import (
     OTHER_OPS,
     RANDOM,
     Op,
+    boundary,
     first_divergence,
     first_part,
     ops_of,
@@ -120,6 +121,8 @@ def _capture_a_step(tmp_path, name, seed=0, scale=1.0):
 
 def test_a_step_is_captured_op_by_op_and_a_mask_drawn_otherwise_is_named(tmp_path):
     a = _capture_a_step(tmp_path, "a")
+    written = json.loads((tmp_path / "a" / "rank0.json").read_text())
+    assert boundary(written, written) is None
     phases = {(o.phase, o.module) for o in a}
     assert {("forward", "hidden"), ("forward", "drop"), ("backward", "head")} <= phases
     assert ("optimizer", "") in phases
@@ -128,6 +131,9 @@ def test_a_step_is_captured_op_by_op_and_a_mask_drawn_otherwise_is_named(tmp_pat
     part = first_part(a, _capture_a_step(tmp_path, "seeded", seed=1))
     assert part.why == RANDOM and part.a.module == "drop" and part.a.base == "bernoulli"
     assert part.a.line.startswith("tests/test_drill.py:") or "test_drill.py" in part.a.line
+    seeded = json.loads((tmp_path / "seeded" / "rank0.json").read_text())
+    edge = boundary(written, seeded)  # the module boundaries first: the dropout's output
+    assert edge["module"] == "drop" and edge["how"] == "forward" and edge["kind"] == "Dropout"
     part = first_part(a, _capture_a_step(tmp_path, "scaled", scale=2.0))  # the script's value
     assert part.why == OTHER_INPUTS and part.a.base == "mul" and part.a.module == ""
     assert part.a.args[part.argument] == "1.0" and part.passed_value
@@ -187,11 +193,11 @@ def test_runs_that_agree_within_the_tolerance_say_where_the_order_of_the_sums_ch
 def test_the_printer_names_the_module_the_op_and_the_line():
     a = op("bernoulli_", outputs=(3,), module="drop", line="train.py:40")
     b = op("bernoulli_", outputs=(4,), module="drop", line="train.py:40")
-    call = {"module": "drop", "kind": "Dropout", "line": "train.py:40"}
+    call = {"module": "drop", "kind": "Dropout", "line": "train.py:40", "how": "forward"}
     lines = drill_lines(Drill(OP, "", first_part([a], [b]), call))
-    assert (
-        lines[0]
-        == "  module: drop (Dropout, called at train.py:40): the innermost module around the op"
+    assert lines[0] == (
+        "  module: drop (Dropout, called at train.py:40): its output differs while its input "
+        "matched"
     )
     assert lines[1].startswith(
         "  op: aten.bernoulli_.default at train.py:40 (in the forward of drop"
@@ -254,7 +260,7 @@ def drill_problems(folder: Path) -> list[str]:
     line = f"drill_train.py:{_line_of(SCRIPT, 'self.drop(')}"
     out = _verify("compare", "--drill", "a", "mask", "--out", "runs", cwd=folder)
     expect("mask", out, 1, "  module: drop (Dropout, called at ", "  op: aten.bernoulli_",
-           f"at {line} (in the forward of drop", "its recording reproduced bitwise",
+           f"{line} (in the forward of drop", "its recording reproduced bitwise",
            last="DRILLED TO THE OP: the first op whose output differs while its inputs matched "
            "draws from a random generator")  # fmt: skip
     out = _verify("compare", "--drill", "a", "jitter", "--out", "runs", cwd=folder)
@@ -270,11 +276,11 @@ def drill_problems(folder: Path) -> list[str]:
         problems.append(f"other script: exit {out.returncode}, stderr {out.stderr!r}")
     script = os.path.join(ROOT, "tests", "fixtures", "drill_replicas.py")
     mask, update = (f"drill_replicas.py:{_line_of(script, t)}" for t in ("model(x)", "p.add_("))
-    for flag, says in (("--mask-per-rank", f"  op: aten.bernoulli_.float at {mask}"),
-                       ("--rank0-update", f"  op: rank 0 ran aten.add_.Tensor at {update}")):  # fmt: skip
+    for flag, says in (("--mask-per-rank", ("  op: aten.bernoulli_.float at ", mask)),
+                       ("--rank0-update", ("  op: rank 0 ran aten.add_.Tensor at ", update))):  # fmt: skip
         out = _verify("audit", "--nproc", "2", "--drill", "--out", "runs", "--", script, flag,
                       cwd=folder)  # fmt: skip
-        expect(flag, out, 1, says, "its recording reproduced bitwise", "DRILLED TO THE OP: ")
+        expect(flag, out, 1, *says, "its recording reproduced bitwise", "DRILLED TO THE OP: ")
     return problems
 
 
@@ -298,3 +304,41 @@ def test_a_model_compiled_inside_ddp_is_recorded_as_compiled():
     assert _compiled(Wrapper(torch.compile(_Student())))
     assert _compiled(torch.compile(_Student()))
     assert not _compiled(Wrapper(_Student())) and not _compiled(_Student())
+
+
+def test_a_write_the_dispatcher_does_not_see_is_named_after_the_last_op_alike(tmp_path):
+    """A parameter changed through numpy (no ATen op, as a C++ extension's own loop would):
+    the first op that reads it is given other inputs, every op before it alike, and the
+    report names the last op seen alike before the difference entered."""
+
+    def one_step(name, poke):
+        modules = Modules()
+        modules.install()
+        try:
+            torch.manual_seed(0)
+            model = _Student()
+            model.eval()  # no dropout: the steps alike but for the poke
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            memory = model.head.bias.detach().numpy()  # its memory, seen before the capture
+            c = capture.Capture(str(tmp_path / name), 0, 0, modules)
+            c.install()
+            model(torch.ones(4, 6)).sum().backward()
+            if poke:
+                memory[0] += 1.0  # a write below the dispatcher
+            c.optimizer_step(0, True)
+            opt.step()
+            c.optimizer_step(0, False)
+            with pytest.raises(SystemExit):
+                c.stepped(0, 0)
+        finally:
+            modules.remove()
+        return ops_of(json.loads((tmp_path / name / "rank0.json").read_text())["ops"])
+
+    a, b = one_step("plain", False), one_step("poked", True)
+    part = first_part(a, b)
+    assert part.why == OTHER_INPUTS and part.a.phase == "optimizer" and not part.passed_value
+    assert part.a.args[part.argument] == "param head.bias"
+    assert part.before is not None and part.before.phase in ("backward", "optimizer")
+    lines = drill_lines(Drill(OP, "", part))
+    assert lines[-1].startswith("DRILL: stopped at the inputs: they already differed")
+    assert f"after {part.before.op} at {part.before.line}" in lines[-1]

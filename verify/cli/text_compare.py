@@ -58,16 +58,17 @@ def drill_lines(d: Drill) -> list[str]:
         lines.append(f"  re-ran {r.side} ({r.recording}) to step {r.step} in {r.seconds:.1f} s: "
                      f"its recording {alike} (report: {r.report_dir})")  # fmt: skip
     if d.rung != OP:
+        if d.module is not None:
+            lines.append(_module_line(d.module))
         return lines + [f"DRILL: stopped {_STOPPED[d.rung]}: {d.says}"]
     return lines + _part_lines(d.part, d.module, d.sides)
 
 
 def _part_lines(p: Part, module: dict | None, sides=("A", "B")) -> list[str]:
     op = p.a or p.b
-    lines = []
-    if module is not None and op.phase == FORWARD:
-        lines.append(f"  module: {module['module']} ({module['kind']}, called at "
-                     f"{module['line']}): the innermost module around the op")  # fmt: skip
+    lines = [] if module is None else [_module_line(module)]
+    if module is not None and module["module"] != op.module:
+        module = None  # the boundary is another module's: the op's own is said by its name
     at = f"{op.op} at {op.line} ({_where(op, module)})"
     if p.why in (OTHER_OPS, ONLY_ONE):
         a, b = sides
@@ -110,6 +111,19 @@ _WHY = {
                       "PyTorch documents as non-deterministic on this device "
                       "(torch.use_deterministic_algorithms)",
 }  # fmt: skip
+
+
+_BOUNDARY = {
+    "forward": "its output differs while its input matched",
+    "gradient": "the first module whose output's gradient differs, as the backward reached it",
+    "around": "the module the op ran in",
+}
+
+
+def _module_line(m: dict) -> str:
+    called = f", called at {m['line']}" if m.get("line") else ""
+    kind = f"{m['kind']}{called}" if m.get("kind") else called.lstrip(", ")
+    return f"  module: {m['module'] or '(the model)'} ({kind}): {_BOUNDARY[m['how']]}"
 
 
 def _where(op, module: dict | None) -> str:

@@ -22,7 +22,8 @@ a C++ extension's own loops, DDP's all-reduce, issued from C++):
 Ops issued by the tool itself (the audit, the recorder, the batch's fingerprints) have a frame
 of the tool's above the op and are not recorded, nor are the capture's own fingerprints (the
 mode is off inside its handler). Each module's forward adds a `ModuleCall` (its inputs' and
-outputs' fingerprints). Once the step is taken, each rank writes its records to
+outputs' fingerprints), and the gradient of its output, as the backward brings it, a
+record of its fingerprint: the module boundaries the drill-down looks at before the ops. Once the step is taken, each rank writes its records to
 `<report folder>/drill/rank<r>.json` and the script ends there, as a `sys.exit(0)` would
 (`SystemExit`): the re-run goes no further than the step drilled into, and the recording
 (the replay check's evidence, `drill.py`) is written as at any end of the script.
@@ -90,6 +91,7 @@ class ModuleCall:
     line: str  # where the script called it
     inputs: list[int]
     outputs: list[int]
+    ended: int = -1  # the order it returned in: an inner module's call before its parent's
 
 
 def capture_for(settings, modules) -> Capture | None:
@@ -109,6 +111,7 @@ class Capture:
         self.folder, self.index, self.step, self.modules = folder, index, step, modules
         self.ops: list[OpRecord] = []
         self.calls: list[ModuleCall] = []
+        self.grads: list[dict] = []  # each module output's gradient as it arrived (backward)
         self.paused = 0  # > 0 while the tool's own code runs (the audit's `_guard`)
         self.waiting = False  # for the first forward of the captured step
         self.live = False  # the mode is on
@@ -116,6 +119,7 @@ class Capture:
         self.backward_of = ""  # the module whose output's gradient arrived last
         self._names: dict[int, str] = {}
         self._stack: list[str] = []
+        self._ended = 0
         self._handles: list = []
         self._mode = _Ops(self)
 
@@ -184,6 +188,7 @@ class Capture:
         try:
             if call is not None:
                 call.outputs = self.seen(output)[0] or [0]
+                call.ended, self._ended = self._ended, self._ended + 1
             for t in pytree.tree_leaves(output):  # an inner module's output may be its
                 if isinstance(t, torch.Tensor) and t.requires_grad and not hasattr(t, _NAMED):
                     setattr(t, _NAMED, name)  # parent's too: the inner module's backward runs
@@ -194,6 +199,11 @@ class Capture:
     def _gradient_of(self, name: str):
         def arrived(grad):
             self.backward_of = name
+            self.paused += 1
+            try:
+                self.grads.append({"module": name, "gradient": self.seen(grad)[0]})
+            finally:
+                self.paused -= 1
 
         return arrived
 
@@ -229,6 +239,7 @@ class Capture:
         body = {
             "index": self.index, "step": self.step, "rank": rank,
             "ops": [asdict(o) for o in self.ops], "calls": [asdict(c) for c in self.calls],
+            "grads": self.grads,
         }  # fmt: skip
         tmp = os.path.join(self.folder, f"rank{rank}.json.tmp")
         with open(tmp, "w") as f:

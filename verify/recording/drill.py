@@ -38,7 +38,7 @@ from verify.recording import store
 from verify.recording.capture import FOLDER
 from verify.recording.command import CompareOptions, CompareResult
 from verify.recording.departure import Comparison, NotComparable, compare_recordings
-from verify.recording.streams import Op, Part, first_divergence, first_part, ops_of
+from verify.recording.streams import Op, Part, boundary, first_divergence, first_part, ops_of
 from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 
 NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, UNSEEN = (
@@ -65,7 +65,7 @@ class Rerun:
     report_dir: str
     unlike: str | None = None  # where the re-run departs from its own recording; None: alike
     ops: tuple[Op, ...] = ()  # rank 0's capture
-    calls: tuple[dict, ...] = ()  # rank 0's module calls (`capture.ModuleCall`)
+    capture: dict | None = None  # rank 0's capture, as written (`capture.Capture.write`)
     ranks: tuple[tuple[Op, ...], ...] = ()  # every rank's capture, in rank order
     eager: bool = False  # a compiled run, re-run with torch.compile turned off
 
@@ -84,7 +84,7 @@ class Drill:
     def to_dict(self) -> dict:
         out = asdict(self)
         for r in out["reruns"]:
-            r.pop("ops"), r.pop("calls"), r.pop("ranks")
+            r.pop("ops"), r.pop("capture"), r.pop("ranks")
         return out
 
 
@@ -121,13 +121,14 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
     if unlike:
         return _compiled(unlike[0], reruns, (a, b), c) or _not_replayed(unlike[0], reruns)
     part = first_part(list(reruns[0].ops), list(reruns[1].ops), a.meta.get("device", "cpu"))
+    edge = boundary(reruns[0].capture, reruns[1].capture)
     if part is None:
         last = reruns[0].ops[-1] if reruns[0].ops else None
         after = f", after {last.op} at {last.line}" if last else ""
         return Drill(UNSEEN, "every op the dispatcher ran gave the same outputs: the difference "
                              f"was made below it (a custom kernel, a C++ extension){after}",
-                     reruns=reruns)  # fmt: skip
-    return Drill(OP, "", part, _module_of(part, reruns[0].calls), reruns)
+                     module=edge, reruns=reruns)  # fmt: skip
+    return Drill(OP, "", part, edge or _module_of(part, reruns[0].capture), reruns)
 
 
 def drill_replicas(result):
@@ -158,8 +159,8 @@ def drill_replicas(result):
     sides = ("rank 0", f"rank {other}")
     if part is None:
         return replace(result, drill=Drill(UNSEEN, _UNSEEN_RANKS, reruns=(rerun,), sides=sides))
-    calls = rerun.calls
-    return replace(result, drill=Drill(OP, "", part, _module_of(part, calls), (rerun,), sides))
+    module = _module_of(part, rerun.capture)
+    return replace(result, drill=Drill(OP, "", part, module, (rerun,), sides))
 
 
 # the replicas' first difference, by its phase, where no op of a step computed it
@@ -288,7 +289,7 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
     ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
     return Rerun(side, rec.path, step, seconds, report_dir, unlike, ranks[0],
-                 tuple(made[0]["calls"]), ranks, bool(eager))  # fmt: skip
+                 made[0], ranks, bool(eager))  # fmt: skip
 
 
 def _shown(path: str, here: str) -> str:
@@ -309,8 +310,10 @@ def _captures(report_dir: str, world: int) -> list[dict]:
     return found
 
 
-def _module_of(part: Part, calls) -> dict | None:
+def _module_of(part: Part, capture: dict) -> dict | None:
+    """The call of the module the part's op ran in (`how`: "around"), if any."""
     op = part.a or part.b
     if op is None or not op.module:
         return None
-    return next((c for c in calls if c["module"] == op.module), None)
+    call = next((c for c in capture["calls"] if c["module"] == op.module), None)
+    return None if call is None else {**call, "how": "around"}

@@ -34,6 +34,7 @@ import difflib
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 _TENSOR = re.compile(r"param |\w+ \[")  # how `capture.py` describes a tensor argument
@@ -194,6 +195,35 @@ def _why(op: Op, device: str) -> str:
     if device == "cuda" and op.base in _NONDETERMINISTIC_CUDA:
         return NONDETERMINISTIC
     return DIFFERS
+
+
+def boundary(a: dict, b: dict) -> dict | None:
+    """The module boundary where captures `a` and `b` (`capture.Capture.write`'s) first part:
+    the first module call to return, in A's order (matched by module and its n-th call), whose
+    output differs while its inputs matched (`how`: "forward": an inner module's before the
+    model's around it), else the first module whose output's gradient differs, in the order
+    the backward reached them ("gradient"); None if neither."""
+    theirs = {key: c for key, c in _numbered(b["calls"])}
+    parted = [c for key, c in _numbered(a["calls"]) if (d := theirs.get(key)) is not None
+              and c["inputs"] == d["inputs"] and c["outputs"] != d["outputs"]]  # fmt: skip
+    if parted:
+        return {**min(parted, key=lambda c: c.get("ended", -1)), "how": "forward"}
+    kinds = {c["module"]: c for c in a["calls"]}
+    grads = {key: g for key, g in _numbered(b.get("grads", []))}
+    for key, g in _numbered(a.get("grads", [])):
+        h = grads.get(key)
+        if h is not None and g["gradient"] != h["gradient"]:
+            call = kinds.get(g["module"], {"module": g["module"], "kind": "", "line": ""})
+            return {**call, "how": "gradient"}
+    return None
+
+
+def _numbered(records: list[dict]):
+    """(module, the n-th record of that module), record: in order."""
+    seen: Counter = Counter()
+    for r in records:
+        yield (r["module"], seen[r["module"]]), r
+        seen[r["module"]] += 1
 
 
 def _at(op: Op) -> tuple[str, str, str]:
