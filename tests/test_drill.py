@@ -95,19 +95,24 @@ class _Student(nn.Module):
         return self.head(self.drop(torch.relu(self.hidden(x))))
 
 
-def _capture_a_step(tmp_path, name, seed=0, scale=1.0):
-    """One step of a fresh model captured in-process, as a re-run's rank captures it."""
+def _capture_a_step(tmp_path, name, seed=0, scale=1.0, train=True, poke=False):
+    """One step of a fresh model captured in-process, as a re-run's rank captures it; `poke`:
+    a parameter written through numpy between the backward and the step, where the
+    dispatcher sees no op."""
     modules = Modules()
     modules.install()
     try:
         torch.manual_seed(0)
-        model = _Student()
+        model = _Student().train(train)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        memory = model.head.bias.detach().numpy()  # its memory, seen before the capture
         c = capture.Capture(str(tmp_path / name), 0, 0, modules)
         c.install()
         torch.manual_seed(seed)
         loss = model(torch.ones(4, 6)).square().mean() * scale
         loss.backward()
+        if poke:
+            memory[0] += 1.0
         c.optimizer_step(0, True)
         opt.step()
         c.optimizer_step(0, False)
@@ -310,31 +315,8 @@ def test_a_write_the_dispatcher_does_not_see_is_named_after_the_last_op_alike(tm
     """A parameter changed through numpy (no ATen op, as a C++ extension's own loop would):
     the first op that reads it is given other inputs, every op before it alike, and the
     report names the last op seen alike before the difference entered."""
-
-    def one_step(name, poke):
-        modules = Modules()
-        modules.install()
-        try:
-            torch.manual_seed(0)
-            model = _Student()
-            model.eval()  # no dropout: the steps alike but for the poke
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            memory = model.head.bias.detach().numpy()  # its memory, seen before the capture
-            c = capture.Capture(str(tmp_path / name), 0, 0, modules)
-            c.install()
-            model(torch.ones(4, 6)).sum().backward()
-            if poke:
-                memory[0] += 1.0  # a write below the dispatcher
-            c.optimizer_step(0, True)
-            opt.step()
-            c.optimizer_step(0, False)
-            with pytest.raises(SystemExit):
-                c.stepped(0, 0)
-        finally:
-            modules.remove()
-        return ops_of(json.loads((tmp_path / name / "rank0.json").read_text())["ops"])
-
-    a, b = one_step("plain", False), one_step("poked", True)
+    a = _capture_a_step(tmp_path, "plain", train=False)  # no dropout: alike but for the poke
+    b = _capture_a_step(tmp_path, "poked", train=False, poke=True)
     part = first_part(a, b)
     assert part.why == OTHER_INPUTS and part.a.phase == "optimizer" and not part.passed_value
     assert part.a.args[part.argument] == "param head.bias"
