@@ -324,3 +324,25 @@ def test_a_write_the_dispatcher_does_not_see_is_named_after_the_last_op_alike(tm
     lines = drill_lines(Drill(OP, "", part))
     assert lines[-1].startswith("DRILL: stopped at the inputs: they already differed")
     assert f"after {part.before.op} at {part.before.line}" in lines[-1]
+
+
+def test_an_op_apart_within_the_tolerance_of_a_reordered_sum_ends_the_search():
+    """Runs that sum in other orders (here other thread counts): the first op apart by no
+    more than a reordering makes is where the op-by-op search ends, said so, not a root
+    cause; one further apart is."""
+    from verify.recording.drill import _reordered
+
+    tolerant = Comparison(False, "threads per rank 2 vs 1", "from step 0", 0, (0, 3), (0, 3))
+    a = op("mm", outputs=(3,))
+    close = Op(0, "forward", "fc", "aten.mm.default", "train.py:9", (1,), ("float32 [1]",),
+               (4,), "float32 [4]", total=1.0, norm=2.0000001)  # fmt: skip
+    far = Op(0, "forward", "fc", "aten.mm.default", "train.py:9", (1,), ("float32 [1]",),
+             (4,), "float32 [4]", total=1.0, norm=2.5)  # fmt: skip
+    two, one = ({"world_size": 1, "threads": t} for t in (2, 1))
+    says = _reordered(first_part([a], [close]), two, one, tolerant)
+    assert says and "within the tolerance" in says and "over 2 and 1 threads" in says
+    assert _reordered(first_part([a], [far]), two, one, tolerant) is None
+    bitwise = Comparison(True, "same", "from step 0", 0, (0, 3), (0, 3))
+    assert _reordered(first_part([a], [close]), two, one, bitwise) is None
+    lines = drill_lines(Drill("summation order", says, first_part([a], [close])))
+    assert lines[-1].startswith("DRILL: stopped at the summation order: its outputs are apart")

@@ -15,6 +15,7 @@ from verify.recording.drill import (
     NOT_COMPUTED,
     NOTHING,
     OP,
+    REORDERED,
     REPLAY,
     SPLIT,
     UNSEEN,
@@ -57,6 +58,12 @@ def drill_lines(d: Drill) -> list[str]:
         alike = "reproduced bitwise" if r.unlike is None else "NOT reproduced"
         lines.append(f"  re-ran {r.side} ({r.recording}) to step {r.step} in {r.seconds:.1f} s: "
                      f"its recording {alike} (report: {r.report_dir})")  # fmt: skip
+    if d.rung == REORDERED:  # the op, then why the search ends at it
+        return (
+            lines
+            + _part_lines(d.part, d.module, d.sides)[:-1]
+            + [f"DRILL: stopped at the summation order: {d.says}"]
+        )
     if d.rung != OP:
         if d.module is not None:
             lines.append(_module_line(d.module))

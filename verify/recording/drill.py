@@ -34,16 +34,24 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from verify.checks import kinds as k
-from verify.recording import store
+from verify.recording import store, tolerance
 from verify.recording.capture import FOLDER
 from verify.recording.command import CompareOptions, CompareResult
 from verify.recording.departure import Comparison, NotComparable, compare_recordings
-from verify.recording.streams import Op, Part, boundary, first_divergence, first_part, ops_of
+from verify.recording.streams import (
+    DIFFERS,
+    Op,
+    Part,
+    boundary,
+    first_divergence,
+    first_part,
+    ops_of,
+)
 from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 
-NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, UNSEEN = (
+NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, REORDERED, UNSEEN = (
     "nothing to drill into", "the batch", "not computed", "split", "replay", "compiled", "op",
-    "unseen",
+    "summation order", "unseen",
 )  # fmt: skip
 _NOT_COMPUTED = {
     k.START_DEPARTS: "the runs start from other parameters (their initialization, or the "
@@ -128,7 +136,11 @@ def drill(a: store.Recording, b: store.Recording, c: Comparison, out: str) -> Dr
         return Drill(UNSEEN, "every op the dispatcher ran gave the same outputs: the difference "
                              f"was made below it (a custom kernel, a C++ extension){after}",
                      module=edge, reruns=reruns)  # fmt: skip
-    return Drill(OP, "", part, edge or _module_of(part, reruns[0].capture), reruns)
+    module = edge or _module_of(part, reruns[0].capture)
+    reordered = _reordered(part, a.meta, b.meta, c)
+    if reordered:
+        return Drill(REORDERED, reordered, part, module, reruns)
+    return Drill(OP, "", part, module, reruns)
 
 
 def drill_replicas(result):
@@ -208,11 +220,34 @@ def _not_replayed(r: Rerun, reruns: tuple[Rerun, ...]) -> Drill:
                          "never seeded): nothing is drilled", reruns=reruns)  # fmt: skip
 
 
+def _reordered(part: Part, ma: dict, mb: dict, c: Comparison) -> str | None:
+    """Runs compared within the tolerance whose first op apart gave outputs no further apart
+    than a changed summation order makes them: the op-by-op search ends there (every op
+    after it is given inputs apart in their last bits), and says where the order changed."""
+    if c.bitwise or part.why != DIFFERS or part.gap is None:
+        return None
+    limit = tolerance.eps(part.a.shape.split(" ")[0], 0)
+    if part.gap > limit:
+        return None
+    where = _order_changed(ma, mb) or c.mode_reason
+    return (f"its outputs are apart by at least {part.gap:.2g}, within the tolerance "
+            f"{limit:.2g} of a changed summation order ({where}): every op after it is given "
+            "inputs apart in their last bits, so no op further on can be said to differ from "
+            "the same inputs; drill into runs that sum in one order")  # fmt: skip
+
+
 def _agree(ma: dict, mb: dict, c: Comparison) -> str:
     """Why two runs that agree need no drill-down; within the tolerance, where the order of
     the sums changed between them."""
     if c.bitwise:
         return "B agrees with A bitwise at every compared step"
+    said = _order_changed(ma, mb) or c.mode_reason
+    return (f"B agrees with A within the tolerance of a changed summation order at every "
+            f"compared step: {said}")  # fmt: skip
+
+
+def _order_changed(ma: dict, mb: dict) -> str:
+    """Where the order of the sums changed between two runs, from their manifests."""
     where = []
     if ma.get("world_size") != mb.get("world_size"):
         where.append(f"the gradients' all-reduce sums over {ma.get('world_size')} and "
@@ -225,11 +260,7 @@ def _agree(ma: dict, mb: dict, c: Comparison) -> str:
                      f"{mb.get('threads')} threads")  # fmt: skip
     if ma.get("compiled") != mb.get("compiled"):
         where.append("torch.compile's kernels fuse ops in one run only")
-    said = "; ".join(where) or c.mode_reason
-    return (
-        f"B agrees with A within the tolerance of a changed summation order at every "
-        f"compared step: {said}"
-    )
+    return "; ".join(where)
 
 
 def _same_script(a: store.Recording, b: store.Recording) -> None:
