@@ -28,6 +28,7 @@ from verify.recording.departure import Comparison, Departure, NotComparable
 from verify.recording.drill import BATCH, NOT_COMPUTED, NOTHING, OP, SPLIT, Drill, drill
 from verify.recording.streams import (
     DIFFERS,
+    NO_SYNC,
     ONLY_ONE,
     OTHER_INPUTS,
     OTHER_OPS,
@@ -72,6 +73,19 @@ def test_two_captures_part_at_the_first_op_not_alike(a, b, why, at):
     assert part.why == why
     assert (part.a or part.b).op == f"aten.{at}.default"
     assert part.before is None or part.before.op == "aten.t.default"
+
+
+def test_ops_given_other_numbers_of_arguments_part_at_the_first_one_missing():
+    """An edit from cat([a, b]) to cat([a, b, c]): the first argument one has and the other
+    has not, said without a traceback."""
+    two = Op(0, "forward", "", "aten.cat.default", "t.py:3", (1, 2), ("float32 [2]",) * 2, (5,), "")
+    three = Op(0, "forward", "", "aten.cat.default", "t.py:3", (1, 2, 3), ("float32 [2]",) * 3,
+               (6,), "")  # fmt: skip
+    part = first_part([two], [three])
+    assert part.why == OTHER_INPUTS and part.argument == 2
+    assert "argument 2: no such argument in A, float32 [2] in B" in "\n".join(
+        drill_lines(Drill(OP, "", part))
+    )
 
 
 def test_an_op_more_in_one_module_shifts_nothing_after_it():
@@ -233,8 +247,18 @@ def test_ranks_are_searched_only_where_replicas_must_do_alike():
     assert part.why == ONLY_ONE and part.a.op == "aten.add_.default" and part.b is None
     drawn = [op("bernoulli_", inputs=(1,), outputs=(2,), module="drop")]
     other = [op("bernoulli_", inputs=(1,), outputs=(3,), module="drop")]
-    part = first_divergence(fwd + drawn, rank1_fwd + other, synced=False)
-    assert part.why == RANDOM and part.a.module == "drop"
+    part = first_divergence(fwd + drawn, rank1_fwd + other, synced=False)  # no collective
+    assert part.why == NO_SYNC and part.also.why == RANDOM and part.also.a.module == "drop"
+    assert drill_lines(Drill(OP, "", part, sides=("rank 0", "rank 1")))[-1].startswith(
+        "DRILLED TO THE STEP: nothing synchronized the ranks' gradients"
+    )
+    # with the gradients all-reduced, a mask drawn per rank before the sync is by design
+    assert (
+        first_divergence(fwd + drawn + sync + step, rank1_fwd + other + sync + step, False) is None
+    )
+    printed = [op("_local_scalar_dense", module="", phase="optimizer")]  # rank 0's own op
+    part = first_divergence(fwd + sync + printed + step, rank1_fwd + sync, True)
+    assert part.why == ONLY_ONE and part.a.op == "aten._local_scalar_dense.default"
     assert first_divergence(fwd + drawn + sync, rank1_fwd + other + sync, synced=True) is None
 
 
@@ -245,20 +269,20 @@ def drill_problems(folder: Path) -> list[str]:
     - two runs: a dropout mask drawn from a reseeded generator (named with its module and
       line), gradients jittered from the clock (refused at the replay), a copy of a
       recording (nothing to drill into, exit 0), a recording of another script (exit 2);
-    - replicas (`audit --drill`): a dropout seeded per rank where every rank trains on the
-      same batch without an all-reduce, and an SGD of the student's own that updates on
-      rank 0 only, each named at its line."""
+    - replicas (`audit --drill`): every rank on the same batch without an all-reduce and a
+      dropout seeded per rank (the step that synchronized nothing, and the mask at its
+      line), and an SGD of the student's own that updates on rank 0 only (at its line)."""
     folder.mkdir(parents=True, exist_ok=True)
     problems = []
 
     def expect(what: str, out, code: int, *says: str, last: str | None = None) -> None:
-        lines = out.stdout.splitlines()
+        verdicts = [x for x in out.stdout.splitlines() if x.startswith("DRILL")]
         if out.returncode != code:
             problems.append(f"{what}: exit {out.returncode}, not {code}: {out.stderr[-2000:]}")
         elif not all(s in out.stdout for s in says):
             problems.append(f"{what}: missing {says} in:\n{out.stdout}")
-        elif last is not None and not (lines and lines[-1].startswith(last)):
-            problems.append(f"{what}: the last line is not {last!r}:\n{out.stdout}")
+        elif last is not None and not (verdicts and verdicts[-1].startswith(last)):
+            problems.append(f"{what}: the drill-down's verdict is not {last!r}:\n{out.stdout}")
 
     for name, *flags in (("a",), ("mask", "--mask-seed", "5"), ("jitter", "--jitter")):
         _verify("audit", "--nproc", "2", "--record", name, "--", SCRIPT, *flags, cwd=folder)
@@ -281,11 +305,15 @@ def drill_problems(folder: Path) -> list[str]:
         problems.append(f"other script: exit {out.returncode}, stderr {out.stderr!r}")
     script = os.path.join(ROOT, "tests", "fixtures", "drill_replicas.py")
     mask, update = (f"drill_replicas.py:{_line_of(script, t)}" for t in ("model(x)", "p.add_("))
-    for flag, says in (("--mask-per-rank", ("  op: aten.bernoulli_.float at ", mask)),
-                       ("--rank0-update", ("  op: rank 0 ran aten.add_.Tensor at ", update))):  # fmt: skip
+    cases = (
+        ("--mask-per-rank", ("  step: no collective ran before the optimizer's step",
+                             "  besides, op: aten.bernoulli_.float at ", mask), "DRILLED TO THE STEP: "),
+        ("--rank0-update", ("  op: rank 0 ran aten.add_.Tensor at ", update), "DRILLED TO THE OP: "),
+    )  # fmt: skip
+    for flag, says, last in cases:
         out = _verify("audit", "--nproc", "2", "--drill", "--out", "runs", "--", script, flag,
                       cwd=folder)  # fmt: skip
-        expect(flag, out, 1, *says, "its recording reproduced bitwise", "DRILLED TO THE OP: ")
+        expect(flag, out, 1, *says, "its recording reproduced bitwise", last=last)
     return problems
 
 
@@ -346,3 +374,38 @@ def test_an_op_apart_within_the_tolerance_of_a_reordered_sum_ends_the_search():
     assert _reordered(first_part([a], [close]), two, one, bitwise) is None
     lines = drill_lines(Drill("summation order", says, first_part([a], [close])))
     assert lines[-1].startswith("DRILL: stopped at the summation order: its outputs are apart")
+
+
+def test_memory_empty_returned_never_reads_as_a_difference(tmp_path):
+    """A buffer from torch.empty filled half by half through views (its garbage differs
+    from run to run until written): two captures of the same step are alike."""
+
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            buf = torch.empty(4, 6)
+            buf[:, :3] = x[:, :3]
+            buf[:, 3:] = 0.0
+            return self.fc(buf)
+
+    def one(name):
+        modules = Modules()
+        modules.install()
+        try:
+            torch.manual_seed(0)
+            model = Padded()
+            garbage = torch.randn(64, 64) * (1 if name == "a" else 7)  # the allocator's memory
+            del garbage
+            c = capture.Capture(str(tmp_path / name), 0, 0, modules)
+            c.install()
+            model(torch.ones(4, 6)).sum().backward()
+            with pytest.raises(SystemExit):
+                c.stepped(0, 0)
+        finally:
+            modules.remove()
+        return ops_of(json.loads((tmp_path / name / "rank0.json").read_text())["ops"])
+
+    assert first_part(one("a"), one("b")) is None

@@ -23,11 +23,13 @@ from verify.recording.drill import (
 )
 from verify.recording.streams import (
     DIFFERS,
+    NO_SYNC,
     NONDETERMINISTIC,
     ONLY_ONE,
     OTHER_INPUTS,
     OTHER_OPS,
     RANDOM,
+    WRITTEN_BELOW,
     Part,
 )
 
@@ -68,7 +70,21 @@ def drill_lines(d: Drill) -> list[str]:
         if d.module is not None:
             lines.append(_module_line(d.module))
         return lines + [f"DRILL: stopped {_STOPPED[d.rung]}: {d.says}"]
+    if d.part.why == NO_SYNC:
+        return lines + _unsynced(d.part, d.module, d.sides)
     return lines + _part_lines(d.part, d.module, d.sides)
+
+
+def _unsynced(p: Part, module: dict | None, sides) -> list[str]:
+    """Two ranks whose gradients differ in a step that ran no collective: that first, then
+    where else their ops part, if anywhere."""
+    lines = [f"  step: no collective ran before the optimizer's step, on {' or '.join(sides)}"]
+    if p.also is not None:
+        also = _part_lines(p.also, None, sides)[:-1]
+        lines += [f"  besides, {x.strip()}" for x in also]
+    return lines + ["DRILLED TO THE STEP: nothing synchronized the ranks' gradients in this step "
+                    "(an all-reduce left out or skipped, no_sync() around the step's last "
+                    "micro-step, a model not wrapped in DDP)"]  # fmt: skip
 
 
 def _part_lines(p: Part, module: dict | None, sides=("A", "B")) -> list[str]:
@@ -89,7 +105,7 @@ def _part_lines(p: Part, module: dict | None, sides=("A", "B")) -> list[str]:
                         "branch taken, a kernel fused)"]  # fmt: skip
     if p.why == OTHER_INPUTS:
         i = p.argument
-        given = f"argument {i}: {p.a.args[i]} in {sides[0]}, {p.b.args[i]} in {sides[1]}"
+        given = f"argument {i}: {p.a.arg(i)} in {sides[0]}, {p.b.arg(i)} in {sides[1]}"
         after = (f"after {p.before.op} at {p.before.line}, the last op alike" if p.before
                  else "before the step's first op")  # fmt: skip
         lines.append(f"  op: {at}: given other inputs ({given})")
@@ -101,22 +117,26 @@ def _part_lines(p: Part, module: dict | None, sides=("A", "B")) -> list[str]:
         return lines + [f"DRILL: stopped at the inputs: they already differed, and no op "
                         f"before made the difference: it entered {after}, where the "
                         "dispatcher sees no op (the batch, a parameter set outside the step, a "
-                        "collective issued from C++, a custom kernel)"]  # fmt: skip
+                        "kernel of a C++ extension)"]  # fmt: skip
     gap = p.gap
     by = f" (by at least {gap:.2g} relative)" if gap else ""
     same = "the same inputs" if sides == ("A", "B") else f"the same inputs on {' and '.join(sides)}"
     lines.append(f"  op: {at}: {same}, other outputs{by}")
-    return lines + [f"DRILLED TO THE OP: {_WHY[p.why]}"]
+    return lines + [_WHY[p.why]]
 
 
 _WHY = {
-    DIFFERS: "the first op whose output differs while its inputs matched: the root cause",
-    RANDOM: "the first op whose output differs while its inputs matched draws from a random "
-            "generator: the generators' states differ (seeded otherwise, or drawn from more or "
-            "less before)",
-    NONDETERMINISTIC: "the first op whose output differs while its inputs matched is one "
-                      "PyTorch documents as non-deterministic on this device "
+    DIFFERS: "DRILLED TO THE OP: the first op whose output differs while its inputs matched: "
+             "the root cause",
+    RANDOM: "DRILLED TO THE OP: the first op whose output differs while its inputs matched "
+            "draws from a random generator: the generators' states differ (seeded otherwise, "
+            "or drawn from more or less before)",
+    NONDETERMINISTIC: "DRILLED TO THE OP: the first op whose output differs while its inputs "
+                      "matched is one PyTorch documents as non-deterministic on this device "
                       "(torch.use_deterministic_algorithms)",
+    WRITTEN_BELOW: "DRILL: stopped at the inputs: the op read memory that `empty` returned and "
+                   "no op the dispatcher saw wrote (a kernel of a C++ extension, a custom CUDA "
+                   "kernel): the difference entered there",
 }  # fmt: skip
 
 

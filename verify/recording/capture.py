@@ -1,16 +1,17 @@
 """The drill-down's capture inside a rank (`compare --drill`, `drill.py`; docs/compare.md,
 "The drill-down"): one optimizer step of a re-run, op by op.
 
-The step is named by `DRILL_ENV` (`<optimizer index>:<step>`). From the first forward of a
-module after the step before it (from the script's first forward, for step 0) until that
-step has been taken, every ATen op the dispatcher runs for the script is one `OpRecord`
-(a `TorchDispatchMode`, which sees the forward, the backward, the optimizer's update and
-the script's own tensor code, but not what runs below the dispatcher: a custom CUDA kernel,
-a C++ extension's own loops, DDP's all-reduce, issued from C++):
+The step is named by `DRILL_ENV` (`<optimizer index>:<step>`). From the end of the step
+before it (from the script's first line, for step 0) until that step has been taken, every
+ATen op the dispatcher runs for the script is one `OpRecord` (a `TorchDispatchMode`, which
+sees the data's preparation, the forward, the backward, DDP's collectives and its reducer's
+copies, the optimizer's update and the script's own tensor code, but not what runs below
+the dispatcher: a custom CUDA kernel, a C++ extension's own loops):
 
 - where it ran: its phase (forward, backward, optimizer), the innermost module whose forward
   it ran in, by qualified name (the one the audit names tensors by, `naming.strip`), or in
-  whose backward (the module whose output's gradient arrived last), and the script's source
+  whose backward (the module whose output's gradient arrived last in this backward: a
+  parent's own ops between two children read as the child's), and the script's source
   line (the first frame of the Python stack that is neither torch's, the tool's, the
   standard library's nor an installed package's: a Lightning module's line, not
   Lightning's);
@@ -18,26 +19,33 @@ a C++ extension's own loops, DDP's all-reduce, issued from C++):
   the op runs (an in-place op's input as it was) and of every tensor it returned after, and
   of every other argument its exact text; of its first floating output, the sum and norm
   (float64), from which two runs' outputs are known to be apart by at least so much.
+  Memory `empty` returned reads as "unwritten" (its dtype and shape, not its garbage) until
+  ops have written all of its bytes; a collective's output is not read at its op (its
+  backend writes it later, on its own thread).
 
 Ops issued by the tool itself (the audit, the recorder, the batch's fingerprints) have a frame
 of the tool's above the op and are not recorded, nor are the capture's own fingerprints (the
 mode is off inside its handler). Each module's forward adds a `ModuleCall` (its inputs' and
 outputs' fingerprints), and the gradient of its output, as the backward brings it, a
-record of its fingerprint: the module boundaries the drill-down looks at before the ops. Once the step is taken, each rank writes its records to
+record of its fingerprint: the module boundaries the drill-down looks at before the ops. An
+error of the capture's own stops it (`broken`, in its file) and never reaches the script.
+Once the step is taken, each rank writes its records to
 `<report folder>/drill/rank<r>.json` and the script ends there, as a `sys.exit(0)` would
 (`SystemExit`): the re-run goes no further than the step drilled into, and the recording
 (the replay check's evidence, `drill.py`) is written as at any end of the script.
 
-Nothing here runs before the step before the one drilled into, beyond a check per optimizer
-step: the steps before cost what the plain re-run costs.
+Nothing here runs before the end of the step before the one drilled into, beyond a check per
+optimizer step: the steps before cost what the plain re-run costs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import sysconfig
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
@@ -55,13 +63,14 @@ FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _EXACT = (int, float, bool, complex, str, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)  # fmt: skip
 FOLDER = "drill"  # <report folder>/drill/rank<r>.json
-_UNWRITTEN = "_ddp_verify_unwritten"  # on a tensor `empty` made and no op has written yet
-_UNWRITTEN_MARK = text_bits("unwritten")
+# the namespaces of collectives, whose output is written later, on the backend's own thread
+_ASYNC = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                     "empty_permuted"})  # fmt: skip
 _NAMED = "_ddp_verify_backward_of"  # on a module's output: the module its gradient names
 _NOT_THE_SCRIPTS = tuple(
-    {os.path.dirname(torch.__file__), os.path.dirname(verify.__file__)}
+    os.path.join(p, "")  # a folder, not a prefix of a name: verify/ is not verify_demo.py
+    for p in {os.path.dirname(torch.__file__), os.path.dirname(verify.__file__)}
     | {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
 
@@ -113,26 +122,29 @@ class Capture:
         self.calls: list[ModuleCall] = []
         self.grads: list[dict] = []  # each module output's gradient as it arrived (backward)
         self.paused = 0  # > 0 while the tool's own code runs (the audit's `_guard`)
-        self.waiting = False  # for the first forward of the captured step
         self.live = False  # the mode is on
+        self.broken: str | None = None  # why the capture stopped early (its own error)
+        # storages `empty` returned -> their bytes no op has written yet
+        self._unwritten: dict[int, int] = {}
         self.stepping = False  # inside the optimizer's step() (its update's ops)
         self.backward_of = ""  # the module whose output's gradient arrived last
         self._names: dict[int, str] = {}
         self._stack: list[str] = []
         self._ended = 0
+        self._task = -1  # the backward `backward_of` was named in
         self._handles: list = []
         self._mode = _Ops(self)
 
     def install(self) -> None:
-        if self.step == 0:
-            self._wait()
+        if self.step == 0:  # from the script's first line
+            self._arm()
 
     def remove(self) -> None:
         self._stop()
 
     def optimizer_step(self, index: int, begins: bool) -> None:
         """The script's outermost `step()` of optimizer `index` begins or has ended."""
-        if index == self.index and self.live:
+        if index == self.index:
             self.stepping = begins
 
     def stepped(self, index: int, step: int) -> None:
@@ -141,18 +153,21 @@ class Capture:
         if index != self.index:
             return
         if step == self.step - 1:
-            self._wait()
+            self._arm()
         elif step == self.step:
             self._stop()
             self.write()
             raise SystemExit(0)
 
-    def _wait(self) -> None:
-        self.waiting = True
+    def _arm(self) -> None:
+        """From here to the captured step's end, every op (the data's preparation too)."""
+        self._names = self.modules.module_names()
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._pre),
-            nn_module.register_module_forward_hook(self._post),
+            nn_module.register_module_forward_hook(self._post, with_kwargs=True),
         ]
+        self._mode.__enter__()
+        self.live = True
 
     def _stop(self) -> None:
         if self.live:
@@ -163,54 +178,65 @@ class Capture:
         self._handles = []
 
     def _pre(self, module, args) -> None:
-        if self.paused:
+        if self.paused or self.broken:
             return
-        if self.waiting:  # the captured step's first forward
-            self.waiting = False
-            self._names = self.modules.module_names()
-            self._mode.__enter__()
-            self.live = True
-        name = self._names.get(id(module), type(module).__name__)
+        name = self._name(module)
         self._stack.append(name)
-        self.paused += 1
-        try:
-            line = script_line(sys._getframe(1))
+        with self._own():
+            line = script_line(sys._getframe(1)) or ""
             self.calls.append(ModuleCall(name, type(module).__name__, line, self.seen(args)[0], []))
-        finally:
-            self.paused -= 1
 
-    def _post(self, module, args, output) -> None:
-        if self.paused or not self._stack:
+    def _post(self, module, args, kwargs, output) -> None:
+        if self.paused or self.broken or not self._stack:
             return
         name = self._stack.pop()
         call = next((c for c in reversed(self.calls) if c.module == name and not c.outputs), None)
-        self.paused += 1
-        try:
-            if call is not None:
+        with self._own():
+            if call is not None:  # the keyword arguments too (read here, where hooks get them)
+                call.inputs += self.seen(kwargs)[0]
                 call.outputs = self.seen(output)[0] or [0]
                 call.ended, self._ended = self._ended, self._ended + 1
             for t in pytree.tree_leaves(output):  # an inner module's output may be its
                 if isinstance(t, torch.Tensor) and t.requires_grad and not hasattr(t, _NAMED):
                     setattr(t, _NAMED, name)  # parent's too: the inner module's backward runs
                     t.register_hook(self._gradient_of(name))  # first
-        finally:
-            self.paused -= 1
 
     def _gradient_of(self, name: str):
         def arrived(grad):
-            self.backward_of = name
-            self.paused += 1
-            try:
+            self.backward_of, self._task = name, torch._C._current_graph_task_id()
+            with self._own():
                 self.grads.append({"module": name, "gradient": self.seen(grad)[0]})
-            finally:
-                self.paused -= 1
 
         return arrived
 
+    def _name(self, module) -> str:
+        if id(module) not in self._names:  # built or wrapped since the capture began
+            self._names = self.modules.module_names()
+        return self._names.get(id(module), type(module).__name__)
+
+    @contextlib.contextmanager
+    def _own(self):
+        """The capture's own work: its ops not recorded, its errors never the script's (the
+        capture stops, saying why, and the script runs on)."""
+        self.paused += 1
+        try:
+            yield
+        except Exception as exc:
+            self.fail(exc)
+        finally:
+            self.paused -= 1
+
+    def fail(self, exc: Exception) -> None:
+        if self.broken is None:
+            frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+            where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})" if frame else ""
+            self.broken = f"{type(exc).__name__}: {exc}{where}"
+
     def phase(self) -> tuple[str, str]:
         """(phase, module) of the op running now."""
-        if torch._C._current_graph_task_id() != -1:
-            return BACKWARD, self.backward_of
+        task = torch._C._current_graph_task_id()
+        if task != -1:  # a module named in an earlier backward is not this one's
+            return BACKWARD, self.backward_of if task == self._task else ""
         if self._stack:
             return FORWARD, self._stack[-1]
         return (OPTIMIZER if self.stepping else FORWARD), ""
@@ -219,12 +245,15 @@ class Capture:
         """(a fingerprint per leaf of `tree`, what each leaf is, its plain tensors)."""
         leaves = pytree.tree_leaves(tree)
         tensors = [x for x in leaves if _plain(x)]
-        written = [x for x in tensors if not hasattr(x, _UNWRITTEN)]
+        written = [x for x in tensors if _storage(x) not in self._unwritten]
         prints = dict(zip(map(id, written), fingerprints(written))) if written else {}
         marks, what = [], []
         for x in leaves:
-            if _plain(x):
-                marks.append(prints.get(id(x), _UNWRITTEN_MARK))
+            if _plain(x) and id(x) not in prints:  # memory as `empty` left it: its bits vary
+                marks.append(text_bits(f"unwritten {_shape(x)}"))
+                what.append(f"unwritten {_shape(x)}")
+            elif _plain(x):
+                marks.append(prints[id(x)])
                 name = self.modules.name_of(x) if isinstance(x, torch.nn.Parameter) else None
                 what.append(f"param {name}" if name else _shape(x))
             else:
@@ -233,13 +262,53 @@ class Capture:
                 what.append(text[:40])
         return marks, what, tensors
 
+    def record(self, func, line: str, inputs, args, kwargs, out) -> None:
+        """One op's record (module docstring), its inputs read before it ran."""
+        self._note_writes(func, args, kwargs, out)
+        # a collective's output is written later, by its backend's thread: not read here
+        unread = func.namespace in _ASYNC
+        outputs, _, tensors = ([], [], []) if unread else self.seen(out)
+        phase, module = self.phase()
+        rec = OpRecord(phase, module, str(func), line, inputs[0], inputs[1], outputs,
+                       _shape(tensors[0]) if tensors else "")  # fmt: skip
+        floating = next((t for t in tensors if t.is_floating_point() and t.numel()), None)
+        if floating is not None:  # summed in float64, never copied to it
+            rec.total = float(floating.detach().sum(dtype=torch.float64))
+            rec.norm = float(torch.linalg.vector_norm(floating.detach(), dtype=torch.float64))
+        self.ops.append(rec)
+
+    def _note_writes(self, func, args, kwargs, out) -> None:
+        """`empty` and its kin return memory as it was (garbage, whose bits differ from run
+        to run): its storage reads as unwritten until an op the schema says writes it (an
+        in-place op, an `out=`) or a fresh result is allocated in it. A view of it reads as
+        unwritten too, and the storage is cleared by a write through the view."""
+        fresh = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func._opname in _EMPTY:
+            self._unwritten.update((_storage(t), _nbytes(t)) for t in fresh)
+            return
+        schema = func._schema
+        if all(r.alias_info is None for r in schema.returns):  # new memory, written
+            for t in fresh:
+                self._unwritten.pop(_storage(t), None)
+        named = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        for a in schema.arguments:  # the bytes an op writes, through views too
+            if a.alias_info is not None and a.alias_info.is_write and a.name in named:
+                for t in pytree.tree_leaves(named[a.name]):
+                    key = _storage(t) if isinstance(t, torch.Tensor) else None
+                    if key in self._unwritten:
+                        left = self._unwritten[key] - t.numel() * t.element_size()
+                        if left > 0:
+                            self._unwritten[key] = left
+                        else:
+                            del self._unwritten[key]
+
     def write(self) -> None:
         os.makedirs(self.folder, exist_ok=True)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         body = {
             "index": self.index, "step": self.step, "rank": rank,
             "ops": [asdict(o) for o in self.ops], "calls": [asdict(c) for c in self.calls],
-            "grads": self.grads,
+            "grads": self.grads, "broken": self.broken,
         }  # fmt: skip
         tmp = os.path.join(self.folder, f"rank{rank}.json.tmp")
         with open(tmp, "w") as f:
@@ -258,37 +327,16 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.capture
-        line = None if c.paused or func.namespace == "profiler" else script_line(sys._getframe(1))
-        if line is None:  # the tool's own op, or the profiler's mark
-            return func(*args, **kwargs)
-        inputs, what, _ = c.seen((args, kwargs))
-        out = func(*args, **kwargs)
-        _note_writes(out, func)
-        # a collective's output is written later, by its backend's thread: not read here
-        outputs, _, tensors = c.seen(out) if func.namespace != "c10d" else ([], [], [])
-        phase, module = c.phase()
-        record = OpRecord(phase, module, str(func), line, inputs, what, outputs,
-                          _shape(tensors[0]) if tensors else "")  # fmt: skip
-        floating = next((t for t in tensors if t.is_floating_point() and t.numel()), None)
-        if floating is not None:
-            wide = floating.detach().double()
-            record.total, record.norm = float(wide.sum()), float(wide.norm())
-        c.ops.append(record)
+        line = inputs = None
+        if not (c.paused or c.broken or func.namespace == "profiler"):
+            with c._own():
+                line = script_line(sys._getframe(1))  # None: the tool's own op
+                inputs = c.seen((args, kwargs)) if line is not None else None
+        out = func(*args, **kwargs)  # the script's op: what it raises is the script's
+        if inputs is not None:
+            with c._own():
+                c.record(func, line, inputs, args, kwargs, out)
         return out
-
-
-def _note_writes(out, func) -> None:
-    """`empty` and its kin return memory as it was (garbage, whose bits differ from run to
-    run): such a tensor reads as unwritten (`_UNWRITTEN_MARK`) until an op writes it (returns
-    it: an in-place op, an `out=`)."""
-    unwritten = func._opname in _EMPTY
-    for t in pytree.tree_leaves(out):
-        if not isinstance(t, torch.Tensor):
-            continue
-        if unwritten:
-            setattr(t, _UNWRITTEN, True)
-        elif hasattr(t, _UNWRITTEN):
-            delattr(t, _UNWRITTEN)
 
 
 def script_line(frame) -> str | None:
@@ -296,7 +344,7 @@ def script_line(frame) -> str | None:
     torch, the standard library or an installed package, nor a wrapper the tool put in
     torch's place (`patching.WRAPPERS`: a pass-through); None when a frame of the tool's
     comes first (an op the tool issued, not the script)."""
-    here = os.path.dirname(verify.__file__)
+    here = os.path.join(os.path.dirname(verify.__file__), "")
     while frame is not None:
         name = frame.f_code.co_filename
         if frame.f_code not in WRAPPERS:
@@ -311,6 +359,20 @@ def script_line(frame) -> str | None:
 def _relative(path: str) -> str:
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+        return 0
 
 
 def _plain(x) -> bool:

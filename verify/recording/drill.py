@@ -76,6 +76,7 @@ class Rerun:
     capture: dict | None = None  # rank 0's capture, as written (`capture.Capture.write`)
     ranks: tuple[tuple[Op, ...], ...] = ()  # every rank's capture, in rank order
     eager: bool = False  # a compiled run, re-run with torch.compile turned off
+    failed: bool = False  # the re-run, or its capture, ended before the step was captured
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,7 @@ def drill_replicas(result):
         why = "the run failed (above)" if own.run.failure else "the replicas agree (above)"
         return replace(result, drill=Drill(NOTHING, why))
     f = faults[0]
-    said = next((w for p, w in _REPLICAS_NOT_COMPUTED.items() if f.phase == p.format(step=f.step)),
-                None)  # fmt: skip
+    said = next((w for p, w in _REPLICAS_NOT_COMPUTED.items() if _is(f, p)), None)
     if said is not None:
         return replace(result, drill=Drill(NOT_COMPUTED, said))
     rec = store.read(result.recording)
@@ -165,7 +165,7 @@ def drill_replicas(result):
     if rerun.unlike:
         return replace(result, drill=_not_replayed(rerun, (rerun,)))
     other = next((r for r in f.ranks if r != 0), 1)
-    synced = f.phase != GRADS.format(step=f.step)  # the gradients agreed: a collective ran
+    synced = not _is(f, GRADS)  # the gradients agreed: a collective ran
     part = first_divergence(list(rerun.ranks[0]), list(rerun.ranks[other]), synced,
                             rec.meta.get("device", "cpu"))  # fmt: skip
     sides = ("rank 0", f"rank {other}")
@@ -195,7 +195,7 @@ def _compiled(r: Rerun, reruns: tuple[Rerun, ...], recs, c: Comparison) -> Drill
     does: the eager re-run against the other run's recording. Alike, the departure is
     torch.compile's; else the eager runs depart too, and are the runs to drill."""
     other = reruns[1] if r is reruns[0] else reruns[0]
-    if not r.eager or other.unlike or other.eager:
+    if not r.eager or r.failed or other.unlike or other.eager:
         return None
     mine = store.read(os.path.join(r.report_dir, "recording"))
     a, b = (recs[0], mine) if r is reruns[1] else (mine, recs[1])
@@ -213,7 +213,15 @@ def _compiled(r: Rerun, reruns: tuple[Rerun, ...], recs, c: Comparison) -> Drill
                  reruns=reruns)  # fmt: skip
 
 
+def _is(finding, phase: str) -> bool:
+    """The finding is at `phase` (a label of `script_audit/phases.py`, kept unformatted)."""
+    return finding.phase in (phase, phase.format(step=finding.step))
+
+
 def _not_replayed(r: Rerun, reruns: tuple[Rerun, ...]) -> Drill:
+    if r.failed:
+        return Drill(REPLAY, f"the re-run of {r.side} did not capture its step: {r.unlike}: "
+                             "nothing is drilled", reruns=reruns)  # fmt: skip
     return Drill(REPLAY, f"the re-run of {r.side} does not reproduce its recording: "
                          f"{r.unlike}; the script is not deterministic on this machine (it may "
                          "read the clock, the network, a file that changed, or a generator it "
@@ -298,6 +306,7 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
 
     m, here = rec.meta, os.getcwd()
     start, eager = time.monotonic(), ":eager" if m.get("compiled") else ""
+    _runnable(rec)
     os.chdir(m.get("cwd") or here)
     try:
         options = AuditOptions(
@@ -311,16 +320,32 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     seconds = time.monotonic() - start
     report_dir = _shown(result.report_dir, here)
     made = _captures(result.report_dir, m["world_size"])
-    if not made or result.recording is None:
-        why = result.audit_result.run.failure or "it did not reach that step"
-        return Rerun(side, rec.path, step, seconds, report_dir, f"it failed: {why}")
+    broken = next((c["broken"] for c in made if c.get("broken")), None)
+    if not made or result.recording is None or broken:
+        why = (f"its capture stopped: {broken}" if broken else
+               f"it failed: {result.audit_result.run.failure or 'it did not reach that step'}")  # fmt: skip
+        return Rerun(side, rec.path, step, seconds, report_dir, why, failed=True)
     kept = os.path.join(result.report_dir, "recording")  # the evidence, in its run folder
     shutil.move(result.recording, kept)
     c = compare_recordings(rec, store.read(kept), align_step=0)
     unlike = None if not c.departs else f"{c.first.name}, {c.first.phase}: {c.first.what}"
+    if unlike is None and not c.bitwise:  # alike within a tolerance is not a replay
+        unlike = f"it sums in another order ({c.mode_reason}), so it cannot be alike bitwise"
     ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
     return Rerun(side, rec.path, step, seconds, report_dir, unlike, ranks[0],
                  made[0], ranks, bool(eager))  # fmt: skip
+
+
+def _runnable(rec: store.Recording) -> None:
+    """A recording a drill-down can run again as it was run (one line, exit 2, otherwise)."""
+    m = rec.meta
+    if m.get("launched"):
+        raise ValueError(f"{rec.path} was recorded under a launcher (audit -- torchrun ...): a "
+                         "drill-down runs the script again under --nproc; record it with "
+                         "audit --nproc N --record DIR -- train.py ARGS")  # fmt: skip
+    if m.get("cwd") and not os.path.isdir(m["cwd"]):
+        raise ValueError(f"{rec.path} was recorded in {m['cwd']}, which is not a folder here: "
+                         "a drill-down runs the script again where it ran")  # fmt: skip
 
 
 def _shown(path: str, here: str) -> str:

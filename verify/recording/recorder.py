@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verify.launching.env import RECORD_ENV
+from verify.launching.env import LAUNCHED_ENV, RECORD_ENV
 from verify.recording import batch, shares, store
 from verify.recording.loss import LossTap
 from verify.recording.precision import AutocastTap
@@ -85,6 +85,7 @@ class Recorder:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
+        self.cwd = os.getcwd()  # where the script started (a script may chdir later)
         self.autocast = AutocastTap()
         self.tap = LossTap(on_backward=self.autocast.seen_at_backward)
         self.batches = batch.BatchTap()
@@ -283,7 +284,8 @@ class Recorder:
                 self.optimizer_types.get(i, self.optimizers[i]) for i in sorted(self.optimizers)
             ],
             "argv": list(sys.argv),
-            "cwd": os.getcwd(),  # where a drill-down re-runs the script (`drill.py`)
+            "cwd": self.cwd,  # where a drill-down re-runs the script (`drill.py`)
+            "launched": bool(os.environ.get(LAUNCHED_ENV)),  # under the user's launcher
             "stopped": self.stopped,
             "batches": {"dropped": self.batches_dropped, "stopped": self.batches.failed},
         }

@@ -9,9 +9,11 @@ part, and says why:
 - `OTHER_OPS`, `ONLY_ONE`: the two ran other ops there (other code: a refactor, a fused
   kernel, a branch one rank takes), or one ran an op the other did not;
 - `OTHER_INPUTS`: the op was given other inputs, while every op before it gave the same outputs:
-  the difference entered where no op the dispatcher ran made it (the batch, a parameter, a
-  collective issued from C++ such as DDP's all-reduce, a custom kernel), after the last op
-  seen, which the report names;
+  the difference entered where no op the dispatcher ran made it (the batch, a parameter set
+  outside the step, a kernel of a C++ extension), after the last op seen, which the report
+  names; or the script passed the op another Python value (`passed_value`);
+- `WRITTEN_BELOW`: the same inputs, other outputs, but an input is memory `empty` returned
+  that no op the dispatcher saw wrote: a kernel below it filled it;
 - `RANDOM`: the same inputs, other outputs, from an op that draws from a random generator:
   the generators' states differ;
 - `NONDETERMINISTIC`: the same inputs, other outputs, from an op PyTorch documents as
@@ -24,8 +26,10 @@ last op seen.
 
 Two ranks of one run (`first_divergence`) are searched for what replicas must do alike
 only: their forward and backward compute from each rank's own batch, so an op counts when
-both ranks ran it from the same inputs; after a gradient synchronization, only what follows
-it. Pure logic over the records: tested on hand-made captures in milliseconds.
+both ranks ran it from the same inputs; only what follows the step's last collective before
+the optimizer's step; and when their gradients differ in a step that ran no collective,
+that first (`NO_SYNC`), with where else they part beside it. Pure logic over the records:
+tested on hand-made captures in milliseconds.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-_TENSOR = re.compile(r"param |\w+ \[")  # how `capture.py` describes a tensor argument
+_TENSOR = re.compile(r"param |unwritten |\w+ \[")  # how `capture.py` describes a tensor argument
 OPTIMIZER = "optimizer"  # `capture.OPTIMIZER` (this module reads records, not torch)
 OTHER_OPS, ONLY_ONE, OTHER_INPUTS = "other ops", "only one", "inputs"
 RANDOM, NONDETERMINISTIC, DIFFERS, UNSEEN = "random", "nondeterministic", "differs", "unseen"
+NO_SYNC = "no collective"  # two ranks whose gradients differ, in a step that ran no collective
+WRITTEN_BELOW = "written below"  # the same inputs but memory `empty` gave, written unseen
 
 # ops that draw from a random generator (their base names)
 _RANDOM = frozenset({"bernoulli", "native_dropout", "_fused_dropout", "rand", "randn",
@@ -77,6 +83,10 @@ class Op:
     total: float | None = None
     norm: float | None = None
 
+    def arg(self, i: int) -> str:
+        """What argument `i` is (`capture.py`'s description), or that there is none."""
+        return self.args[i] if 0 <= i < len(self.args) else "no such argument"
+
     @property
     def base(self) -> str:
         """ "aten.native_dropout.default" -> "native_dropout"; an in-place op's `_` dropped."""
@@ -95,12 +105,13 @@ class Part:
     before: Op | None  # the last op seen alike before it
     argument: int | None = None  # OTHER_INPUTS: the first argument that differs
     compared: int = 0  # ops compared alike before it
+    also: Part | None = None  # NO_SYNC: where the ranks part besides, if anywhere
 
     @property
     def passed_value(self) -> bool:
         """OTHER_INPUTS: the argument that differs is a Python value the script passed (a
         scale, an lr), not a tensor."""
-        return self.argument is not None and not _TENSOR.match(self.a.args[self.argument])
+        return self.argument is not None and not _TENSOR.match(self.a.arg(self.argument))
 
     @property
     def gap(self) -> float | None:
@@ -142,8 +153,8 @@ def first_part(a: list[Op], b: list[Op], device: str = "cpu") -> Part | None:
             return Part(why, x, y, before, compared=compared)
         for x, y in zip(a[i1:i2], b[j1:j2]):
             if x.inputs != y.inputs:
-                first = next(i for i, (p, q) in enumerate(zip(x.inputs, y.inputs)) if p != q)
-                return Part(OTHER_INPUTS, x, y, before, argument=first, compared=compared)
+                return Part(OTHER_INPUTS, x, y, before, argument=_first_apart(x, y),
+                            compared=compared)  # fmt: skip
             if x.outputs != y.outputs:
                 return Part(_why(x, device), x, y, before, compared=compared)
             before, compared = x, compared + 1
@@ -157,7 +168,11 @@ def first_divergence(a: list[Op], b: list[Op], synced: bool, device: str = "cpu"
     optimizer's step or writing a parameter (elsewhere one rank's logging or evaluation runs
     ops alone). `synced`: the ranks' gradients agreed, so a collective made them so: only
     what follows the step's last collective before the optimizer's step is searched."""
-    a, b = (ops[_after_sync(ops) if synced else 0 :] for ops in (a, b))
+    starts = [_after_sync(ops) for ops in (a, b)]
+    if not synced and starts == [0, 0]:  # the gradients differ and no collective ran
+        found = first_divergence(a, b, True, device)  # (what else parts, said beside it)
+        return Part(NO_SYNC, a[0] if a else None, b[0] if b else None, None, also=found)
+    a, b = (ops[start:] for ops, start in zip((a, b), starts))
     where = difflib.SequenceMatcher(None, [_at(x) for x in a], [_at(y) for y in b], autojunk=False)
     before = None
     for tag, i1, i2, j1, j2 in where.get_opcodes():
@@ -165,9 +180,7 @@ def first_divergence(a: list[Op], b: list[Op], synced: bool, device: str = "cpu"
             alone = [(x, None) for x in a[i1:i2]] + [(None, y) for y in b[j1:j2]]
             hit = next(((x, y) for x, y in alone if _must_match(x or y)), None)
             if hit is not None:
-                pair = (a[i1], b[j1]) if tag == "replace" and i1 < i2 and j1 < j2 else hit
-                why = OTHER_OPS if None not in pair else ONLY_ONE
-                return Part(why, *pair, before)
+                return Part(ONLY_ONE, *hit, before)
             continue
         for x, y in zip(a[i1:i2], b[j1:j2]):
             if x.inputs == y.inputs and x.outputs != y.outputs:
@@ -175,6 +188,13 @@ def first_divergence(a: list[Op], b: list[Op], synced: bool, device: str = "cpu"
             if x.inputs == y.inputs:
                 before = x
     return None
+
+
+def _first_apart(x: Op, y: Op) -> int:
+    """The first argument of two matched ops that differs (a count that differs: the first
+    argument one has and the other has not)."""
+    apart = (i for i, (p, q) in enumerate(zip(x.inputs, y.inputs)) if p != q)
+    return next(apart, min(len(x.inputs), len(y.inputs)))
 
 
 def _after_sync(ops: list[Op]) -> int:
@@ -192,6 +212,8 @@ def _must_match(op: Op) -> bool:
 def _why(op: Op, device: str) -> str:
     if op.base in _RANDOM:
         return RANDOM
+    if any(a.startswith("unwritten ") for a in op.args):  # filled where no op was seen
+        return WRITTEN_BELOW
     if device == "cuda" and op.base in _NONDETERMINISTIC_CUDA:
         return NONDETERMINISTIC
     return DIFFERS

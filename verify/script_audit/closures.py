@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 
+from verify.patching import WRAPPERS
+
 
 class Deferred:
     """An audit point waiting for the closure of the step in progress (module docstring)."""
@@ -72,6 +74,8 @@ def defer(args: tuple, kwargs: dict, audit: Callable[[], None]) -> tuple | None:
         out = closure(*a, **kw)
         deferred.run()
         return out
+
+    WRAPPERS.add(audited_closure.__code__)  # a pass-through to the script's closure
 
     if "closure" in kwargs:
         kwargs = {**kwargs, "closure": audited_closure}
