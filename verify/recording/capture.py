@@ -57,6 +57,7 @@ import verify
 from verify.launching.env import DRILL_ENV
 from verify.patching import WRAPPERS
 from verify.replica_audit.fingerprint import fingerprints, text_bits
+from verify.watching.stacks import relpath
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 # arguments whose text is their value (others, such as a process group, by their type)
@@ -351,14 +352,9 @@ def script_line(frame) -> str | None:
             if name.startswith(here):
                 return None
             if not name.startswith(_NOT_THE_SCRIPTS) and not name.startswith("<"):
-                return f"{_relative(name)}:{frame.f_lineno}"
+                return f"{relpath(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
-
-
-def _relative(path: str) -> str:
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -48,6 +48,7 @@ from verify.recording.streams import (
     ops_of,
 )
 from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
+from verify.watching.stacks import relpath
 
 NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, REORDERED, UNSEEN = (
     "nothing to drill into", "the batch", "not computed", "split", "replay", "compiled", "op",
@@ -72,11 +73,15 @@ class Rerun:
     seconds: float
     report_dir: str
     unlike: str | None = None  # where the re-run departs from its own recording; None: alike
-    ops: tuple[Op, ...] = ()  # rank 0's capture
     capture: dict | None = None  # rank 0's capture, as written (`capture.Capture.write`)
     ranks: tuple[tuple[Op, ...], ...] = ()  # every rank's capture, in rank order
     eager: bool = False  # a compiled run, re-run with torch.compile turned off
     failed: bool = False  # the re-run, or its capture, ended before the step was captured
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """Rank 0's capture."""
+        return self.ranks[0] if self.ranks else ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Drill:
     def to_dict(self) -> dict:
         out = asdict(self)
         for r in out["reruns"]:
-            r.pop("ops"), r.pop("capture"), r.pop("ranks")
+            r.pop("capture"), r.pop("ranks")
         return out
 
 
@@ -257,12 +262,11 @@ def _agree(ma: dict, mb: dict, c: Comparison) -> str:
 def _order_changed(ma: dict, mb: dict) -> str:
     """Where the order of the sums changed between two runs, from their manifests."""
     where = []
-    if ma.get("world_size") != mb.get("world_size"):
-        where.append(f"the gradients' all-reduce sums over {ma.get('world_size')} and "
-                     f"{mb.get('world_size')} ranks")  # fmt: skip
-    micro = [max(m.get("micro_steps") or [1]) for m in (ma, mb)]
-    if micro[0] != micro[1]:
-        where.append(f"each step's batch is split into {micro[0]} and {micro[1]} micro-steps")
+    (world_a, micro_a), (world_b, micro_b) = _split_of(ma), _split_of(mb)
+    if world_a != world_b:
+        where.append(f"the gradients' all-reduce sums over {world_a} and {world_b} ranks")
+    if micro_a != micro_b:
+        where.append(f"each step's batch is split into {micro_a} and {micro_b} micro-steps")
     if ma.get("threads") != mb.get("threads"):
         where.append(f"the kernels split their sums over {ma.get('threads')} and "
                      f"{mb.get('threads')} threads")  # fmt: skip
@@ -285,11 +289,13 @@ def _script(r: store.Recording) -> str | None:
     return os.path.normpath(os.path.join(r.meta.get("cwd") or os.getcwd(), argv[0]))
 
 
+def _split_of(m: dict) -> tuple[int, int]:
+    """How a run splits each step's batch: (world size, its most micro-steps in a step)."""
+    return m.get("world_size"), max(m.get("micro_steps") or [1])
+
+
 def _split(ma: dict, mb: dict) -> str | None:
-    for key, what in (("world_size", "ranks"), ("micro_steps", "micro-steps")):
-        x, y = ma.get(key), mb.get(key)
-        if key == "micro_steps":
-            x, y = (max(v or [1]) for v in (x, y))
+    for x, y, what in zip(_split_of(ma), _split_of(mb), ("ranks", "micro-steps")):
         if x != y:
             return (f"the runs split the batch over {x} and {y} {what}: a rank's ops differ by "
                     "design and are not matched one to one (drill into runs of one split)")  # fmt: skip
@@ -318,7 +324,7 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     finally:
         os.chdir(here)
     seconds = time.monotonic() - start
-    report_dir = _shown(result.report_dir, here)
+    report_dir = relpath(result.report_dir)
     made = _captures(result.report_dir, m["world_size"])
     broken = next((c["broken"] for c in made if c.get("broken")), None)
     if not made or result.recording is None or broken:
@@ -332,8 +338,7 @@ def _rerun(side: str, rec: store.Recording, index: int, step: int, out: str) -> 
     if unlike is None and not c.bitwise:  # alike within a tolerance is not a replay
         unlike = f"it sums in another order ({c.mode_reason}), so it cannot be alike bitwise"
     ranks = tuple(tuple(ops_of(r["ops"])) for r in made)
-    return Rerun(side, rec.path, step, seconds, report_dir, unlike, ranks[0],
-                 made[0], ranks, bool(eager))  # fmt: skip
+    return Rerun(side, rec.path, step, seconds, report_dir, unlike, made[0], ranks, bool(eager))
 
 
 def _runnable(rec: store.Recording) -> None:
@@ -346,12 +351,6 @@ def _runnable(rec: store.Recording) -> None:
     if m.get("cwd") and not os.path.isdir(m["cwd"]):
         raise ValueError(f"{rec.path} was recorded in {m['cwd']}, which is not a folder here: "
                          "a drill-down runs the script again where it ran")  # fmt: skip
-
-
-def _shown(path: str, here: str) -> str:
-    """`path` as the user named its folder: relative to where the command ran, if under it."""
-    rel = os.path.relpath(path, here)
-    return path if rel.startswith("..") else rel
 
 
 def _captures(report_dir: str, world: int) -> list[dict]:
