@@ -106,8 +106,8 @@ def names(folder: str | os.PathLike) -> list[str]:
 def write(folder: str | os.PathLike, name: str, data: bytes, *, asked: bool = False) -> bool:
     """Leave the message `name` in `folder`, 0600, whole or not at all; False (nothing
     written) once the folder is sealed, unless the message is one the tool `asked` for, which
-    it reads after its verdict too (where a rank is: `watching/capture.py`; that the launcher
-    started its workers again: `launched.started_again`)."""
+    it reads after its verdict too (the flight recorder's dump: `watching/capture.py`; that
+    the launcher started its workers again: `launched.started_again`)."""
     with unsealed(folder, asked=asked) as dir_fd:
         if dir_fd is None:
             return False

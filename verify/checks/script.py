@@ -38,7 +38,7 @@ from verify.launching.needs_cuda import NeedsCuda
 from verify.oncpu import report as on_cpu_report
 from verify.oncpu.unmappable import CannotMap
 from verify.script_audit import AuditReport
-from verify.watching import trace_file
+from verify.watching import capture, trace_file
 from verify.watching.findings import Diagnosis
 
 
@@ -257,9 +257,8 @@ def finish_report(report_dir: str, world: int) -> tuple[dict[str, str], dict[int
             path = os.path.join(report_dir, f"rank{r}.{kind}")
             if os.path.exists(path) and os.path.getsize(path) > 0:
                 files[f"rank{r}.{kind}"] = path
-        for leftover in ("where", "where.request"):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(report_dir, f"rank{r}.{leftover}"))
+        with contextlib.suppress(OSError):  # the helper's address: not a report
+            os.remove(os.path.join(report_dir, f"rank{r}.{capture.ADDRESS}"))
     for name in sorted(os.listdir(report_dir)):
         if name.startswith(("nccl.", "nccl_trace_rank_")):
             files[name] = os.path.join(report_dir, name)

@@ -135,8 +135,7 @@ class NodeRanks:
         self.died_at: dict[int, float] = {}  # wall clock a rank was first seen dead
         self._clock = DeathClock()
         self._meters: dict[int, CpuMeter] = {}
-        ask = capture.asker(report_dir, capture.read_in_torch)
-        self._still = Stillness(ask, stall_timeout_s / 2)
+        self._still = Stillness(capture.helpers(report_dir).in_torch, stall_timeout_s / 2)
         self._events = 0
         # A mark older than this is not this attempt's rank raising. (Under verify.hang_run a
         # folder is one attempt's, `torchrun.script_report_dir`; the launcher form's run
@@ -286,9 +285,8 @@ class NodeRanks:
         """The report folder: each rank's records as JSON lines, and the job's diagnosis."""
         for r in self.ranks:
             trace_file.export_jsonl(self._path(r, "trace"), self._path(r, "collectives.jsonl"))
-            for leftover in ("where", "where.request"):  # the helper's answers: not a report
-                with contextlib.suppress(OSError):
-                    os.remove(self._path(r, leftover))
+            with contextlib.suppress(OSError):  # the helper's address: not a report
+                os.remove(self._path(r, capture.ADDRESS))
         with open(os.path.join(self.report_dir, "report.json"), "w") as f:
             json.dump(diag.to_dict(), f, indent=2, default=str)
         with open(os.path.join(self.report_dir, "report.txt"), "w") as f:

@@ -132,11 +132,12 @@ def _watchdog(trace_paths, stall_timeout_s: float | None, folder: str) -> Watchd
     `folder`) where they are; None without a stall timeout (nothing traced)."""
     if stall_timeout_s is None:
         return None
+    helpers = capture.helpers(folder)
     return Watchdog(
         trace_paths,
         stall_timeout_s,
-        where=capture.asker(folder, capture.read_where),
-        in_torch=capture.asker(folder, capture.read_in_torch),
+        where=helpers.where,
+        in_torch=helpers.in_torch,
         own_ranks=lambda r: spawned.read(folder, r) is not None,
     )
 
