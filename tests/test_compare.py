@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from tests import thread_world
+from verify.checks.compare import verdict_of
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli import main
 from verify.recording import store
-from verify.recording.command import verdict_of
 from verify.recording.departure import compare_recordings
 from verify.recording.sketch import BLOCKS, COLUMNS, gaps, sketch
 
@@ -282,8 +282,8 @@ def test_the_audit_report_names_the_first_departure():
 def test_a_recording_on_one_rank_is_a_pass():
     """`audit --record` on one rank audits nothing across ranks (no replicas): its steps
     recorded make it a pass (exit 0), said in a RECORDED line."""
+    from verify.checks.compare import RecordedAudit
     from verify.cli.text_compare import audit as text
-    from verify.recording.command import RecordedAudit
 
     own = _recorded_audit(_stored_audit(0, 0, 4, diverged=False), None, 1).audit_result
     result = RecordedAudit(own, recorded("tokens"), None)
@@ -560,7 +560,7 @@ def _stored_audit(audited_steps: int, audits: int, steps: int, diverged: bool) -
 
 
 def _comparison(departs: bool, steps: int = 5):
-    from verify.checks import kinds
+    from verify.hints import kinds
     from verify.recording.departure import Comparison, Departure
 
     first = Departure(0, 0, "loss of step 0", "AdamW", "loss", "2 in the recording, 4 in "
@@ -574,9 +574,9 @@ def _comparison(departs: bool, steps: int = 5):
 
 
 def _recorded_audit(stored: dict, comparison, nproc: int):
+    from verify.checks.compare import RecordedAudit
     from verify.checks.script import ScriptRun
     from verify.checks.script_audit import AuditResult
-    from verify.recording.command import RecordedAudit
     from verify.script_audit import AuditReport
     from verify.watching.findings import Diagnosis
 
@@ -677,7 +677,7 @@ HINT_CASES = [  # (kind, numbers, what the hint says; None: no hint)
 
 @pytest.mark.parametrize("kind, numbers, says", HINT_CASES)
 def test_a_departures_hint_is_chosen_by_its_kind_and_numbers(kind, numbers, says):
-    from verify.checks.hints import Situation, hint_for
+    from verify.hints.table import Situation, hint_for
     from verify.recording.departure import Departure
 
     d = Departure(0, 0, "phase", "AdamW", "name", "a message no rule reads", kind=kind,
@@ -706,9 +706,9 @@ def _tiny_recording(steps: int, start: int = 0, moved_at: int | None = None):
     """A recording built in memory, as `Recorder` rows: one SGD parameter `w` whose value
     after step s is s + 1 (before the first step: `start`), its gradient 1 and its lr 0.1
     at every step; `moved_at`: this run's parameters after that step are off by 0.5."""
+    from verify.hints import phases
     from verify.recording.recorder import Recorder
     from verify.replica_audit.compare import Entry
-    from verify.script_audit import phases
 
     class Alone:
         size, rank = 1, 0

@@ -21,16 +21,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from verify.checks.compare import verdict_of
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_compare import audit as audit_text
 from verify.cli.text_compare import comparison_lines
+from verify.hints.phases import GRADS, PARAMS_AFTER, PARAMS_FIRST, SETTINGS
 from verify.recording import batch
 from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
-from verify.recording.command import verdict_of
 from verify.recording.departure import compare_recordings
 from verify.recording.recorder import Recorder
 from verify.replica_audit.compare import Entry
-from verify.script_audit.phases import GRADS, PARAMS_AFTER, PARAMS_FIRST, SETTINGS
 
 X = torch.arange(64.0).reshape(32, 2)
 

@@ -1,5 +1,5 @@
 """`compare --drill`: below the first departing step, the first op where two runs part
-(verify/recording/drill.py, capture.py, streams.py; docs/compare.md, "The drill-down").
+(verify/checks/drill.py, capture.py, streams.py; docs/compare.md, "The drill-down").
 
 The matching of two captures, the capture of one step and the early rungs run in-process, in
 milliseconds; one end-to-end test re-runs a student's script (tests/fixtures/drill_train.py)
@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from verify.checks import kinds as k
+from verify.checks.drill import BATCH, NOT_COMPUTED, NOTHING, OP, SPLIT, Drill, drill
 from verify.cli.text_compare import drill_lines
+from verify.hints import kinds as k
 from verify.recording import capture, store
 from verify.recording.batch_departure import ORDER, BatchDifference, Batches
 from verify.recording.departure import Comparison, Departure, NotComparable
-from verify.recording.drill import BATCH, NOT_COMPUTED, NOTHING, OP, SPLIT, Drill, drill
 from verify.recording.streams import (
     DIFFERS,
     NO_SYNC,
@@ -358,7 +358,7 @@ def test_an_op_apart_within_the_tolerance_of_a_reordered_sum_ends_the_search():
     """Runs that sum in other orders (here other thread counts): the first op apart by no
     more than a reordering makes is where the op-by-op search ends, said so, not a root
     cause; one further apart is."""
-    from verify.recording.drill import _reordered
+    from verify.checks.drill import _reordered
 
     tolerant = Comparison(False, "threads per rank 2 vs 1", "from step 0", 0, (0, 3), (0, 3))
     a = op("mm", outputs=(3,))

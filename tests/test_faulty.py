@@ -25,7 +25,7 @@ from verify.checks.matrix import CERTIFIED
 from verify.cli.text_matrix import cell_hint
 from verify.cli.text_matrix import detection as format_detection
 
-# The cause each fault's hint line must name (verify/checks/hints.py), read off the real
+# The cause each fault's hint line must name (verify/hints/table.py), read off the real
 # output of the catalogue: a newcomer reads the fix, not only the place.
 HINTS = {
     "faulty:no-divide": "never divided by the world size",
@@ -146,12 +146,12 @@ def test_every_fault_is_caught_and_no_control_is_flagged(name):
 def test_hints_tell_the_wrong_divisions_apart_by_the_world_size(world):
     """A gradient scaled by c is c x the average in every element: summed and never divided
     (c = N), divided twice (c = 1/N), divided by a hard-coded 2 (c = N/2) and zeroed (c = 0)
-    each get their own hint at each world size (verify/checks/hint_rules.py), chosen from the
+    each get their own hint at each world size (verify/hints/rules.py), chosen from the
     factor the equivalence check fits (`reference.compare`), not from its message; at two
     ranks "not divided" (c = 2) and "zeroed" (c = 0) are told apart too."""
-    from verify.checks.hints import Situation, hint_for
-    from verify.checks.kinds import GRADIENTS_DIVERGE
     from verify.checks.verdict import Finding
+    from verify.hints.kinds import GRADIENTS_DIVERGE
+    from verify.hints.table import Situation, hint_for
     from verify.replica_audit.measure import fitted_scale
 
     ref = torch.linspace(-1, 1, 64, dtype=torch.float64)

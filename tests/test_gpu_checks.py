@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from verify.checks import kinds
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.detection import run_detection
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
 from verify.checks.hang import HangOptions, as_expected, check_hang
 from verify.checks.matrix import MatrixOptions, run_matrix
+from verify.hints import kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = [1, 2]

@@ -1,5 +1,5 @@
 """Hints follow from what was measured, the same in the text and in `--json`
-(verify/checks/hints.py, script_hints.py), on classes the tool has never seen
+(verify/hints/table.py, script_hints.py), on classes the tool has never seen
 (tests/fixtures/hint_students.py):
 
 - a class that never sends its last, partly filled bucket gets the same hint (a bucket never
@@ -27,15 +27,15 @@ from pathlib import Path
 
 import pytest
 
-from verify.checks import kinds
 from verify.checks.consistency import ConsistencyOptions, check_consistency
 from verify.checks.equivalence import EquivalenceOptions, check_equivalence
-from verify.checks.hints import Situation, with_hints
 from verify.checks.matrix import MatrixOptions, run_matrix
 from verify.checks.script_audit import AuditOptions, check_audit
 from verify.cli.text_checks import consistency as consistency_text
 from verify.cli.text_checks import equivalence as equivalence_text
 from verify.cli.text_matrix import cell_hint
+from verify.hints import kinds
+from verify.hints.table import Situation, with_hints
 
 FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "hint_students.py")
 SCRIPT = str(Path(__file__).resolve().parent / "fixtures" / "clip_script.py")
@@ -200,9 +200,9 @@ def test_a_scripts_gradients_one_factor_apart_on_one_rank_get_the_clipping_hint(
     """`verify audit` of tests/fixtures/clip_script.py main-only: rank 1's gradients are one
     multiple of rank 0's in every tensor (rank 0 clipped them); a factor that is not common to
     every tensor gets the phase's hint."""
-    from verify.checks.script_hints import PHASE_HINTS, script_hint
+    from verify.hints import phases
+    from verify.hints.script_audit import PHASE_HINTS, script_hint
     from verify.replica_audit.finding import Finding, TensorDiff, diff_numbers
-    from verify.script_audit import phases
 
     diffs = tuple(TensorDiff(f"fc{i}.weight", (1,), 0, scale=1 / c) for i, c in enumerate(scales))
     found = Finding("audit", phases.GRADS, 0, "gradients differ", kind=kinds.DIVERGENCE,
@@ -214,7 +214,7 @@ def test_a_scripts_gradients_one_factor_apart_on_one_rank_get_the_clipping_hint(
         assert hint == PHASE_HINTS[phases.GRADS]
 
 
-# What a finding's hint says follows what the run measured beside it (verify/checks/hints.py,
+# What a finding's hint says follows what the run measured beside it (verify/hints/table.py,
 # hint_rules.py), built here as the checks build them: in-process, no launch.
 def _finding(kind: str, **numbers):
     from verify.replica_audit.finding import Finding
@@ -240,8 +240,8 @@ def _finding(kind: str, **numbers):
 def test_gradients_that_differ_get_the_hint_of_what_else_was_measured(others, numbers, said):
     """The after-effect of a race (handles waited only at the next batch) is said to be one,
     not a bucket that never launched; parameters no hook fires for name the frozen bucket."""
-    from verify.checks import kinds
-    from verify.checks.hints import Situation, with_hints
+    from verify.hints import kinds
+    from verify.hints.table import Situation, with_hints
 
     found = [*(_finding(kind, op="add_", access="read", gradient=True) for kind in others),
              _finding(kinds.GRADIENTS_DIFFER, **numbers)]  # fmt: skip
@@ -320,9 +320,9 @@ def test_every_check_puts_its_findings_at_the_top_of_its_json():
     """`findings` at the top level of `equivalence --json` as of `consistency --json`
     (docs/equivalence.md), and only there: the equivalence report's other fields under
     `report`, its findings not again."""
-    from verify.checks import kinds
     from verify.checks.consistency import ConsistencyResult
     from verify.checks.equivalence import EquivalenceReport, EquivalenceResult
+    from verify.hints import kinds
 
     found = (_finding(kinds.GRADIENTS_DIVERGE, step=1, scale=2.0, ranks_agree=True),)
     report = EquivalenceReport(findings=found)

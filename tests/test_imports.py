@@ -123,24 +123,27 @@ def package_circles() -> list[list[str]]:
     return circles({p: {m for m in out if m in graph} for p, out in graph.items()})
 
 
-# The one circle of packages left (issue 51: none at all): the audit's finding kinds and its
-# phases sit in `checks` and `script_audit`, which the recorder and the audit both import; the
-# front ends in `checks` name the plug-ins through `verify/plugins.py`, which names the audit.
-KNOWN_CIRCLE = ["verify.checks", "verify.plugins", "verify.recording", "verify.script_audit"]
+def test_the_packages_import_one_way():
+    """No circle of packages (the runtime's was one circle of ten: checks, launching, oncpu,
+    options, recording, runs, sanitize, script_audit, training, watching; then one of four,
+    through the finding kinds and phases the checks and the plug-ins shared, now `hints`)."""
+    assert package_circles() == []
 
 
-def test_the_packages_import_one_way_but_the_known_circle():
-    """No circle of packages but the known one, which may only shrink (the runtime's was one
-    circle of ten packages: checks, launching, oncpu, options, recording, runs, sanitize,
-    script_audit, training, watching)."""
-    found = package_circles()
-    assert all(set(c) <= set(KNOWN_CIRCLE) for c in found) and len(found) <= 1, found
+def test_the_hints_are_a_leaf_below_the_checks_and_the_plug_ins():
+    """The kinds, phases and hint table import only the audit engine's `Finding` and measure:
+    the checks and the plug-ins both name their findings' kinds there."""
+    known = modules()
+    out = {m for n, p in known.items() if n.startswith("verify.hints") for m in imports(p, known)}
+    assert {".".join(m.split(".")[:2]) for m in out} <= {"verify.hints", "verify.replica_audit"}, (
+        out
+    )
 
 
 # The plug-ins and the front ends above the runtime (docs/design.md: "the runtime imports no
 # plug-in; plug-ins import the runtime").
-PLUG_INS = ("checks", "cli", "oncpu", "recording", "replica_audit", "sanitize", "script_audit",
-            "plugins")  # fmt: skip
+PLUG_INS = ("checks", "cli", "hints", "oncpu", "recording", "replica_audit", "sanitize",
+            "script_audit", "plugins")  # fmt: skip
 
 
 def test_the_runtime_imports_no_plug_in():

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from verify.cli import main
+from verify.hints.phases import GRADS, PARAMS_AFTER, PARAMS_FIRST, SETTINGS
 from verify.recording import store
 from verify.recording.recorder import Recorder
 from verify.replica_audit.compare import Entry
-from verify.script_audit.phases import GRADS, PARAMS_AFTER, PARAMS_FIRST, SETTINGS
 
 BEFORE, AFTER = 0, 1
 

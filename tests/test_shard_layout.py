@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from verify.checks.consistency import ConsistencyOptions, run_consistency_on_rank
-from verify.checks.hints import Situation, hint_for
 from verify.checks.layout import Problem, layout_problems
+from verify.hints.table import Situation, hint_for
 from verify.launching import launch
 from verify.training.sharded import full_parameters, gather_shards
 from verify.training.trainer import Trainer

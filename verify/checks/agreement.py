@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from verify.checks.cells import CellResult
-from verify.checks.hints import Situation, with_hints
 from verify.checks.verdict import Refusal, only_some_text, raised_on_some
+from verify.hints.table import Situation, with_hints
 from verify.replica_audit.group import min_max
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.checks import kinds
+from verify.hints import kinds
 from verify.replica_audit.compare import Auditor, Entry
 from verify.replica_audit.finding import TensorDiff, rank_list
 from verify.replica_audit.fingerprint import text_bits
@@ -170,7 +170,7 @@ _DIFFER = {"grad": kinds.GRADIENTS_DIFFER, "param": kinds.PARAMETERS_DIFFER,
 
 
 def measured(found: list[TensorDiff], phase: str, step: int) -> tuple[str, dict]:
-    """A checkpoint's differences as a finding's kind and numbers (`kinds.py`): what differs
+    """A checkpoint's differences as a finding's kind and numbers (`hints/kinds.py`): what differs
     (by the first tensor's prefix), how, and the one factor every differing tensor is of the
     reference rank's, when there is one."""
     first = found[0]

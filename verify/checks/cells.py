@@ -24,15 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from impls.registry import Implementation, resolve, takes_bucket_size
-from verify.checks import kinds
 from verify.checks.behaviours import Behaviour
 from verify.checks.consistency import AuditHooks
 from verify.checks.equivalence import merged
-from verify.checks.hints import Situation, situation_of, with_hints
 from verify.checks.memory import MemoryHooks
 from verify.checks.reference import PLAYED, Reference
 from verify.checks.sanitizing import training
 from verify.checks.verdict import Finding, Refusal, collapse
+from verify.hints import kinds
+from verify.hints.table import Situation, situation_of, with_hints
 from verify.launching import RankContext
 from verify.training.hooks import Hooks
 from verify.training.interface import InterfaceError
@@ -56,7 +56,7 @@ class CellResult:
     time before the cell could decide: no verdict). `detail` says why (the finding, the
     launcher's diagnosis of a failed run, or what is not claimed); `headline` is one line;
     `where` is the user's file:line when an exception was raised; `findings` what a failed
-    cell found, typed, each with its hint (`hints.py`), in report order.
+    cell found, typed, each with its hint (`hints/table.py`), in report order.
     """
 
     status: str

@@ -32,14 +32,15 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from verify.checks import kinds, verdict
+from verify.checks import verdict
 from verify.checks.audit import Checkpoint, ModelAudit, TensorDiff, measured, unique_names
 from verify.checks.failures import failure_findings
-from verify.checks.hints import situation_of, with_hints
 from verify.checks.layout import layout_problems
 from verify.checks.options import CheckOptions
 from verify.checks.sanitizing import training
 from verify.checks.verdict import FAULT, Finding, Refusal, Verdicted, collapse, verdict_of
+from verify.hints import kinds
+from verify.hints.table import situation_of, with_hints
 from verify.launching import Raised, RankContext
 from verify.options import knob
 from verify.replica_audit.fingerprint import fingerprints

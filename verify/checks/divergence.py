@@ -1,5 +1,5 @@
 """The equivalence check's findings: the distinct divergences among every rank's failed
-comparisons with the reference, each with its kind and what was measured (`kinds.py`).
+comparisons with the reference, each with its kind and what was measured (`hints/kinds.py`).
 
 What a divergence measures, for its hint (`hint_rules.gradients_diverge`):
 - `scale`: the one factor c with which every failed tensor of the finding, on every rank
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from verify.checks import kinds
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
+from verify.hints import kinds
 from verify.replica_audit.measure import common_scale
 
 _DIVERGE = {

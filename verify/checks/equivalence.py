@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from verify.checks.divergence import divergences
 from verify.checks.failures import failure_findings
-from verify.checks.hints import situation_of, with_hints
 from verify.checks.options import CheckOptions
 from verify.checks.reference import Reference, TensorError
 from verify.checks.sanitizing import training
@@ -39,6 +38,7 @@ from verify.checks.verdict import (
     run_check,
     verdict_of,
 )
+from verify.hints.table import situation_of, with_hints
 from verify.launching import Raised, RankContext
 from verify.options import knob
 from verify.training.hooks import Progress

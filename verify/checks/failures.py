@@ -1,12 +1,12 @@
 """A run that did not end with every rank returning, as typed findings: what the collective
 trace diagnosed (a mismatch, a hang) and what a rank raised, each with its kind and numbers
-(`kinds.py`), so a failure gets its hint the way a check's finding does (`hints.py`)."""
+(`hints/kinds.py`), so a failure gets its hint the way a check's finding does (`hints/table.py`)."""
 
 from __future__ import annotations
 
-from verify.checks import kinds
-from verify.checks.hints import Situation, with_hints
 from verify.checks.verdict import Finding
+from verify.hints import kinds
+from verify.hints.table import Situation, with_hints
 
 
 def trace_findings(diagnosis) -> tuple[Finding, ...]:

@@ -33,9 +33,9 @@ from verify.checks.agreement import CellAgreement, only_some_raised, read_raised
 from verify.checks.behaviours import BEHAVIOUR, BEHAVIOURS, Behaviour
 from verify.checks.cells import CHECKS, CellResult, not_applicable, run_cell_on_rank
 from verify.checks.failures import failure_findings
-from verify.checks.hints import situation_of
 from verify.checks.options import CHECK_KINDS
 from verify.checks.verdict import FAULT, NOTHING, PASS, TIMEOUT, Verdicted
+from verify.hints.table import situation_of
 from verify.launching import DEFAULT_STALL_TIMEOUT_S, RankContext, check_interrupted, launch
 from verify.launching.gpus import visible as gpus_visible
 from verify.options import PlacementOptions, ThreadOptions, knob, launch_knobs

@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from verify.checks import kinds, tolerances
+from verify.checks import tolerances
 from verify.checks.verdict import Finding
+from verify.hints import kinds
 from verify.replica_audit.fingerprint import fingerprint
 from verify.replica_audit.measure import fitted_scale
 from verify.training.hooks import Hooks

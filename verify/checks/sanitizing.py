@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from verify.checks import kinds
 from verify.checks.verdict import Finding
+from verify.hints import kinds
 from verify.launching import RankContext
 from verify.training.hooks import Hooks
 from verify.training.trainer import Trainer, TrainSpec
@@ -121,7 +121,7 @@ def race_numbers(kind: str, op: str, tensor: str, collective: str, rank: int, co
 def race_hint(race: dict, world_size: int) -> str | None:
     """The hint of a race as a watched run's JSON holds it (`RaceFinding.to_dict`), in a run
     of `world_size` ranks."""
-    from verify.checks.hints import Situation, hint_for
+    from verify.hints.table import Situation, hint_for
 
     numbers = race_numbers(
         race["kind"], race["op"], race["tensor"], race["collective"]["op"], race["rank"],

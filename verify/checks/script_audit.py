@@ -81,8 +81,8 @@ def check_audit(options: AuditOptions, started: Started | None = None) -> AuditR
     )  # fmt: skip
     result = AuditResult(options, run)
     runs.save_report(run.report_dir, result.to_dict())
-    if options.recording:  # --record DIR / --against DIR (verify/recording/command.py)
-        from verify.recording.command import with_recording
+    if options.recording:  # --record DIR / --against DIR (verify/checks/compare.py)
+        from verify.checks.compare import with_recording
 
         return with_recording(result)
     return result

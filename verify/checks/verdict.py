@@ -13,8 +13,8 @@
 - `Finding` (`verify/replica_audit/finding.py`: the one type of every check, the script
   audit's too): one distinct thing wrong, with the check and phase that saw it, the tensor,
   the first step, every later step it showed at again, where in the user's code when known,
-  and what was measured: its `kind` (`kinds.py`) and `numbers`, from which its `hint` is chosen
-  (`hints.py`), never from its message.
+  and what was measured: its `kind` (`hints/kinds.py`) and `numbers`, from which its `hint` is chosen
+  (`hints/table.py`), never from its message.
   A run goes on past a finding where it can (replicas are resynchronized from rank 0), so one
   bug does not hide the next; the same finding at later steps is folded into one.
 - `run_check`: the launch every check makes, and what becomes of a failed one.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from verify.checks.kinds import RAISED_ON_SOME
+from verify.hints.kinds import RAISED_ON_SOME
 from verify.launching import LaunchResult, launch
 from verify.options import launch_knobs
 from verify.replica_audit.finding import Finding

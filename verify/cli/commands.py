@@ -77,8 +77,8 @@ CHECK_COMMANDS: tuple[Command, ...] = (
     Command(
         "compare",
         "compare two recordings of audit --record step by step: where does B depart from A?",
-        "verify.recording.command:CompareOptions",
-        "verify.recording.drill:run_compare",
+        "verify.checks.compare:CompareOptions",
+        "verify.checks.drill:run_compare",
         "verify.cli.text_compare:compare",
         positional="recordings",
     ),

@@ -21,8 +21,8 @@ def audit(options):
     """`verify.checks.script_audit.check_audit`, its launcher command started first."""
     started = _start(options, "audit", audit_every=options.audit_every, record=options.recording)
     result = _check("verify.checks.script_audit:check_audit", options, started)
-    if options.drill:  # below the first divergence, op by op (verify/recording/drill.py)
-        return load("verify.recording.drill:drill_replicas")(result)
+    if options.drill:  # below the first divergence, op by op (verify/checks/drill.py)
+        return load("verify.checks.drill:drill_replicas")(result)
     return result
 
 

@@ -11,9 +11,9 @@ from verify.checks.consistency import ConsistencyResult
 from verify.checks.equivalence import EquivalenceResult
 from verify.checks.failures import trace_findings
 from verify.checks.hang import HangResult, ScenariosResult, as_expected
-from verify.checks.hints import first_hint, situation_of, with_hints
 from verify.checks.reference import TensorError
 from verify.checks.verdict import Finding
+from verify.hints.table import first_hint, situation_of, with_hints
 from verify.watching.diagnose import ONLY_UNTRACED
 
 
@@ -84,7 +84,7 @@ def _tail(result, notes: tuple[str, ...] = ()) -> list[str]:
     """Findings, the launcher's diagnosis, notes, the machine's thread budget, the verdict."""
     lines = []
     findings: tuple[Finding, ...] = result.findings
-    hints = [_line(f.hint) for f in findings]  # chosen by kind and numbers (checks/hints.py)
+    hints = [_line(f.hint) for f in findings]  # chosen by kind and numbers (hints/table.py)
     if len(findings) > 1 or (findings and not result.headline.endswith(findings[0].describe())):
         lines.append("findings (every distinct one, in the order they showed):")
         for i, (f, h) in enumerate(zip(findings, hints, strict=True), 1):
@@ -146,7 +146,7 @@ def hang(result: HangResult | ScenariosResult) -> str:
 
 def diagnosis_hint(d, o) -> list[str]:
     """The hint line of a run's diagnosis (a script's crash or hang, as a check's): none
-    where its findings point at no cause the table knows (`hints.py`)."""
+    where its findings point at no cause the table knows (`hints/table.py`)."""
     h = _line(first_hint(with_hints(trace_findings(d), situation_of(o))))
     return [h] if h else []
 

@@ -1,15 +1,10 @@
 """The reports of `compare DIR_A DIR_B` and of `audit --record/--against`, as text: formatting
-only, every verdict is decided by `verify/recording/` (`departure.py`, `command.py`)."""
+only, every verdict is decided by `verify/recording/departure.py` and `verify/checks/compare.py`."""
 
 from __future__ import annotations
 
-from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS
-from verify.cli import text_audit
-from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
-from verify.recording.capture import FORWARD, OPTIMIZER
-from verify.recording.command import CompareResult, RecordedAudit, verdict_of
-from verify.recording.departure import Comparison
-from verify.recording.drill import (
+from verify.checks.compare import CompareResult, RecordedAudit, verdict_of
+from verify.checks.drill import (
     BATCH,
     COMPILED,
     NOT_COMPUTED,
@@ -21,6 +16,11 @@ from verify.recording.drill import (
     UNSEEN,
     Drill,
 )
+from verify.checks.verdict import FAULT, NOTHING_AUDITED, PASS
+from verify.cli import text_audit
+from verify.recording.batch_departure import INPUTS, ORDER, SAMPLES
+from verify.recording.capture import FORWARD, OPTIMIZER
+from verify.recording.departure import Comparison
 from verify.recording.streams import (
     DIFFERS,
     NO_SYNC,
@@ -48,7 +48,7 @@ _STOPPED = {BATCH: "at the batch", NOT_COMPUTED: "at the step", SPLIT: "at the s
 
 
 def drill_lines(d: Drill) -> list[str]:
-    """The drill-down's rungs, and where it stopped (`recording/drill.py`)."""
+    """The drill-down's rungs, and where it stopped (`checks/drill.py`)."""
     if d.rung == NOTHING:
         return [f"DRILL: nothing to drill into: {d.says}"]
     lines = []

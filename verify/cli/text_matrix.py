@@ -8,9 +8,9 @@ from tabulate import tabulate
 from verify.checks.behaviours import BEHAVIOUR
 from verify.checks.cells import CHECKS
 from verify.checks.detection import DetectionResult
-from verify.checks.hints import first_hint
 from verify.checks.matrix import MatrixResult
 from verify.checks.verdict import NOTHING
+from verify.hints.table import first_hint
 
 SYMBOL = {"pass": "ok", "fail": "FAIL", "not claimed": "not claimed", "n/a": "n/a",
           "timeout": "TIMEOUT"}  # fmt: skip
@@ -144,7 +144,7 @@ def detection(result: DetectionResult) -> str:
 
 def cell_hint(cell) -> str | None:
     """The hint line of a failed cell: its first finding's that has one (chosen by kind and
-    numbers in the situation its behaviour sets, when the cell ran: checks/hints.py)."""
+    numbers in the situation its behaviour sets, when the cell ran: hints/table.py)."""
     h = first_hint(cell.findings)
     return f"hint: {h}" if h else None
 

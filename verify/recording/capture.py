@@ -1,4 +1,4 @@
-"""The drill-down's capture inside a rank (`compare --drill`, `drill.py`; docs/compare.md,
+"""The drill-down's capture inside a rank (`compare --drill`, `checks/drill.py`; docs/compare.md,
 "The drill-down"): one optimizer step of a re-run, op by op.
 
 The step is named by `DRILL_ENV` (`<optimizer index>:<step>`). From the end of the step
@@ -32,7 +32,7 @@ error of the capture's own stops it (`broken`, in its file) and never reaches th
 Once the step is taken, each rank writes its records to
 `<report folder>/drill/rank<r>.json` and the script ends there, as a `sys.exit(0)` would
 (`SystemExit`): the re-run goes no further than the step drilled into, and the recording
-(the replay check's evidence, `drill.py`) is written as at any end of the script.
+(the replay check's evidence, `checks/drill.py`) is written as at any end of the script.
 
 Nothing here runs before the end of the step before the one drilled into, beyond a check per
 optimizer step: the steps before cost what the plain re-run costs.

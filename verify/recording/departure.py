@@ -17,7 +17,7 @@ the first (A, "the recording"), and what follows (docs/compare.md).
 
 The first departure is described in full (`Departure`: step in both numberings, phase,
 tensor or setting, the two values or by how much and in which block, and its kind and
-numbers, from which its hint is chosen: `checks/hints.py`); the ones after it are counted,
+numbers, from which its hint is chosen: `hints/table.py`); the ones after it are counted,
 step by step, as what follows.
 """
 
@@ -27,15 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from verify.checks import hints
-from verify.checks import kinds as k
-from verify.recording import tolerance
-from verify.recording.align import Alignment, align
-from verify.recording.batch_departure import Batches, compare_batches
-from verify.recording.sketch import BLOCKS, block_size, gaps, totals
-from verify.recording.store import LOSS, Recording
-from verify.recording.table import ORDER, Row, Table
-from verify.script_audit.phases import (
+from verify.hints import kinds as k
+from verify.hints import table as hints
+from verify.hints.phases import (
     BUFFERS_LOCAL,
     BUFFERS_SYNCED,
     GRADS,
@@ -45,8 +39,14 @@ from verify.script_audit.phases import (
     SETTINGS,
     STATE,
 )
+from verify.recording import tolerance
+from verify.recording.align import Alignment, align
+from verify.recording.batch_departure import Batches, compare_batches
+from verify.recording.sketch import BLOCKS, block_size, gaps, totals
+from verify.recording.store import LOSS, Recording
+from verify.recording.table import ORDER, Row, Table
 
-# a departure's kind (its hint's key, `checks/hints.py`), by the phase it is in
+# a departure's kind (its hint's key, `hints/table.py`), by the phase it is in
 KINDS = {
     PARAMS_FIRST: k.START_DEPARTS, SETTINGS: k.SETTING_DEPARTS, SCALER: k.SCALER_DEPARTS,
     BUFFERS_SYNCED: k.BUFFERS_DEPART, BUFFERS_LOCAL: k.BUFFERS_DEPART, LOSS: k.LOSS_DEPARTS,
@@ -74,7 +74,7 @@ class Departure:
     # what was measured: the compared step's index and the alignment's offset; the loss's
     # two values and each run's micro-steps; a setting's key
     numbers: dict = field(default_factory=dict)
-    hint: str | None = None  # the first departure's (`checks/hints.py`)
+    hint: str | None = None  # the first departure's (`hints/table.py`)
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,7 @@ class Recorder:
                 self.optimizer_types.get(i, self.optimizers[i]) for i in sorted(self.optimizers)
             ],
             "argv": list(sys.argv),
-            "cwd": self.cwd,  # where a drill-down re-runs the script (`drill.py`)
+            "cwd": self.cwd,  # where a drill-down re-runs the script (`checks/drill.py`)
             "launched": bool(os.environ.get(LAUNCHED_ENV)),  # under the user's launcher
             "stopped": self.stopped,
             "batches": {"dropped": self.batches_dropped, "stopped": self.batches.failed},

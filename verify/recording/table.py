@@ -1,7 +1,7 @@
 """A recording's rows, looked up by (optimizer, step, phase, name): what the comparison and
 the alignment read (`departure.py`, `align.py`).
 
-A phase is the audit's label template (`verify/script_audit/phases.py`, e.g. "gradients
+A phase is the audit's label template (`verify/hints/phases.py`, e.g. "gradients
 before step {step}") or the loss's (`store.LOSS`); `ORDER` is the order a step's phases are
 compared in: the step's inputs (settings, loss, gradients) before what it computes from them
 (the parameters after it, the optimizer state), so the first departure named is the cause,
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verify.recording.store import LOSS, Recording
-from verify.script_audit.phases import (
+from verify.hints.phases import (
     BUFFERS_LOCAL,
     BUFFERS_SYNCED,
     GRADS,
@@ -25,6 +24,7 @@ from verify.script_audit.phases import (
     SETTINGS,
     STATE,
 )
+from verify.recording.store import LOSS, Recording
 
 ORDER = (SETTINGS, SCALER, BUFFERS_SYNCED, BUFFERS_LOCAL, LOSS, GRADS, PARAMS_AFTER, STATE)
 

@@ -1,10 +1,10 @@
 """The one finding type of every check, the script audit's included: what was measured, typed.
 
-A `Finding` carries its `kind` (`verify/checks/kinds.py`), where it showed (the step and the
+A `Finding` carries its `kind` (`verify/hints/kinds.py`), where it showed (the step and the
 phase, every later step it showed at again, and `where`: the line of the user's code for a
 class's check, the audit point for a script's), the tensor or setting, the ranks, and what
 was measured as `numbers` (JSON values). Its hint is chosen from the kind, the phase and the
-numbers, never from the message (`verify/checks/hints.py`, `script_hints.py`), and stored on
+numbers, never from the message (`verify/hints/table.py`, `script_audit.py`), and stored on
 it, so the text reports and `--json` say the same.
 
 The script audit (`verify/script_audit/`) groups the tensors that newly differ at one audit
@@ -100,7 +100,7 @@ class Finding:
         check: "consistency", "equivalence", "shard", "sanitize", "run" (a rank that raised)
             or "audit" (a script's replica audit).
         phase: where in the step it showed: one of `verdict.PHASES` for a class's check, one
-            of `script_audit/phases.py`'s labels for a script's.
+            of `hints/phases.py`'s labels for a script's.
         step: the first step it showed at (0: construction; a script's first optimizer step).
         message: one line, self-contained ("step 1 gradients: grad:fc1.weight differs ...").
         tensor: the tensor's (or setting's) name, when it is about one: the first of several.
@@ -108,7 +108,7 @@ class Finding:
         steps: every step it showed at (the first included).
         where: `path:line (function)` in the user's code, when known; for a script's audit,
             the audit point ("gradients before step 2 (SGD)").
-        kind: what was measured, a name from `kinds.py` (the hint table's key).
+        kind: what was measured, a name from `verify/hints/kinds.py` (the hint table's key).
         numbers: the measured numbers the hint reads (a scale, steps, ranks; JSON values).
         hint: the usual cause and its fix, chosen from kind, phase and numbers.
     """

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from verify.checks.kinds import AUDIT_LAYOUT, DIVERGENCE, NOTE
+from verify.hints.kinds import AUDIT_LAYOUT, DIVERGENCE, NOTE
+from verify.hints.script_audit import script_hint
 from verify.replica_audit.compare import Entry, Outcome
 from verify.replica_audit.finding import Finding, TensorDiff, diff_numbers
 from verify.script_audit import report
@@ -152,6 +153,4 @@ def _where(phase: str, step: int, optimizer: str) -> str:
 
 def _hinted(finding: Finding) -> Finding:
     """`finding` with its hint, from the script audit's part of the one hint table."""
-    from verify.checks.script_hints import script_hint  # imports this package's phases
-
     return replace(finding, hint=script_hint(finding))

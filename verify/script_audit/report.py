@@ -19,10 +19,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from verify.replica_audit.finding import Finding
-
 # The phases (what a finding compared), where the hint table reads them too.
-from verify.script_audit.phases import (  # noqa: E402, F401
+from verify.hints.phases import (  # noqa: E402, F401
     BUFFERS_LOCAL,
     BUFFERS_SYNCED,
     GRADS,
@@ -34,6 +32,7 @@ from verify.script_audit.phases import (  # noqa: E402, F401
     SETTINGS,
     STATE,
 )  # fmt: skip
+from verify.replica_audit.finding import Finding
 
 
 @dataclass(frozen=True)

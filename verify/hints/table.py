@@ -12,8 +12,8 @@ verdict. Every catalogue fault's hint is asserted on real output (tests/test_fau
 A departure of `compare` from a recording (`recording/departure.py`) is looked up the same
 way, by its kind and numbers.
 
-The numeric rules (scales, steps, which ranks) live in `hint_rules.py`, and the script
-audit's part of the table (keyed by its findings' phases) in `script_hints.py`; this module
+The numeric rules (scales, steps, which ranks) live in `rules.py`, and the script
+audit's part of the table (keyed by its findings' phases) in `script_audit.py`; this module
 holds the situation, the table and the rules that need only the kind.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from verify.checks import hint_rules as rules
-from verify.checks import kinds as k
+from verify.hints import kinds as k
+from verify.hints import rules
 
 
 @dataclass(frozen=True)

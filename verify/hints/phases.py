@@ -1,6 +1,6 @@
 """The phases of a script audit's finding (the `phase` of its `Finding`): what was compared, in
 the order they are audited around one step, each a label with the step in it. Apart from
-`report.py` so the hint table (`checks/script_hints.py`) can key on them without importing
+`report.py` so the hint table (`hints/script_audit.py`) can key on them without importing
 the report that shows its hints."""
 
 # Phases, in the order they are audited around one step; each a label with the step in it.

@@ -1,5 +1,5 @@
 """What a script audit's finding usually means (`verify audit`, `script_audit/report.py`):
-the audit's part of the one hint table (`hints.py`), keyed by the finding's phase (what was
+the audit's part of the one hint table (`table.py`), keyed by the finding's phase (what was
 compared: parameters, settings, gradients, ...) and its measured numbers, never by a
 message.
 
@@ -11,9 +11,9 @@ hint.
 
 from __future__ import annotations
 
-from verify.checks.hint_rules import scaled_on_some
+from verify.hints import phases as report
+from verify.hints.rules import scaled_on_some
 from verify.replica_audit.measure import common_scale
-from verify.script_audit import phases as report
 
 PHASE_HINTS = {
     report.PARAMS_FIRST: "the replicas start from different weights: the initial broadcast from rank "

@@ -33,10 +33,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from verify.checks import kinds as k
+from verify.checks.compare import CompareOptions, CompareResult
+from verify.hints import kinds as k
+from verify.hints.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 from verify.recording import store, tolerance
 from verify.recording.capture import FOLDER
-from verify.recording.command import CompareOptions, CompareResult
 from verify.recording.departure import Comparison, NotComparable, compare_recordings
 from verify.recording.streams import (
     DIFFERS,
@@ -47,7 +48,6 @@ from verify.recording.streams import (
     first_part,
     ops_of,
 )
-from verify.script_audit.phases import GRADS, LAYOUT, PARAMS_FIRST, SCALER, SETTINGS
 from verify.watching.stacks import relpath
 
 NOTHING, BATCH, NOT_COMPUTED, SPLIT, REPLAY, COMPILED, OP, REORDERED, UNSEEN = (
@@ -219,7 +219,7 @@ def _compiled(r: Rerun, reruns: tuple[Rerun, ...], recs, c: Comparison) -> Drill
 
 
 def _is(finding, phase: str) -> bool:
-    """The finding is at `phase` (a label of `script_audit/phases.py`, kept unformatted)."""
+    """The finding is at `phase` (a label of `hints/phases.py`, kept unformatted)."""
     return finding.phase in (phase, phase.format(step=finding.step))
 
 

@@ -1,4 +1,4 @@
-"""The hint rules that read numbers: scales, steps and which ranks (the table: `hints.py`).
+"""The hint rules that read numbers: scales, steps and which ranks (the table: `table.py`).
 
 Each rule takes a finding's `numbers` (what its check measured) and the run's `Situation`,
 and returns the usual cause and fix, or None.

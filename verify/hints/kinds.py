@@ -1,4 +1,4 @@
-"""The kinds of finding: what a check measured, as a key of the hint table (`hints.py`).
+"""The kinds of finding: what a check measured, as a key of the hint table (`table.py`).
 
 A finding (`verdict.Finding`) carries one of these as its `kind` and what was measured as its
 `numbers`; its hint is chosen from the two, never from the wording of its message, so a
@@ -61,7 +61,7 @@ PARAMETERS_DEPART = "parameters depart from the recording after a step"
 STATE_DEPARTS = "optimizer state departs from the recording"
 
 # --- a script's replica audit (`script_audit/book.py`): the kind says whether it is a fault;
-# its hint is keyed by what it compared, its phase (`script_hints.py`) ------------------------
+# its hint is keyed by what it compared, its phase (`script_audit.py`) ------------------------
 DIVERGENCE = "divergence"  # tensors that newly differ across ranks at an audit point
 # AUDIT_LAYOUT ("layout"): the ranks audit different sets of tensors, or are at other steps
 # NOTE ("note"): buffers kept per rank by design; not a fault
