@@ -108,7 +108,7 @@ class Trace:
 
 
 class Header(NamedTuple):
-    """What the watchdog polls: cheap to read, never torn (one `pack_into`)."""
+    """What the watchdog polls: cheap to read, never torn (`Writer._header`)."""
 
     pid: int
     rank: int
@@ -137,8 +137,12 @@ class Writer:
         os.replace(path + ".tmp", path)  # the parent only ever sees a whole header
 
     def _header(self, now: float) -> None:
-        _HEADER.pack_into(
-            self.map, 0, MAGIC, VERSION, self.pid, self.rank, self.capacity,
+        # Packed apart, then copied in one slice: `pack_into` zero-fills its target before it
+        # writes the fields, so a rank killed inside it (gloo aborts from a thread of its own,
+        # wherever the main thread is) left a header of zeros: a trace with no records, read
+        # as a rank that issued nothing. A copy leaves each field old or new, never zeroed.
+        self.map[: _HEADER.size] = _HEADER.pack(
+            MAGIC, VERSION, self.pid, self.rank, self.capacity,
             self.written, self.events, self.pending, now,
         )  # fmt: skip
 
@@ -204,7 +208,7 @@ def read_trace(path: str, last: int | None = None) -> Trace | None:
         return None
     if raw is None or len(raw) < _HEADER_SIZE or raw[:8] != MAGIC:
         return None
-    _, _, pid, rank, capacity, written, events, pending, last = _HEADER.unpack_from(raw)
+    _, _, pid, rank, capacity, written, events, pending, last_event = _HEADER.unpack_from(raw)
     strings = _read_strings(path + ".strings")
     likes = _read_names(path + ".names")
     records = []
@@ -227,7 +231,7 @@ def read_trace(path: str, last: int | None = None) -> Trace | None:
             )
         )  # fmt: skip
     dropped = max(0, written - capacity)
-    return Trace(rank, pid, tuple(records), events, pending, last, dropped)
+    return Trace(rank, pid, tuple(records), events, pending, last_event, dropped)
 
 
 def _read_strings(path: str) -> dict[int, str]:
