@@ -50,7 +50,7 @@ def test_the_watchdog_is_told_the_line_the_main_thread_is_at(tmp_path):
 def test_the_flight_recorder_dump_is_written_into_the_report(tmp_path):
     folder = _folder(tmp_path)
     capture.start_rank_helper(folder, 1)
-    written = capture.helpers(folder).flight_recorder([1], folder)
+    written = capture.helpers(folder).flight_recorder([1])
     assert written == [capture.fr_path(folder, 1)]
     with open(written[0]) as f:
         json.loads(f.read())  # a dump, or the error that says why there is none

@@ -249,7 +249,7 @@ class _Watch:
         reported = not leftover
         live = [r for r in leftover if self.ranks[r].running()]
         if report_dir is not None and live:
-            capture.helpers(report_dir).flight_recorder(live, report_dir)
+            capture.helpers(report_dir).flight_recorder(live)
         if not self.stalled:  # (a hang's were dumped when it was called)
             self.dumps = _dump_stacks([self.ranks[r] for r in live], self.stack_paths)
         for r, said_at in self.failing.items():

@@ -7,8 +7,8 @@
   as PyTorch DDP's reducer), and the flight recorder's dump. A thread, because a rank stuck in
   a collective has released the GIL in C++, while its main thread would never run a Python
   signal handler.
-- `helpers(folder)` is the parent's end: `RankHelpers.asker` for the watchdog's questions,
-  `RankHelpers.flight_recorder` for the dumps a report keeps.
+- `helpers(folder)` is the parent's end: `RankHelpers.where` and `.in_torch` for the
+  watchdog's questions, `RankHelpers.flight_recorder` for the dumps a report keeps.
 
 The channel: each rank's helper listens on loopback and leaves its port and a fresh random key
 in `rank<r>.helper` of the run folder, which only this user can read (`private.py`). The parent
@@ -58,10 +58,10 @@ def start_rank_helper(folder: str, rank: int) -> None:
     listener = Listener(("127.0.0.1", 0), family="AF_INET", backlog=8)
     address = {"port": listener.address[1], "key": key.hex()}
     try:
-        if not private.write(folder, f"rank{rank}.{ADDRESS}", json.dumps(address).encode()):
-            listener.close()
-            return
+        left = private.write(folder, f"rank{rank}.{ADDRESS}", json.dumps(address).encode())
     except (OSError, private.Untrusted):
+        left = False
+    if not left:
         listener.close()
         return
 
@@ -112,7 +112,7 @@ class _Line:
         self.lock = threading.Lock()
         self.conn: Connection | None = None
         self.connecting = False
-        self.pending: list[str] = []  # asked before the connection was up
+        self.pending: list[str] = []  # asked before the connection was up, each once
         self.where: tuple[str, bool] | None = None
         self.dump: str | None = None
 
@@ -122,7 +122,8 @@ class _Line:
             if question == _WHERE:
                 self.where = None  # the next answer is the one to this question
             if self.conn is None:
-                self.pending.append(question)
+                if question not in self.pending:  # (a question asked again has one answer)
+                    self.pending.append(question)
                 if not self.connecting:
                     self.connecting = True
                     threading.Thread(
@@ -226,9 +227,10 @@ class RankHelpers:
         with line.lock:
             return line.where
 
-    def flight_recorder(self, ranks: list[int], report_dir: str) -> list[str]:
+    def flight_recorder(self, ranks: list[int]) -> list[str]:
         """Ask live ranks for their flight recorder's dump and write each that comes within
-        `_FR_WAIT_S` to `fr_path(report_dir, rank)`; the paths written."""
+        `_FR_WAIT_S` to `fr_path(self.folder, rank)`, beside their addresses; the paths
+        written."""
         lines = [self._line(r) for r in ranks]
         for line in lines:
             line.ask(_FLIGHT_RECORDER)
@@ -239,10 +241,12 @@ class RankHelpers:
         for line in lines:
             with line.lock:
                 dump, line.dump = line.dump, None
-            name = os.path.basename(fr_path(report_dir, line.rank))
+            path = fr_path(self.folder, line.rank)
             with contextlib.suppress(OSError, private.Untrusted):
-                if dump is not None and private.write(report_dir, name, dump.encode(), asked=True):
-                    written.append(fr_path(report_dir, line.rank))
+                if dump is not None and private.write(
+                    self.folder, os.path.basename(path), dump.encode(), asked=True
+                ):
+                    written.append(path)
         return written
 
 

@@ -18,8 +18,8 @@ Strings (ops, shapes, call sites, groups) are interned: each new one is appended
 hung inside the backend's C++ cannot answer anything, but the pages it wrote are in the page
 cache, and the parent (`read_trace`) sees them even after the rank was SIGKILLed.
 
-Cost: one frame walk (cached per code object), a dict lookup or two and two `pack_into` per
-collective, a few microseconds; `python benchmarks/tracer_cost.py` measures it against a
+Cost: one frame walk (cached per code object), a dict lookup or two, a record and a header
+written per collective, a few microseconds; `python benchmarks/tracer_cost.py` measures it against a
 training step. Collectives that torch issues from C++ (PyTorch DDP's reducer) never pass
 through Python and are not recorded: the returns of the calls that issue them count as events
 (`untraced.py`).

@@ -17,7 +17,7 @@ The calls, wrapped at `install` (once per process, before the user's code runs):
   `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` call (torch 2.x);
 - `DistributedDataParallel.__init__` and `.forward`.
 
-Cost: one `pack_into` of the header per call that returns, next to a backward pass.
+Cost: one header written per call that returns, next to a backward pass.
 """
 
 from __future__ import annotations
